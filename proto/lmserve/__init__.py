@@ -1,0 +1,3 @@
+"""lmserve: a compact text-generation inference service."""
+
+__version__ = "0.1.0"
