@@ -1,0 +1,125 @@
+"""Attention over a slot-indexed KV cache with SDPA, plus the explicit reference.
+
+Mask convention everywhere: boolean, True = may attend (SDPA's `attn_mask`). Never combined
+with `is_causal`. SDPA scales by 1/sqrt(d) itself, so q is never pre-divided, and
+inference passes dropout_p=0.0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one forward step's tokens live and what they may attend to; shared by all layers.
+
+    Two layouts:
+    - fresh: keys are this chunk's own k/v (prefill from position 0, or training). Mask rows
+      are the batch rows: mask [B, 1, L, L] = causal AND key-valid.
+    - cache: keys are read from the KV cache as a *view* over the slot range [lo, hi)
+      (no gather, no copy). Sequence b sits at row `rows[b]` of that view; queries are
+      scattered to those rows when the batch is not exactly the range in order.
+    """
+
+    q_lens: Tensor  # [B] real (unpadded) query tokens per sequence
+    mask: Tensor  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache)
+    read_cache: bool = False
+    slots: Tensor | None = None  # [B] cache slot of each sequence; None = no cache at all
+    starts: Tensor | None = None  # [B] tokens already in the cache before this chunk
+    lo: int = 0
+    hi: int = 0
+    rows: Tensor | None = None  # [B] row of each sequence in the cache view; None = identity
+    write_b: Tensor | None = None  # [T] batch index of each real token
+    write_j: Tensor | None = None  # [T] chunk offset of each real token
+    write_slot: Tensor | None = None  # [T] slot of each real token
+    write_pos: Tensor | None = None  # [T] cache position of each real token
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_lens.shape[0]
+
+    @staticmethod
+    def causal_padded(q_lens: Tensor, L: int | None = None) -> Tensor:
+        """mask [B, 1, L, L]: query i sees key j iff j <= i and j < q_len (padding keys blocked)."""
+        L = int(q_lens.max()) if L is None else L
+        ar = torch.arange(L, device=q_lens.device)
+        causal = ar[None, :] <= ar[:, None]  # [L, L]
+        key_valid = ar[None, :] < q_lens[:, None]  # [B, L]
+        return (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, L, L]
+
+    @classmethod
+    def fresh(cls, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
+        """No cache: training, scoring, or a reference forward."""
+        return cls(q_lens=q_lens, mask=cls.causal_padded(q_lens, L))
+
+    @classmethod
+    def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
+        """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
+
+        When every sequence starts at 0 the keys are the chunk itself (fresh layout); otherwise
+        they are read back from the cache view covering the slots involved.
+        """
+        device = q_lens.device
+        B = q_lens.shape[0]
+        L = int(q_lens.max()) if L is None else L
+        j = torch.arange(L, device=device)
+        valid = j[None, :] < q_lens[:, None]  # [B, L]
+        write_b, write_j = valid.nonzero(as_tuple=True)  # [T], [T]
+        write_slot = slots[write_b]
+        write_pos = starts[write_b] + write_j
+        common = dict(q_lens=q_lens, slots=slots, starts=starts, write_b=write_b, write_j=write_j,
+                      write_slot=write_slot, write_pos=write_pos)
+        if not bool((starts > 0).any()):
+            return cls(mask=cls.causal_padded(q_lens, L), read_cache=False, **common)
+
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        rows = slots - lo  # [B]
+        S = int((starts + q_lens).max())
+        kv_len = starts + q_lens  # [B]
+        k = torch.arange(S, device=device)
+        # query j of sequence b sits at absolute position starts[b] + j and sees keys k <= that, k < kv_len
+        qpos = starts[:, None] + j[None, :]  # [B, L]
+        seq_mask = (k[None, None, :] <= qpos[:, :, None]) & (k[None, None, :] < kv_len[:, None, None])  # [B, L, S]
+        mask = torch.zeros(hi - lo, L, S, dtype=torch.bool, device=device)
+        mask[:, :, 0] = True  # rows of slots outside the batch: one harmless key, no NaN
+        mask[rows] = seq_mask
+        identity = (hi - lo == B) and bool((rows == torch.arange(B, device=device)).all())
+        return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows, **common)
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention through SDPA without repeating K/V.
+
+    q [N, H, L, d], k/v [N, Hkv, S, d] (may be strided views of the cache), mask [N, 1, L, S].
+    The G = H / Hkv query heads sharing one KV head are folded into the query-length axis,
+    so K/V are read in place.
+    """
+    N, H, L, d = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    if G > 1:
+        q = q.reshape(N, Hkv, G * L, d)  # [N, Hkv, G*L, d] (head h = kv*G + g)
+        mask = mask.repeat(1, 1, G, 1)  # [N, 1, G*L, S]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+    return out.reshape(N, H, L, d)
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference attention: softmax(QK^T / sqrt(d), masked over keys) @ V.
+
+    q [N, H, L, d], k/v [N, Hkv, S, d], mask [N, 1, L, S] bool (True = may attend).
+    Returns (output [N, H, L, d], weights [N, H, L, S]).
+    """
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)  # [N, H, S, d]
+    v = v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [N, H, L, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # over keys
+    return weights @ v, weights

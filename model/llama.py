@@ -1,0 +1,165 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on explicit inputs.
+
+Parameter names follow Hugging Face's LlamaForCausalLM, so HF safetensors load as-is and
+the trainer's checkpoints are plain HF directories. One forward serves training, prefill
+(many tokens per sequence) and decode (one token per sequence); what differs is the
+AttentionMetadata and whether a KVCache is passed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import AttentionMetadata, explicit_attention, sdpa_attention
+from .config import ModelConfig, rope_inv_freq
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables indexed by each token's explicit position (rotate-half convention)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        inv = rope_inv_freq(self.cfg).to(device)  # [d/2]
+        t = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [P, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [B, H, L, d], positions [B, L]."""
+        cos = self.cos[positions][:, None]  # [B, 1, L, d]
+        sin = self.sin[positions][:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.d, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=False)
+        self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
+        self.last_weights: Tensor | None = None
+
+    def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.d).transpose(1, 2)  # [B, H, L, d]
+        k = self.k_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
+        v = self.v_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
+        q, k = rotary(q, positions), rotary(k, positions)
+
+        if cache is not None:
+            # only real tokens are written, each at its explicit position
+            cache.write(self.layer, meta.write_slot, meta.write_pos,
+                        k[meta.write_b, :, meta.write_j], v[meta.write_b, :, meta.write_j])  # [T, Hkv, d]
+        if meta.read_cache:
+            k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
+            if meta.rows is not None:
+                q_rows = q.new_zeros(meta.hi - meta.lo, *q.shape[1:])  # [R, H, L, d]
+                q_rows[meta.rows] = q
+                q = q_rows
+
+        if self.reference:
+            out, self.last_weights = explicit_attention(q, k, v, meta.mask)
+        else:
+            out = sdpa_attention(q, k, v, meta.mask)  # [R, H, L, d]
+        if meta.read_cache and meta.rows is not None:
+            out = out[meta.rows]  # [B, H, L, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.model.embed_tokens.weight.is_meta:
+            self.model.rotary.build(self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype)
+
+    def set_reference_attention(self, on: bool = True) -> None:
+        """Route every layer through the explicit attention (keeps per-layer weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.reference = on
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                cache: KVCache | None = None, logits_index: Tensor | None = None) -> Tensor:
+        """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
+        x = self.model.embed_tokens(input_ids)  # [B, L, D]
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary, meta, cache)
+        if logits_index is not None:
+            x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
+        return self.lm_head(self.model.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "LlamaForCausalLM":
+        """Random init for training from scratch and for tiny test models."""
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+        return self

@@ -1,0 +1,141 @@
+"""Turn a checkpoint (HF directory, GGUF file, catalog name) into a ready model + tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
+from .llama import LlamaForCausalLM
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: Path
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must provide, with its shape."""
+    D, d, V, I = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, D),
+            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, D),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, D),
+            p + "self_attn.o_proj.weight": (D, cfg.num_heads * d),
+            p + "mlp.gate_proj.weight": (I, D),
+            p + "mlp.up_proj.weight": (I, D),
+            p + "mlp.down_proj.weight": (D, I),
+            p + "input_layernorm.weight": (D,),
+            p + "post_attention_layernorm.weight": (D,),
+        }
+        if cfg.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.num_heads * d,),
+                p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
+                p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,),
+            }
+    return shapes
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str) -> LlamaForCausalLM:
+    """Check names and shapes against the config, then materialize the model (no random init)."""
+    shapes = expected_shapes(cfg)
+    missing = [n for n in shapes if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[0]!r}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ShapeMismatchError(name, shape, tuple(tensors[name].shape))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.to_empty(device=device)
+    model = model.to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    state = {n: tensors[n] for n in shapes}
+    model.load_state_dict(state, strict=False)
+    model.model.rotary.build(device, dtype)
+    return model.eval().requires_grad_(False)
+
+
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + safetensors (single file or sharded index), or a weights-only torch file."""
+    from safetensors.torch import load_file
+
+    if not (path / "config.json").is_file():
+        raise CheckpointNotFoundError(f"{path} has no config.json")
+    cfg = ModelConfig.from_hf(path / "config.json", name=path.name)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            if not f.is_file():
+                raise CheckpointNotFoundError(f"shard {f.name} named in {index.name} is missing from {path}")
+            tensors.update(load_file(f))
+    elif (path / "pytorch_model.bin").is_file():
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointNotFoundError(f"{path} has no *.safetensors weights")
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return cfg, tensors
+
+
+def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+               models_dir: str | Path | None = None) -> LoadedModel:
+    """Load a catalog name (pulled if missing), a .gguf file, or a Hugging Face directory."""
+    from .catalog import resolve_model
+
+    device = torch.device(device) if device is not None else default_device()
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    dtype = dtype or default_dtype(device)
+    path = resolve_model(str(spec), models_dir=models_dir)
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf_reader import read_gguf
+
+        ckpt = read_gguf(path)
+        cfg, tensors = ckpt.config, ckpt.tensors
+        tokenizer = Tokenizer.from_gguf_fields(ckpt.metadata)
+    elif path.is_dir():
+        cfg, tensors = read_hf_dir(path)
+        tokenizer = Tokenizer.from_dir(path)
+    else:
+        raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+    model = build_model(cfg, tensors, dtype, device)
+    del tensors
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=dtype, device=device)
