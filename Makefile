@@ -1,0 +1,30 @@
+# Two commands do all setup on a fresh machine:
+#   make serve   -> creates .venv, installs, pulls SmolLM2 if missing, serves it on :50051 (metrics :9400)
+#   make test    -> creates .venv, installs, runs the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test bench venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0  # the CPU build; must come before anything that depends on torch
+	$(BIN)/pip install -q -e '.[server,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/lmserve serve
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m lmserve.server.bench_engine --out reports/engine_bench.json
+
+clean:
+	rm -rf $(VENV) .cache

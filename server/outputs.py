@@ -1,0 +1,67 @@
+"""What the engine streams back for a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import FinishReason
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_seconds: float  # arrival -> first scheduled
+    time_to_first_token_seconds: float  # arrival -> first token sampled
+    total_seconds: float  # arrival -> finish
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """A streamed piece: new text and token ids; the last chunk also carries finish_reason, usage, timings."""
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None  # set with FinishReason.ERROR: a message safe to show a caller
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """All chunks of one request folded together."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        if chunk.finished:
+            self.finish_reason, self.usage, self.timings, self.error = (
+                chunk.finish_reason, chunk.usage, chunk.timings, chunk.error)

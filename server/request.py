@@ -1,0 +1,121 @@
+"""What a caller asks the engine for: sampling parameters and a request, validated in one place."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+_ids = itertools.count(1)
+
+
+class RequestValidationError(ValueError):
+    """One or more fields of a request are invalid; `violations` lists (field, description)."""
+
+    def __init__(self, violations: list[tuple[str, str]]):
+        self.violations = list(violations)
+        super().__init__("; ".join(f"{f}: {d}" for f, d in self.violations))
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens reached
+    EOS = "eos"  # an end-of-sequence token (or a stop token id)
+    STOP = "stop"  # a stop string matched
+    CONTEXT_LENGTH = "context_length"  # the sequence filled the model's context
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 is greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # (0, 1]
+    min_p: float = 0.0  # [0, 1)
+    repetition_penalty: float = 1.0  # > 0; 1 = off (divides positive logits of seen tokens)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n alternatives per token, 0..20; >0 also returns the chosen token's logprob
+
+    def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
+        v: list[tuple[str, str]] = []
+
+        def bad(name, msg):
+            v.append((name, msg))
+
+        if self.max_new_tokens < 1:
+            bad("max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
+        elif max_new_tokens_cap is not None and self.max_new_tokens > max_new_tokens_cap:
+            bad("max_new_tokens", f"must be at most {max_new_tokens_cap}, got {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            bad("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p < 1):
+            bad("min_p", f"must be in [0, 1), got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            val = getattr(self, name)
+            if not (-2 <= val <= 2):
+                bad(name, f"must be in [-2, 2], got {val}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad("seed", f"must be in [0, 2^63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for i, s in enumerate(self.stop):
+            if not s:
+                bad(f"stop[{i}]", "must not be empty")
+            elif len(s) > MAX_STOP_STRING_CHARS:
+                bad(f"stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        for i, t in enumerate(self.stop_token_ids):
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad(f"stop_token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        if not (0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        return v
+
+
+@dataclass
+class Request:
+    """A prompt (as token ids) and how to continue it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    deadline: float | None = None  # time.monotonic() after which the request is abandoned
+    arrival: float = field(default_factory=time.monotonic)
+
+    def validate(self, vocab_size: int, max_context: int, max_new_tokens_cap: int | None = None) -> None:
+        """Raise RequestValidationError listing every bad field."""
+        v: list[tuple[str, str]] = []
+        n = len(self.prompt_ids)
+        if n == 0:
+            v.append(("prompt", "must not be empty"))
+        elif n >= max_context:
+            v.append(("prompt", f"has {n} tokens; the context holds {max_context}, leaving no room to generate"))
+        elif n + self.params.max_new_tokens > max_context:
+            v.append(("max_new_tokens", f"prompt ({n} tokens) + max_new_tokens ({self.params.max_new_tokens}) "
+                                        f"exceeds the context length {max_context}"))
+        bad_ids = [t for t in self.prompt_ids if not (0 <= t < vocab_size)]
+        if bad_ids:
+            v.append(("token_ids", f"{len(bad_ids)} id(s) outside the vocabulary [0, {vocab_size}), e.g. {bad_ids[0]}"))
+        v += self.params.violations(vocab_size, max_new_tokens_cap)
+        if v:
+            raise RequestValidationError(v)
