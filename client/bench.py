@@ -1,0 +1,377 @@
+"""``lmserve bench``: a streaming load generator for a running lmserve server.
+
+Closed loop (``--concurrency N`` workers, each sends its next request when the previous
+one ends) or open loop (``--rate R``: Poisson arrivals at R requests/s, optionally capped
+at ``--concurrency`` in flight). Every request streams through :class:`AsyncClient`; the
+statistics are computed by :mod:`lmserve.client.bench_stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .aio import AsyncClient
+from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
+from .cli import CliUsageError, add_connection_args, client_kwargs
+from .errors import LmserveError
+from .types import ChatMessage, ModelInfo, SamplingParams
+
+DEFAULT_REQUESTS = 50
+_SYSTEM = "You are a helpful assistant."
+_TOPICS = (
+    "the water cycle", "how a CPU cache works", "the printing press", "photosynthesis",
+    "binary search", "the rules of chess", "why the sky is blue", "compound interest",
+    "how vaccines work", "TCP congestion control", "plate tectonics", "the French Revolution",
+)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One prompt of the workload: a string or chat messages, and an optional length cap."""
+
+    prompt: Any
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """Raw outcome of a run: measured records, wall duration, and the server's model info."""
+
+    records: list[RequestRecord]
+    duration: float
+    model: ModelInfo | None
+
+
+# ---------------------------------------------------------------- workload
+
+
+def synthetic_workload() -> list[WorkItem]:
+    """A built-in set of chat prompts of short, medium and long length."""
+    items: list[WorkItem] = []
+    for i, topic in enumerate(_TOPICS):
+        short = f"Explain {topic} in one sentence."
+        medium = (f"Explain {topic} to a curious twelve-year-old. Use one concrete example, "
+                  f"avoid jargon, and end with a two-sentence summary.")
+        points = "\n".join(
+            f"{k + 1}. A note about {topic}: its causes, its effects and one example worth remembering."
+            for k in range(8 * (1 + i % 3))
+        )
+        long = f"Read the notes below and write a short, well-organised summary of {topic}.\n\n{points}"
+        for text in (short, medium, long):
+            items.append(WorkItem([ChatMessage("system", _SYSTEM), ChatMessage("user", text)]))
+    return items
+
+
+def load_prompts(path: str | Path) -> list[WorkItem]:
+    """Reads JSON lines of ``{"prompt": str}`` or ``{"messages": [...]}``, optional ``max_new_tokens``."""
+    items = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "messages" in row:
+                prompt: Any = [ChatMessage(str(m["role"]), str(m["content"])) for m in row["messages"]]
+            else:
+                prompt = str(row["prompt"])
+            cap = row.get("max_new_tokens")
+            items.append(WorkItem(prompt, int(cap) if cap is not None else None))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CliUsageError(f"{path}:{n}: expected {{\"prompt\"}} or {{\"messages\"}} JSON: {e}") from e
+    if not items:
+        raise CliUsageError(f"{path}: no prompts")
+    return items
+
+
+def flatten_chat(prompt: Any) -> Any:
+    """Chat messages -> plain text, for models without a chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(m.content for m in prompt if m.role != "system") or ""
+
+
+# ---------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Validated ``lmserve bench`` settings."""
+
+    concurrency: int | None
+    rate: float | None
+    requests: int | None
+    duration: float | None
+    warmup: int
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    ignore_eos: bool
+    timeout: float | None
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise CliUsageError("--concurrency must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise CliUsageError("--rate must be > 0")
+        if self.requests is not None and self.requests < 1:
+            raise CliUsageError("--requests must be >= 1")
+        if self.duration is not None and self.duration <= 0:
+            raise CliUsageError("--duration must be > 0")
+        if self.warmup < 0:
+            raise CliUsageError("--warmup must be >= 0")
+
+    def params(self, index: int, item: WorkItem) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=item.max_new_tokens or self.max_new_tokens,
+            temperature=self.temperature,
+            seed=None if self.seed is None else self.seed + index,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+async def _one_request(client: AsyncClient, prompt: Any, params: SamplingParams,
+                       timeout: float | None, run_start: float) -> RequestRecord:
+    start = time.perf_counter()
+    events: list[tuple[float, int]] = []
+    prompt_tokens = 0
+    error = None
+    try:
+        async for chunk in client.stream(prompt, params, timeout=timeout):
+            if chunk.token_ids:
+                events.append((time.perf_counter() - start, len(chunk.token_ids)))
+            if chunk.usage is not None:
+                prompt_tokens = chunk.usage.prompt_tokens
+    except LmserveError as e:
+        error = e.code.name if e.code is not None else type(e).__name__
+    return RequestRecord(start=start - run_start, e2e=time.perf_counter() - start, events=events,
+                         prompt_tokens=prompt_tokens, error=error)
+
+
+class _Jobs:
+    """Hands out (index, item) until the request count or the duration is spent."""
+
+    def __init__(self, items: list[WorkItem], count: int | None, duration: float | None, first: int = 0) -> None:
+        self._items, self._count, self._duration = items, count, duration
+        self._next = first
+        self._issued = 0
+        self._start = time.perf_counter()
+
+    def take(self) -> tuple[int, WorkItem] | None:
+        if self._count is not None and self._issued >= self._count:
+            return None
+        if self._duration is not None and time.perf_counter() - self._start >= self._duration:
+            return None
+        index = self._next
+        self._next += 1
+        self._issued += 1
+        return index, self._items[index % len(self._items)]
+
+
+async def _closed_loop(jobs: _Jobs, concurrency: int, send) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while (job := jobs.take()) is not None:
+            records.append(await send(*job))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+async def _open_loop(jobs: _Jobs, rate: float, concurrency: int | None, send, rng: random.Random) -> list[RequestRecord]:
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def limited(index: int, item: WorkItem) -> RequestRecord:
+        if limit is None:
+            return await send(index, item)
+        async with limit:
+            return await send(index, item)
+
+    tasks = []
+    while (job := jobs.take()) is not None:
+        tasks.append(asyncio.create_task(limited(*job)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_bench(target: str, config: BenchConfig, items: list[WorkItem], *,
+                    client_options: dict[str, Any] | None = None, progress: bool = True) -> BenchRun:
+    """Runs warmup then the measured phase; returns the measured records."""
+    from tqdm import tqdm
+
+    rng = random.Random(config.seed if config.seed is not None else 0)
+    items = list(items)
+    rng.shuffle(items)
+    async with AsyncClient(target, **(client_options or {})) as client:
+        model = None
+        try:
+            model = await client.model_info(timeout=config.timeout)
+        except LmserveError as e:
+            print(f"lmserve bench: model info unavailable ({e})", file=sys.stderr)
+        if model is not None and not model.has_chat_template:
+            items = [WorkItem(flatten_chat(it.prompt), it.max_new_tokens) for it in items]
+
+        bar = None
+        run_start = time.perf_counter()
+
+        async def send(index: int, item: WorkItem) -> RequestRecord:
+            record = await _one_request(client, item.prompt, config.params(index, item), config.timeout, run_start)
+            if bar is not None:
+                bar.update(1)
+            return record
+
+        concurrency = config.concurrency or 1
+        if config.warmup:
+            await _closed_loop(_Jobs(items, config.warmup, None), concurrency, send)
+
+        bar = tqdm(total=config.requests, unit="req", desc="bench", file=sys.stderr, disable=not progress)
+        run_start = time.perf_counter()
+        jobs = _Jobs(items, config.requests, config.duration, first=config.warmup)
+        try:
+            if config.rate is None:
+                records = await _closed_loop(jobs, concurrency, send)
+            else:
+                records = await _open_loop(jobs, config.rate, config.concurrency, send, rng)
+        finally:
+            bar.close()
+        duration = time.perf_counter() - run_start
+    return BenchRun(records=records, duration=duration, model=model)
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_report(agg: Aggregate) -> str:
+    """A human-readable summary table (latencies in milliseconds)."""
+    lines = [
+        f"requests: {agg.completed} completed, {agg.failed} failed"
+        + (f" {dict(sorted(agg.errors.items()))}" if agg.errors else ""),
+        f"duration: {agg.duration:.2f} s",
+        f"request throughput: {agg.request_throughput:.2f} req/s",
+        f"output token throughput: {agg.output_token_throughput:.1f} tok/s",
+        f"tokens: {agg.prompt_tokens} prompt, {agg.output_tokens} output",
+        f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = getattr(agg, name)
+        if s is None:
+            lines.append(f"{name.upper():<12}{'-':>10}{'-':>10}{'-':>10}{'-':>10}")
+        else:
+            lines.append(f"{name.upper():<12}" + "".join(f"{1000 * v:>10.1f}" for v in (s.mean, s.p50, s.p90, s.p99)))
+    return "\n".join(lines)
+
+
+def host_info() -> dict[str, Any]:
+    from lmserve import __version__
+
+    return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "lmserve_version": __version__}
+
+
+def build_report(run: BenchRun, agg: Aggregate, config: dict[str, Any]) -> dict[str, Any]:
+    """The full JSON report: config, date, host, server model, summary and every request."""
+    return {
+        "config": config,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "host": host_info(),
+        "model": run.model.to_dict() if run.model is not None else None,
+        "summary": agg.to_dict(),
+        "requests": [asdict(r) for r in run.records],
+    }
+
+
+def plot_run(run: BenchRun, path: str) -> bool:
+    """Draws latency CDFs and output throughput over time; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in run.records if r.ok]
+    fig, (ax_cdf, ax_tp) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, values in (("TTFT", [r.ttft for r in ok if r.ttft is not None]), ("e2e", [r.e2e for r in ok])):
+        if values:
+            xs, ys = ecdf(values)
+            ax_cdf.step(xs, ys, where="post", label=label)
+    ax_cdf.set(xlabel="seconds", ylabel="fraction of requests", title="latency CDF")
+    ax_cdf.legend()
+    timeline = token_timeline(ok)
+    if timeline:
+        ax_tp.plot([t for t, _ in timeline], [v for _, v in timeline])
+    ax_tp.set(xlabel="seconds since start", ylabel="output tokens/s", title="throughput over time")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Registers ``lmserve bench``."""
+    p = subparsers.add_parser("bench", help="load-test a running server with streaming requests")
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: requests in flight (default 1); with --rate: cap on requests in flight")
+    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals at this many requests/s")
+    load.add_argument("--requests", type=int, default=None,
+                      help=f"measured requests (default {DEFAULT_REQUESTS} when --duration is not given)")
+    load.add_argument("--duration", type=float, default=None, help="stop sending new requests after this many seconds")
+    load.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
+    load.add_argument("--prompts", help="JSON lines file: {\"prompt\": ...} or {\"messages\": [...]} per line")
+    load.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless the prompt says")
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    load.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens every time")
+    load.add_argument("--seed", type=int, default=None,
+                      help="seeds prompt order and arrivals; request i gets sampling seed SEED+i")
+    load.add_argument("--max-retries", type=int, default=0, help="SDK retries per request (default 0: count overload)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json-out", help="write the full report as JSON to this file")
+    out.add_argument("--plot", help="draw latency CDF and throughput over time to this PNG (needs matplotlib)")
+    out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_connection_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    requests = args.requests
+    if requests is None and args.duration is None:
+        requests = DEFAULT_REQUESTS
+    return BenchConfig(concurrency=args.concurrency, rate=args.rate, requests=requests, duration=args.duration,
+                       warmup=args.warmup, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    items = load_prompts(args.prompts) if args.prompts else synthetic_workload()
+    options = {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None}
+    try:
+        run = asyncio.run(run_bench(args.target, config, items, client_options=options,
+                                    progress=not args.no_progress))
+    except (ValueError, OSError) as e:  # bad TLS flags or certificate files
+        raise CliUsageError(str(e)) from e
+    agg = aggregate(run.records, run.duration)
+    print(format_report(agg))
+    if args.json_out:
+        settings = {k: v for k, v in vars(args).items() if k not in ("func", "token")}
+        settings["effective"] = asdict(config)
+        Path(args.json_out).write_text(json.dumps(build_report(run, agg, settings), indent=2) + "\n")
+    if args.plot and not plot_run(run, args.plot):
+        print("lmserve bench: matplotlib is not installed; --plot skipped", file=sys.stderr)
+    return 0 if agg.completed else 1
+
