@@ -7,7 +7,7 @@ messages, so callers never handle protobuf objects.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any
 
 __all__ = [
     "ChatMessage",
@@ -193,6 +193,3 @@ class ModelInfo:
         """A JSON-serialisable dict of every field."""
         return asdict(self)
 
-
-# What generate/stream/tokenize accept as input.
-PromptInput = Union[str, "list[int]", "list[ChatMessage | dict[str, str]]"]

@@ -131,9 +131,11 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
 class LoopbackServer:
     """Runs a FakeTextGeneration (and grpc.health.v1) on 127.0.0.1 in a background loop."""
 
-    def __init__(self, script: Script | None = None, health_status: str = "SERVING") -> None:
+    def __init__(self, script: Script | None = None, health_status: str = "SERVING",
+                 server_credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = FakeTextGeneration(script or Script())
         self.health_status = health_status
+        self.server_credentials = server_credentials
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: grpc.aio.Server | None = None
@@ -143,13 +145,21 @@ class LoopbackServer:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def localhost_target(self) -> str:
+        """The address by host name, for TLS certificates issued to "localhost"."""
+        return f"localhost:{self.port}"
+
     async def _start(self) -> None:
         self._server = grpc.aio.server()
         pb_grpc.add_TextGenerationServicer_to_server(self.servicer, self._server)
         health_servicer = health.aio.HealthServicer()
         await health_servicer.set("", health_pb2.HealthCheckResponse.ServingStatus.Value(self.health_status))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        if self.server_credentials is None:
+            self.port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            self.port = self._server.add_secure_port("127.0.0.1:0", self.server_credentials)
         await self._server.start()
 
     def __enter__(self) -> "LoopbackServer":
