@@ -64,6 +64,7 @@ class EngineStats:
     slots_allocated_total: int
     slots_freed_total: int
     kv_cache_bytes: int
+    cached_tokens: int
     steps: int
 
 
@@ -180,7 +181,8 @@ class Engine:
         return EngineStats(
             running=len(sch.running), waiting=len(sch.waiting), slots_used=sch.slots.used,
             slots_capacity=sch.slots.capacity, slots_allocated_total=sch.slots.allocated_total,
-            slots_freed_total=sch.slots.freed_total, kv_cache_bytes=self.cache.nbytes, steps=self._steps)
+            slots_freed_total=sch.slots.freed_total, kv_cache_bytes=self.cache.nbytes,
+            cached_tokens=sum(s.num_cached for s in list(sch.running)), steps=self._steps)
 
     # ---- the loop ---------------------------------------------------------------------
     def _run(self) -> None:

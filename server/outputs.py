@@ -39,6 +39,7 @@ class GenerationChunk:
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None  # set with FinishReason.ERROR: a message safe to show a caller
+    matched_stop: str | None = None  # with FinishReason.STOP: the stop string that matched
 
     @property
     def finished(self) -> bool:
@@ -57,11 +58,12 @@ class GenerationResult:
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    matched_stop: str | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         if chunk.finished:
-            self.finish_reason, self.usage, self.timings, self.error = (
-                chunk.finish_reason, chunk.usage, chunk.timings, chunk.error)
+            self.finish_reason, self.usage, self.timings, self.error, self.matched_stop = (
+                chunk.finish_reason, chunk.usage, chunk.timings, chunk.error, chunk.matched_stop)

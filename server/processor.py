@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lmserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from lmserve.model.detokenizer import IncrementalDetokenizer
+from lmserve.model.tokenizer import Tokenizer
 
 from .outputs import GenerationChunk, Timings, TokenLogprob, Usage
 from .request import FinishReason
@@ -32,6 +33,7 @@ class OutputProcessor:
             text = st["stops"].push(st["detok"].push(token))
             if st["stops"].stopped:
                 reason = FinishReason.STOP
+                st["matched_stop"] = st["stops"].matched
             elif len(seq.output_ids) >= p.max_new_tokens:
                 reason = FinishReason.LENGTH
             elif seq.total_len >= self.max_model_len:
@@ -56,4 +58,4 @@ class OutputProcessor:
         base = chunk or GenerationChunk(request_id=seq.request_id)
         return GenerationChunk(request_id=seq.request_id, text=base.text, token_ids=base.token_ids,
                                logprobs=base.logprobs, finish_reason=reason, usage=usage,
-                               timings=timings, error=error)
+                               timings=timings, error=error, matched_stop=seq.state.get("matched_stop"))

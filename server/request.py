@@ -49,7 +49,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int = 0  # top-n alternatives per token, 0..20; >0 also returns the chosen token's logprob
+    logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)
 
     def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
         v: list[tuple[str, str]] = []
@@ -87,7 +87,7 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad(f"stop_token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
-        if not (0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return v
 

@@ -67,7 +67,7 @@ class Sampler:
         logits = logits.float()
         ok = torch.isfinite(logits).all(dim=-1)  # [N]
         logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
-        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs for p in params) else None
+        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
 
         logits = apply_penalties(logits, params, histories, prompts)
         greedy_tok = logits.argmax(dim=-1)  # [N]
@@ -92,11 +92,11 @@ class Sampler:
         token_list = tokens.tolist()
         lp: list = [None] * len(params)
         if raw_logprobs is not None:
-            n_top = max(p.logprobs for p in params)
+            n_top = max(p.logprobs or 0 for p in params)
             top_vals, top_idx = raw_logprobs.topk(n_top, dim=-1)  # [N, n_top]
             chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
             top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
             for i, p in enumerate(params):
-                if p.logprobs:
+                if p.logprobs is not None:
                     lp[i] = (chosen[i], tuple(zip(top_idx[i][: p.logprobs], top_vals[i][: p.logprobs])))
         return SampleOutput(token_ids=token_list, ok=ok.tolist(), logprobs=lp)

@@ -15,6 +15,7 @@ class StopStringMatcher:
         self.text = ""
         self.sent = 0  # text[:sent] has been released
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched
 
     def push(self, delta: str) -> str:
         """Add a delta; return the text now safe to release. Sets `stopped` on a match."""
@@ -24,9 +25,9 @@ class StopStringMatcher:
         if not self.stops:
             out, self.sent = self.text[self.sent:], len(self.text)
             return out
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits, key=lambda h: h[0])
             out, self.sent, self.stopped = self.text[self.sent:cut], cut, True
             return out
         keep = self._held_suffix()

@@ -1,0 +1,156 @@
+"""Assemble and run the server: gRPC (service, health, reflection), engine, metrics, graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lmserve.v1 import lmserve_pb2, lmserve_pb2_grpc
+
+from .auth import BearerAuthInterceptor, read_tokens
+from .config import ServerSettings
+from .service import TextGenerationService
+
+log = logging.getLogger("lmserve.server")
+SERVICE_NAME = lmserve_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+HEALTH_CHECK_INTERVAL = 0.5
+
+
+def grpc_options(s: ServerSettings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", s.max_receive_message_bytes),
+        ("grpc.max_send_message_length", 64 * 2**20),
+        # keepalive for long streams behind load balancers: ping idle connections, accept client pings
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
+    if not s.tls_cert:
+        return None
+    key, cert = Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes()
+    ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class Server:
+    """One lmserve process: start() binds and loads, run_until_signal() serves and drains."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.service = TextGenerationService()
+        self.health = health.HealthServicer()
+        self.engine = None
+        self.metrics = None
+        self._metrics_http = None
+        self._stop = asyncio.Event()
+        interceptors = [BearerAuthInterceptor(read_tokens(settings.auth_tokens_file))] if settings.auth_tokens_file else []
+        self.grpc = grpc.aio.server(options=grpc_options(settings), interceptors=interceptors)
+        lmserve_pb2_grpc.add_TextGenerationServicer_to_server(self.service, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self._set_health(False)
+        addr = f"{settings.host}:{settings.port}"
+        creds = server_credentials(settings)
+        self.port = self.grpc.add_secure_port(addr, creds) if creds else self.grpc.add_insecure_port(addr)
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    async def start(self) -> None:
+        """Listen at once (health says NOT_SERVING), then load the model off the event loop."""
+        await self.grpc.start()
+        t0 = time.monotonic()
+        self.engine, self.metrics = await asyncio.to_thread(self._load)
+        s = self.settings
+        self.service.attach(self.engine, self.engine.loaded.config.name if s.model.endswith((".gguf", "/")) else s.model)
+        if s.metrics_port:
+            self._metrics_http = self.metrics.serve(s.metrics_port, s.metrics_host or s.host)
+        self._set_health(True)
+        self._watchdog = asyncio.create_task(self._watch_engine())
+        lm = self.engine.loaded
+        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, %d slots, metrics %s) ready in %.1fs",
+                 s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
+                 str(lm.dtype).removeprefix("torch."), self.engine.cache.num_slots,
+                 f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
+                 time.monotonic() - t0)
+
+    def _load(self):
+        import torch
+
+        from lmserve.model.loader import load_model
+
+        from .engine import Engine
+        from .metrics import Metrics
+        from .settings import EngineSettings
+
+        s = self.settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir)
+        engine = Engine(loaded, EngineSettings(
+            max_batch=s.max_batch, max_queue=s.max_queue, max_model_len=s.max_model_len,
+            kv_cache_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None, token_budget=s.token_budget,
+            max_new_tokens_cap=s.max_new_tokens_cap, default_max_new_tokens=s.default_max_new_tokens))
+        metrics = Metrics(engine, s.model)
+        return engine.start(), metrics
+
+    async def _watch_engine(self) -> None:
+        """Health follows the engine: NOT_SERVING when its loop is dead or stuck, or while draining."""
+        while True:
+            h = self.engine.health()
+            self._set_health(h.ok and not self.service.draining)
+            if not h.ok:
+                log.error("engine unhealthy: %s", h.detail)
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def drain_and_stop(self) -> None:
+        """NOT_SERVING, refuse new calls (UNAVAILABLE), let in-flight ones finish within the grace period."""
+        s = self.settings
+        self.service.draining = True
+        self._set_health(False)
+        if self.engine is not None:
+            self.engine.stop_accepting()
+        log.info("draining: %d call(s) in flight, grace period %.0fs", self.service.in_flight, s.grace_period)
+        idle = await self.service.wait_idle(s.grace_period)
+        if not idle:
+            log.warning("grace period over with %d call(s) still in flight", self.service.in_flight)
+        if getattr(self, "_watchdog", None):
+            self._watchdog.cancel()
+        await self.grpc.stop(grace=1.0)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        if self._metrics_http is not None:
+            self._metrics_http[0].shutdown()
+        log.info("stopped")
+
+    async def run_until_signal(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        await self._stop.wait()
+        await self.drain_and_stop()
+        return 0
+
+
+def serve(settings: ServerSettings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(Server(settings).run_until_signal())

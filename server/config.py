@@ -1,0 +1,106 @@
+"""Server settings from CLI flags, each defaulting to an LMSERVE_* environment variable. No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str = "smollm2"
+    models_dir: str | None = None
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda if available, else cpu
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_host: str | None = None  # None: same as host
+    metrics_port: int = 9400  # 0 disables the metrics endpoint
+    max_batch: int = 64
+    max_queue: int = 256
+    max_new_tokens_cap: int = 4096
+    default_max_new_tokens: int = 256
+    max_model_len: int | None = None
+    kv_cache_gb: float | None = None
+    token_budget: int = 512
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mutual TLS)
+    auth_tokens_file: str | None = None
+    grace_period: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
+    max_receive_message_bytes: int = 4 * 2**20
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        if not (0 < self.port < 65536) or not (0 <= self.metrics_port < 65536):
+            raise ValueError("ports must be in 1..65535 (metrics_port 0 disables metrics)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.grace_period < 0:
+            raise ValueError("--grace-period must be >= 0")
+
+
+HELP = {
+    "model": "catalog name (see `lmserve models`), a .gguf file, or a Hugging Face model directory",
+    "models_dir": "where pulled models live (default: $XDG_CACHE_HOME/lmserve/models)",
+    "dtype": "float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
+    "host": "address the gRPC server binds (0.0.0.0 for all interfaces)",
+    "port": "gRPC port",
+    "metrics_host": "address of the /metrics endpoint (default: --host)",
+    "metrics_port": "Prometheus /metrics port (0 disables it)",
+    "max_batch": "most requests decoding at once (KV cache slots)",
+    "max_queue": "most requests waiting for a slot; beyond it calls get RESOURCE_EXHAUSTED",
+    "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
+    "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
+    "kv_cache_gb": "KV cache budget in GiB (default: enough for --max-batch full-length requests)",
+    "token_budget": "tokens per engine step; long prompts are prefilled in chunks of this size",
+    "threads": "torch CPU threads (default: torch's choice)",
+    "tls_cert": "PEM certificate chain: serve TLS",
+    "tls_key": "PEM private key for --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    "auth_tokens_file": "file with one bearer token per line; every RPC but health must carry one",
+    "grace_period": "seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    "max_receive_message_bytes": "largest request message accepted",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _env_name(name: str) -> str:
+    return "LMSERVE_" + name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; the default comes from LMSERVE_<NAME> at parse time, else the dataclass."""
+    for f in fields(ServerSettings):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
+                            help=f"{HELP[f.name]} [env {_env_name(f.name)}; default {f.default}]")
+
+
+def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings:
+    """Flags win over LMSERVE_* variables, which win over defaults. Values are converted and validated."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in fields(ServerSettings):
+        raw = getattr(args, f.name, None)
+        if raw is None:
+            raw = environ.get(_env_name(f.name))
+        if raw is None or raw == "":
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        try:
+            if kind.startswith("int"):
+                values[f.name] = int(raw)
+            elif kind.startswith("float"):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = str(raw)
+        except ValueError:
+            raise ValueError(f"--{f.name.replace('_', '-')} / {_env_name(f.name)}: {raw!r} is not a valid {kind.split()[0]}")
+    return ServerSettings(**values)
