@@ -308,9 +308,10 @@ def plot_run(run: BenchRun, path: str) -> bool:
             ax_cdf.step(xs, ys, where="post", label=label)
     ax_cdf.set(xlabel="seconds", ylabel="fraction of requests", title="latency CDF")
     ax_cdf.legend()
-    timeline = token_timeline(ok)
+    # 1 s bins, finer for short runs so that the curve has at least ~20 points.
+    timeline = token_timeline(ok, bin_seconds=max(min(1.0, run.duration / 20), 1e-3))
     if timeline:
-        ax_tp.plot([t for t, _ in timeline], [v for _, v in timeline])
+        ax_tp.step([t for t, _ in timeline], [v for _, v in timeline], where="post", marker=".")
     ax_tp.set(xlabel="seconds since start", ylabel="output tokens/s", title="throughput over time")
     fig.tight_layout()
     fig.savefig(path)

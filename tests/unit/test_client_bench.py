@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import sys
 
 import grpc
 import pytest
@@ -72,3 +73,20 @@ def test_bad_prompt_file_is_a_usage_error(tmp_path, capsys):
 @pytest.mark.parametrize("flags", [["--concurrency", "0"], ["--rate", "-1"], ["--requests", "0"]])
 def test_invalid_load_settings_exit_2(flags):
     assert cli.main(["bench", *flags, "-t", "127.0.0.1:1", "--no-progress"]) == 2
+
+
+def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    png = tmp_path / "plot.png"
+    with LoopbackServer() as srv:
+        assert cli.main(["bench", "-t", srv.target, "--requests", "2", "--no-progress", "--plot", str(png)]) == 0
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not png.exists()
+
+
+def test_plot_with_matplotlib_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    with LoopbackServer() as srv:
+        assert cli.main(["bench", "-t", srv.target, "--requests", "4", "--no-progress", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
