@@ -76,12 +76,11 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
             raise ShapeMismatchError(name, shape, tuple(tensors[name].shape))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model.to_empty(device=device)
-    model = model.to(dtype)
+    # assign: the checkpoint's tensors become the parameters (no second copy of the weights)
+    state = {n: tensors[n].to(device=device, dtype=dtype) for n in shapes}
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    state = {n: tensors[n] for n in shapes}
-    model.load_state_dict(state, strict=False)
     model.model.rotary.build(device, dtype)
     return model.eval().requires_grad_(False)
 

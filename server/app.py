@@ -153,4 +153,8 @@ class Server:
 
 def serve(settings: ServerSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(Server(settings).run_until_signal())
+
+    async def main() -> int:  # the grpc.aio server must be created inside the running loop
+        return await Server(settings).run_until_signal()
+
+    return asyncio.run(main())
