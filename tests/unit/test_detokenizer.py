@@ -1,0 +1,183 @@
+"""IncrementalDetokenizer: streamed pieces add up to the full decode, never show a half-finished
+character as U+FFFD, and each step decodes a bounded window. Checked on SmolLM2's byte-level BPE
+and on a sentencepiece vocabulary with byte fallback."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+
+from lmserve.model.detokenizer import IncrementalDetokenizer
+from lmserve.model.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+STREAM_TEXTS = [
+    "中文测试，你好世界。这是一个很长的句子，用来检查流式解码。",
+    "日本語のテキスト、한국어 텍스트, ελληνικά, русский, עברית",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 flags 🇫🇷🇯🇵 robot 🤖🧠✨ keycap 1️⃣",
+    "combining e\u0301 a\u0308 and precomposed é ä",
+    "def f(x):\n    return x ** 2  # plain ASCII code\n",
+    "mixed 数据 model 😀 stream 你好 end.",
+]
+
+
+def random_texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    atoms = ["the", " model", " ", "\n", "中", "文", "字", "模型", "😀", "👍🏽", "🇫🇷", "é", "Ω", "한", "!", "42", "\u200d"]
+    return ["".join(rng.choice(atoms) for _ in range(rng.randint(1, 30))) for _ in range(count)]
+
+
+def stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    assert detok.text == "".join(pieces)
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizers under test
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf_path) -> Tokenizer:
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory):
+    """A sentencepiece BPE model with byte fallback, saved as an HF-style directory."""
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    words = ["the", "quick", "fox", "model", "stream", "hello", "world", "数据", "模型", "你好", "😀"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 10))) for _ in range(1500)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=340, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=1.0,
+        user_defined_symbols=["<|im_end|>"], num_threads=1, minloglevel=2)
+    root = tmp_path_factory.mktemp("sp")
+    (root / "tokenizer.model").write_bytes(buf.getvalue())
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sp(sp_dir) -> Tokenizer:
+    return Tokenizer.from_dir(sp_dir)
+
+
+@pytest.fixture(params=["smollm2-bpe", "sentencepiece"])
+def tok(request) -> Tokenizer:
+    return request.getfixturevalue("smol" if request.param == "smollm2-bpe" else "sp")
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_samples_split_characters_across_tokens(tok):
+    """The samples must hold characters whose bytes span several ids, or the tests below prove little."""
+    ids = [i for text in STREAM_TEXTS for i in tok.encode(text)]
+    assert any(REPLACEMENT in tok.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_adds_up_to_full_decode_without_replacement_chars(tok, skip):
+    for text in STREAM_TEXTS + random_texts(seed=1, count=150):
+        ids = tok.encode(text)
+        pieces = stream(tok, ids, skip_special_tokens=skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip), text
+        assert not any(REPLACEMENT in p for p in pieces), (text, pieces)
+
+
+def test_held_back_bytes_come_out_in_the_same_step_the_character_completes(tok):
+    for text in STREAM_TEXTS:
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok)
+        for n, token_id in enumerate(ids, start=1):
+            detok.push(token_id)
+            # Everything except an unfinished tail is already out, and nothing that will change.
+            assert detok.text.startswith(tok.decode(ids[:n]).rstrip(REPLACEMENT))
+            assert tok.decode(ids).startswith(detok.text)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_flag(smol, skip):
+    ids = smol.encode("<|im_start|>assistant\n你好 😀, fine.<|im_end|>") + [smol.eos_ids[0]]
+    text = "".join(stream(smol, ids, skip_special_tokens=skip))
+    assert text == smol.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in text) is (not skip)
+
+
+def test_prompt_context_byte_level_equals_decode_of_generated(smol):
+    full = smol.encode("Question: 你好吗? Answer: 我很好 😀 thanks, and you?")
+    for cut in range(1, len(full)):
+        prompt, generated = full[:cut], full[cut:]
+        if REPLACEMENT in smol.decode(prompt) or REPLACEMENT in smol.decode(generated):
+            continue  # the cut falls inside a character
+        assert "".join(stream(smol, generated, prompt)) == smol.decode(generated)
+
+
+def test_prompt_context_sentencepiece_keeps_the_word_boundary_space(sp):
+    full = sp.encode("hello world the quick fox 数据 😀 stream")
+    checked = 0
+    for cut in range(1, len(full)):
+        prompt, generated = full[:cut], full[cut:]
+        prompt_text, full_text = sp.decode(prompt), sp.decode(full)
+        if REPLACEMENT in prompt_text or not full_text.startswith(prompt_text):
+            continue  # the cut falls inside a character
+        streamed = "".join(stream(sp, generated, prompt))
+        assert streamed == full_text[len(prompt_text):]
+        if sp.id_to_token(generated[0]).startswith("\u2581"):
+            assert streamed.startswith(" ") and not sp.decode(generated).startswith(" ")
+            checked += 1
+    assert checked > 0
+
+
+class CountingTokenizer:
+    """Passes decode through and remembers the longest id list it was asked to decode."""
+
+    def __init__(self, inner: Tokenizer):
+        self.inner, self.special_ids, self.longest = inner, inner.special_ids, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.longest = max(self.longest, len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_window_stays_bounded(tok):
+    long_text = " ".join(STREAM_TEXTS) * 10
+    ids = tok.encode(long_text)
+    counting = CountingTokenizer(tok)
+    pieces = stream(counting, ids, prompt_ids=ids)  # a long prompt too
+    assert "".join(pieces) == tok.decode(ids + ids)[len(tok.decode(ids)):]
+    assert len(ids) > 500
+    assert counting.longest <= 24  # a few context ids + a few unsettled ones, whatever the length
+
+
+def test_malformed_bytes_are_emitted_with_bounded_window(sp):
+    lone_continuation = sp.token_to_id("<0x80>")
+    ids = [sp.token_to_id("\u2581hello")] * 3 + [lone_continuation] * 200 + [sp.token_to_id("\u2581world")]
+    ids = [i for i in ids if i is not None]
+    counting = CountingTokenizer(sp)
+    assert "".join(stream(counting, ids)) == sp.decode(ids)
+    assert counting.longest <= IncrementalDetokenizer.MAX_WINDOW + IncrementalDetokenizer.CONTEXT_IDS
+
+
+def test_unfinished_character_is_held_until_flush(sp):
+    ids = sp.encode("未")  # not in the training text: three byte-fallback ids
+    assert len(ids) >= 3
+    detok = IncrementalDetokenizer(sp)
+    assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.flush() == sp.decode(ids[:-1])
+    detok = IncrementalDetokenizer(sp)
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == "未"
