@@ -1,0 +1,74 @@
+"""Integration fixtures: real `lmserve serve` processes on loopback ports (see _server.ServerProcess).
+
+    start_module_server(model, credentials=None, wait=True, **flags) -> ServerProcess   (module scope)
+    start_server(model, credentials=None, wait=True, **flags) -> ServerProcess          (one test)
+    trained_server   a shared-per-module server of the small trained model, metrics on
+
+Every server started through these factories is stopped (SIGTERM, then SIGKILL) at teardown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from _server import ServerProcess
+
+# Servers stop fast in tests: a drain waits at most this long for in-flight calls.
+TEST_GRACE_PERIOD = 5
+
+
+def _load_trained_model_plugin():
+    """tests/fixtures/trained_model.py, loaded by path (tests/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "trained_model.py"
+    spec = importlib.util.spec_from_file_location("lmserve_tests_trained_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_trained = _load_trained_model_plugin()
+# Re-exported so this directory works whether or not the top-level conftest registers the plugin.
+trained_model_dir = _trained.trained_model_dir
+training_prompts = _trained.training_prompts
+training_corpus = _trained.training_corpus
+
+
+class _Factory:
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.servers: list[ServerProcess] = []
+
+    def __call__(self, model, *, credentials=None, wait: bool = True, **flags) -> ServerProcess:
+        flags.setdefault("grace_period", TEST_GRACE_PERIOD)
+        srv = ServerProcess(model, credentials=credentials, log_dir=self.log_dir)
+        self.servers.append(srv)
+        srv.start(wait=wait, **flags)
+        return srv
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory):
+    """Factory for servers that live as long as the test module."""
+    factory = _Factory(tmp_path_factory.mktemp("server-logs"))
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Factory for servers that live as long as one test."""
+    factory = _Factory(tmp_path)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def trained_server(start_module_server, trained_model_dir) -> ServerProcess:
+    """The trained model served with default limits, one torch thread and /metrics."""
+    return start_module_server(trained_model_dir, threads=1, max_batch=8)
