@@ -97,7 +97,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids`. Bytes that do not form complete UTF-8 characters decode to U+FFFD."""
+        """Text of `ids`. Bytes that do not form complete UTF-8 characters decode to U+FFFD; ids
+        outside the vocabulary (a model's padded embedding rows) decode to nothing."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -299,7 +300,7 @@ class _TokenizersBackend:
         return self._tk.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tk.id_to_token(token_id)
+        return self._tk.id_to_token(token_id) if token_id >= 0 else None
 
 
 class _SentencePieceBackend:
@@ -421,8 +422,7 @@ class _SentencePieceBackend:
                     parts.append(self.id_to_token(token_id) or "")
             elif 0 <= token_id < self._n_pieces:
                 run.append(token_id)
-            else:
-                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            # ids outside the vocabulary (e.g. padded embedding rows) decode to nothing, as in `tokenizers`
         if run:
             close_run()
         return "".join(parts)

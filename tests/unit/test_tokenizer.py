@@ -434,3 +434,13 @@ def test_missing_chat_template_falls_back_to_the_documented_default(sp_pair):
         expected, _ = render_jinja_template(conversations=[MESSAGES[1:4]], chat_template=DEFAULT_CHAT_TEMPLATE,
                                             add_generation_prompt=add_generation_prompt)
         assert tok.apply_chat_template(MESSAGES[1:4], add_generation_prompt=add_generation_prompt) == expected[0]
+
+
+def test_ids_outside_the_vocabulary_decode_to_nothing(sp_pair, byte_level_fields):
+    _, sp_tok, _ = sp_pair
+    bpe_tok = Tokenizer.from_gguf_fields(dict(byte_level_fields, **{"tokenizer.ggml.pre": "gpt-2"}))
+    for tok in (sp_tok, bpe_tok):
+        ids = tok.encode("hello world 你好")
+        padded = ids[:2] + [tok.vocab_size, tok.vocab_size + 100] + ids[2:]
+        assert tok.decode(padded) == tok.decode(ids)
+        assert tok.id_to_token(tok.vocab_size) is None and tok.id_to_token(-1) is None
