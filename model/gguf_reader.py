@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,26 +105,107 @@ def llama_cpp_unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, d // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # [nh, 2, d/2, ...] -> [nh*d, ...]
 
 
-def read_metadata(reader) -> dict[str, Any]:
-    """All key/values of an open `gguf.GGUFReader` as plain Python values."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+# ---- GGUF container (v2/v3, little-endian); tensor payloads are decoded by gguf.quants ----------
+_MAGIC = b"GGUF"
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
 
 
-def _dequantize(tensor, dtype: torch.dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in the GGUF directory: `ne` is GGML order (innermost first)."""
+
+    name: str
+    ne: tuple[int, ...]
+    type_id: int
+    offset: int  # absolute, into the file
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+
+class _Cursor:
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, n = self.scalar("<I"), self.scalar("<Q")
+            if etype in _SCALARS:  # one unpack for the whole array
+                fmt = f"<{n}{_SCALARS[etype][1]}"
+                out = list(struct.unpack_from(fmt, self.buf, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return out
+            return [self.value(etype) for _ in range(n)]
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        return self.scalar(_SCALARS[vtype])
+
+
+def read_directory(buf) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """Parse a GGUF header from a bytes-like buffer: all key/values as Python values, and the tensor directory."""
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != _MAGIC:
+        raise ValueError("not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    for _ in range(n_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.scalar("<I"))
+    raw = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        ne = tuple(cur.scalar("<Q") for _ in range(cur.scalar("<I")))
+        raw.append((name, ne, cur.scalar("<I"), cur.scalar("<Q")))
+    align = int(meta.get("general.alignment", 32))
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"invalid general.alignment {align}")
+    data_start = -(-cur.pos // align) * align
+    return meta, [TensorInfo(name, ne, type_id, data_start + off) for name, ne, type_id, off in raw]
+
+
+def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor -> a torch tensor in torch (reversed-ne) shape, built without keeping extra copies."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    shape = tuple(int(n) for n in reversed(tensor.shape))
     try:
-        arr = quants.dequantize(tensor.data, qtype)
+        qtype = GGMLQuantizationType(info.type_id)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise UnsupportedQuantizationError(f"tensor {info.name!r} has unknown GGML type id {info.type_id}") from None
+    if info.ne[0] % block:
+        raise ModelLoadError(f"tensor {info.name!r}: row length {info.ne[0]} is not a multiple of {qtype.name}'s block {block}")
+    row_bytes = info.ne[0] // block * type_size
+    n_rows = int(np.prod(info.ne[1:], dtype=np.int64))
+    if info.offset + row_bytes * n_rows > len(buf):
+        raise ModelLoadError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
+    data = np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(*info.torch_shape[:-1], row_bytes)
+    try:
+        arr = quants.dequantize(data, qtype)
     except NotImplementedError:
         raise UnsupportedQuantizationError(
-            f"tensor {tensor.name!r} is stored as {qtype.name}, which cannot be dequantized"
+            f"tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized"
         ) from None
-    if not arr.flags.writeable:  # a view into the read-only memory-mapped file
+    if not arr.flags.writeable:  # a view into the read-only file mapping
         arr = np.array(arr, dtype=np.float32)
-    out = torch.from_numpy(arr.reshape(shape))
+    out = torch.from_numpy(arr.reshape(info.torch_shape))
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -131,21 +214,36 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
 
     Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (not llama/qwen2),
     UnsupportedQuantizationError (a tensor type gguf cannot dequantize), ShapeMismatchError
-    (a tensor disagrees with the metadata), ModelLoadError (a required tensor is absent).
+    (a tensor disagrees with the metadata), ModelLoadError (not GGUF, truncated, a required key or tensor absent).
     """
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # empty file
+            raise ModelLoadError(f"{path} is not a GGUF file: {e}") from e
     try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
+        return _read_mapped(path, buf, dtype)
+    finally:
+        try:
+            buf.close()
+        except BufferError:  # a caller still holds a view; the mapping closes when it is dropped
+            pass
+
+
+def _read_mapped(path: Path, buf, dtype: torch.dtype) -> GGUFCheckpoint:
+    try:
+        metadata, infos = read_directory(buf)
+    except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
 
-    metadata = read_metadata(reader)
-    by_name = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_gguf({**metadata, "_tied": "output.weight" not in by_name}, name=metadata.get("general.name") or path.stem)
+    by_name = {t.name: t for t in infos}
+    try:
+        config = ModelConfig.from_gguf({**metadata, "_tied": "output.weight" not in by_name}, name=metadata.get("general.name") or path.stem)
+    except KeyError as e:
+        raise ModelLoadError(f"{path.name} lacks GGUF metadata key {e}") from None
     arch = config.model_type
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != config.head_dim:
@@ -159,11 +257,10 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
 
     tensors: dict[str, torch.Tensor] = {}
     for name, expected in shapes.items():  # one tensor at a time: peak memory is one float32 copy
-        t = by_name[wanted[name]]
-        got = tuple(int(n) for n in reversed(t.shape))
-        if got != expected:
-            raise ShapeMismatchError(wanted[name], expected, got)
-        w = _dequantize(t, dtype)
+        info = by_name[wanted[name]]
+        if info.torch_shape != expected:
+            raise ShapeMismatchError(info.name, expected, info.torch_shape)
+        w = _dequantize(buf, info, dtype)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             w = llama_cpp_unpermute(w, heads).contiguous()
