@@ -273,3 +273,18 @@ class ServerProcess:
     def log_tail(self, chars: int = 6000) -> str:
         text = self.log
         return f"--- server log {self.log_path} (last {chars} chars) ---\n{text[-chars:]}"
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) pairs of the google.rpc.BadRequest detail of a failed call, [] if none."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    out = []
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out += [(v.field, v.description) for v in bad.field_violations]
+    return out
