@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from lmserve.model.errors import (
     CheckpointNotFoundError,
+    ModelLoadError,
     ShapeMismatchError,
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
@@ -328,6 +329,38 @@ def test_metadata_is_plain_python(tmp_path):
     assert md["llama.attention.head_count"] == HEADS and isinstance(md["llama.attention.head_count"], int)
     assert isinstance(md["llama.rope.freq_base"], float) and md["tokenizer.ggml.eos_token_id"] == 1
     assert ck.config.eos_token_ids == (1,) and ck.config.num_kv_heads == KV_HEADS
+
+
+def test_metadata_matches_gguf_readers_parse(tmp_path):
+    """Our header parser agrees with gguf.GGUFReader on every key, across value types."""
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200); w.add_int8("t.i8", -5); w.add_uint16("t.u16", 60000); w.add_int16("t.i16", -300)
+    w.add_uint64("t.u64", 2**40 + 3); w.add_int64("t.i64", -(2**40)); w.add_float64("t.f64", 1 / 3)
+    w.add_bool("t.bool", True); w.add_string("t.str", "héllo ✓")
+    w.add_array("t.ints", [1, -2, 3]); w.add_array("t.floats", [0.5, 1.25]); w.add_array("t.strs", ["a", "", "ß"])
+    w.add_array("t.bools", [True, False])
+    w.add_tensor("x", np.arange(8, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    from lmserve.model.gguf_reader import read_directory
+
+    with open(path, "rb") as f:
+        meta, infos = read_directory(f.read())
+    reference = {k: field.contents() for k, field in gguf.GGUFReader(path).fields.items()}
+    assert meta == reference
+    assert [(t.name, t.torch_shape) for t in infos] == [("x", (8,))]
+
+
+def test_truncated_or_foreign_file_is_a_load_error(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", hf_tensors(np.random.default_rng(9)))
+    data = path.read_bytes()
+    path.write_bytes(data[:-1000])
+    with pytest.raises(ModelLoadError, match="end of the file"):
+        read_gguf(path)
+    path.write_bytes(b"PK\x03\x04 not a gguf at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        read_gguf(path)
 
 
 # ---- (c) bad checkpoints raise their named errors ---------------------------------------------
