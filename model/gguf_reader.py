@@ -15,7 +15,7 @@ import torch
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedArchitectureError, UnsupportedQuantizationError
 
-# GGUF tensor name -> HF parameter name. `{i}` is the block index.
+# GGUF tensor name -> HF parameter name; per-block names sit under `blk.{i}.` and `model.layers.{i}.`
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
