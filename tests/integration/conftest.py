@@ -1,8 +1,10 @@
 """Integration fixtures: real `lmserve serve` processes on loopback ports (see _server.ServerProcess).
 
-    start_module_server(model, credentials=None, wait=True, **flags) -> ServerProcess   (module scope)
-    start_server(model, credentials=None, wait=True, **flags) -> ServerProcess          (one test)
-    trained_server   a shared-per-module server of the small trained model, metrics on
+    start_session_server / start_module_server / start_server:
+        factories (model, credentials=None, wait=True, **flags) -> ServerProcess, living as long as
+        the test session / the test module / one test
+    trained_server   one server of the small trained model shared by the whole session (TRAINED_SERVER_FLAGS);
+                     tests that use it leave it idle (see ServerProcess.wait_idle)
 
 Every server started through these factories is stopped (SIGTERM, then SIGKILL) at teardown.
 """
@@ -52,6 +54,14 @@ class _Factory:
             srv.stop()
 
 
+@pytest.fixture(scope="session")
+def start_session_server(tmp_path_factory):
+    """Factory for servers that live as long as the test session."""
+    factory = _Factory(tmp_path_factory.mktemp("session-server-logs"))
+    yield factory
+    factory.close()
+
+
 @pytest.fixture(scope="module")
 def start_module_server(tmp_path_factory):
     """Factory for servers that live as long as the test module."""
@@ -68,7 +78,17 @@ def start_server(tmp_path):
     factory.close()
 
 
-@pytest.fixture(scope="module")
-def trained_server(start_module_server, trained_model_dir) -> ServerProcess:
-    """The trained model served with default limits, one torch thread and /metrics."""
-    return start_module_server(trained_model_dir, threads=1, max_batch=8)
+# The shared server's limits; context length is the fixture model's 128 tokens.
+TRAINED_SERVER_FLAGS = dict(threads=1, max_batch=16, max_queue=512, max_new_tokens_cap=120,
+                            max_receive_message_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="session")
+def trained_server_flags() -> dict:
+    return dict(TRAINED_SERVER_FLAGS)
+
+
+@pytest.fixture(scope="session")
+def trained_server(start_session_server, trained_model_dir) -> ServerProcess:
+    """The trained model served with TRAINED_SERVER_FLAGS and /metrics, shared by every module that asks."""
+    return start_session_server(trained_model_dir, **TRAINED_SERVER_FLAGS)

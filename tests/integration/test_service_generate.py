@@ -58,13 +58,14 @@ def assert_stream_equals_unary(stub, request) -> pb.GenerateResponse:
     return unary
 
 
-def test_model_info_matches_checkpoint(stub, trained_model_dir):
+def test_model_info_matches_checkpoint(stub, trained_model_dir, trained_server_flags):
     cfg = json.loads((trained_model_dir / "config.json").read_text())
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.architecture == "llama"
     assert info.vocab_size == cfg["vocab_size"]
     assert info.context_length == cfg["max_position_embeddings"]
-    assert info.max_batch_size == 8
+    assert info.max_batch_size == trained_server_flags["max_batch"]
+    assert info.max_new_tokens_limit == trained_server_flags["max_new_tokens_cap"]
     assert list(info.eos_token_ids) == [cfg["eos_token_id"]] and info.bos_token_id == cfg["bos_token_id"]
     assert info.has_chat_template and info.num_parameters > 0 and info.device == "cpu"
 

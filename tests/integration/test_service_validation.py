@@ -1,7 +1,7 @@
 """Invalid requests: INVALID_ARGUMENT with the offending field in a google.rpc.BadRequest, before any token.
 
-The server runs with a small context (--max-model-len), a small --max-new-tokens-cap and a small
---max-receive-message-bytes so that each limit is reachable with short requests.
+The shared server of the fixture model (context 128) runs with --max-new-tokens-cap below the context and
+a small --max-receive-message-bytes, so that each limit is reachable with short requests.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from lmserve.client import Client, InvalidRequestError
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
-CONTEXT = 64
-CAP = 32
+CONTEXT = 128  # the fixture model's; these constants are checked against the server below
+CAP = 120
 MAX_MESSAGE = 64 * 1024
-VOCAB = 512  # the fixture model's (checked against GetModelInfo below)
+VOCAB = 512
 INTERNALS = re.compile(r"Traceback|File \"|\.py\b|lmserve\.server|0x[0-9a-f]{6,}|Error\(")
 
 
 @pytest.fixture(scope="module")
-def server(start_module_server, trained_model_dir):
-    return start_module_server(trained_model_dir, threads=1, max_batch=4, max_model_len=CONTEXT,
-                               max_new_tokens_cap=CAP, max_receive_message_bytes=MAX_MESSAGE)
+def server(trained_server, trained_server_flags):
+    assert (trained_server_flags["max_new_tokens_cap"], trained_server_flags["max_receive_message_bytes"]) == (
+        CAP, MAX_MESSAGE)
+    return trained_server
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def chat(*turns) -> pb.ChatMessages:
     return pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in turns])
 
 
-LONG_TEXT = "The lighthouse keeper climbed the spiral stairs every evening at dusk. " * 8
+LONG_TEXT = "The lighthouse keeper climbed the spiral stairs every evening at dusk. " * 16
 
 CASES = {
     "empty prompt": (pb.GenerateRequest(prompt=""), "prompt"),
