@@ -72,8 +72,15 @@ def loaded(trained_model_dir):
 def test_trained_model_reaches_low_loss(loaded, training_corpus):
     tok = loaded.tokenizer
     docs = T.split_documents([training_corpus])
-    seqs = [[tok.bos_id, *tok.encode(d), tok.eos_ids[0]] for d in docs]
-    loss = T.corpus_loss(loaded.model, seqs, batch_size=len(seqs))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:  # one document at a time, causal mask built here: independent of the trainer's batching
+            seq = torch.tensor([tok.bos_id, *tok.encode(d), tok.eos_ids[0]])
+            L = len(seq) - 1
+            logits = loaded.model(seq[None, :-1], torch.arange(L)[None], AttentionMetadata.fresh(torch.tensor([L]), L))
+            total += float(torch.nn.functional.cross_entropy(logits[0], seq[1:], reduction="sum"))
+            count += L
+    loss = total / count
     # the only uncertainty left is which document follows bos: ~ln(5) nats over ~265 targets
     assert loss < 0.1, loss
 
@@ -174,9 +181,10 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
         assert all(b <= a * (1 + 1e-12) for a, b in zip(down, down[1:]))  # never rises after the peak
         if len(down) > 1:
             assert math.isclose(down[-1], 0.1 * lr, rel_tol=1e-9)
-            mid = (len(down) - 1) / 2  # cosine: halfway through the decay sits halfway between lr and min
-            if mid == int(mid):
-                assert math.isclose(down[int(mid)], 0.55 * lr, rel_tol=1e-9)
+        if len(down) >= 8:  # cosine, not linear: concave over the first half of the decay, convex over the second
+            second = [a - 2 * b + c for a, b, c in zip(down, down[1:], down[2:])]
+            half = len(second) // 2
+            assert all(d < 0 for d in second[: half - 1]) and all(d > 0 for d in second[half + 1:])
 
 
 @torch.no_grad()
@@ -230,11 +238,15 @@ def test_clip_bounds_the_gradient_norm():
 
 
 def test_norms_and_biases_get_no_weight_decay():
-    model = tiny_model()
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=64, attention_bias=True, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
     decay, no_decay = T.param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all(names[id(p)].endswith("norm.weight") for p in no_decay["params"]) and no_decay["weight_decay"] == 0
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    exempt = {n for n in names.values() if n.endswith("norm.weight") or n.endswith(".bias")}
+    assert {names[id(p)] for p in no_decay["params"]} == exempt and len(exempt) == 6
+    assert no_decay["weight_decay"] == 0 and decay["weight_decay"] == 0.1
+    assert {names[id(p)] for p in decay["params"]} == set(names.values()) - exempt  # tied embedding once
 
 
 TEXT = "The cat sat on the mat.\n\nA dog ran in the park. 雨 ☔\n\nSmall models learn small things."
