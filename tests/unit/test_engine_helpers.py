@@ -34,14 +34,22 @@ FIRST_PLAIN_ID = 4  # the trained tokenizer's ids 0..3 are unk, bos, eos, pad
 
 # ---- models ---------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
+@contextmanager
+def single_torch_thread() -> Iterator[None]:
     """Tiny matrices: one intra-op thread is as fast, and avoids thread oversubscription (spinning
     OpenMP workers of the engine thread and the test thread) that slows a busy machine 40-fold."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    with single_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
