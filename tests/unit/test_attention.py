@@ -285,6 +285,29 @@ def test_chunked_prefill_equals_full_recompute():
     assert done == [10, 7]
 
 
+def test_new_prompt_batched_with_decoding_sequences_equals_full_recompute():
+    """One step mixing a fresh prompt (start 0, several tokens) with sequences decoding one token."""
+    cfg = make_cfg(8, 2)
+    model = make_model(cfg, seed=5)
+    old, new = random_seqs([6, 4], cfg.vocab_size, seed=16), random_seqs([5], cfg.vocab_size, seed=17)[0]
+    cache = KVCache(cfg, num_slots=6, max_len=16, dtype=torch.float32)
+    fill_with_garbage(cache, seed=18)
+    old_slots = torch.tensor([4, 1])
+    ids, positions, q_lens = right_pad([s[:-1] for s in old])  # all but the last token already cached
+    model(ids, positions, AttentionMetadata.for_cache(old_slots, torch.zeros(2, dtype=torch.long), q_lens), cache)
+
+    starts = torch.tensor([5, 0, 3])
+    parts = [old[0][-1:], new, old[1][-1:]]
+    ids, _, q_lens = right_pad(parts)
+    positions = starts[:, None] + torch.arange(ids.shape[1])[None, :]  # [B, L]
+    meta = AttentionMetadata.for_cache(torch.tensor([4, 2, 1]), starts, q_lens)
+    assert meta.read_cache
+    out = model(ids, positions, meta, cache)  # [B, L, V]
+    for b, seq in enumerate([old[0], new, old[1]]):
+        n = len(parts[b])
+        assert_close(out[b, :n], run_alone(model, seq)[-n:], **TIGHT)
+
+
 class BigAllocationWatch(TorchDispatchMode):
     """Records every op result of at least `limit` elements that is not a view into the cache."""
 
