@@ -1,0 +1,229 @@
+"""Throughput benchmark: the offline engine, Hugging Face `generate`, and the gRPC server, side by side.
+
+    python -m lmserve.server.bench_engine --out reports/engine_bench.json
+
+Every section decodes the same chat prompts for the same number of tokens (EOS ignored), so
+output tokens/s compare directly. Results go to a JSON file; a table is printed. This is a
+benchmark, not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    from lmserve.client.bench import synthetic_workload
+
+    items = synthetic_workload()
+    return [[{"role": m.role, "content": m.content} for m in items[i % len(items)].prompt] for i in range(n)]
+
+
+def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
+    from .engine import Engine
+    from .request import Request, SamplingParams
+    from .settings import EngineSettings
+
+    tok = loaded.tokenizer
+    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len)).start()
+
+    async def wave(c: int, n_tokens: int) -> float:
+        prompts = [tok.encode(tok.apply_chat_template(m)) for m in chat_prompts(c)]
+        t0 = time.perf_counter()
+
+        async def one(ids):
+            n = 0
+            async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=n_tokens, ignore_eos=True))):
+                n += len(ch.token_ids)
+            return n
+
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        assert all(k == n_tokens for k in counts), counts
+        return time.perf_counter() - t0
+
+    rows = []
+    try:
+        asyncio.run(wave(2, 8))  # warm-up
+        for c in concurrencies:
+            dt = asyncio.run(wave(c, max_new))
+            rows.append({"concurrency": c, "seconds": dt, "output_tokens_per_s": c * max_new / dt})
+            print(f"engine        c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def bench_hf(gguf_path: Path, concurrencies, max_new) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    rows = []
+    for c in concurrencies:
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat_prompts(c)]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+            t0 = time.perf_counter()
+            out = model.generate(**enc, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            dt = time.perf_counter() - t0
+        assert out.shape[1] - enc["input_ids"].shape[1] == max_new
+        rows.append({"concurrency": c, "seconds": dt, "output_tokens_per_s": c * max_new / dt})
+        print(f"transformers  c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
+    del model
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len) -> dict:
+    """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
+    from lmserve.client import Client
+    from lmserve.client.bench import BenchConfig, WorkItem, run_bench, synthetic_workload
+    from lmserve.client.bench_stats import aggregate
+
+    port, mport = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
+           "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len)]
+    if models_dir:
+        cmd += ["--models-dir", models_dir]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    result: dict = {"rows": []}
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {Path(log.name).read_text()[-2000:]}")
+                try:
+                    if client.health(timeout=1) == "SERVING":
+                        break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    pass
+                time.sleep(0.1)
+        result["start_to_ready_seconds"] = time.perf_counter() - t0
+        print(f"server ready in {result['start_to_ready_seconds']:.1f} s", flush=True)
+        items = [it for it in synthetic_workload()]
+        target = f"127.0.0.1:{port}"
+        asyncio.run(run_bench(target, BenchConfig(2, None, 2, None, 0, 8, 0.0, 0, True, None), items, progress=False))
+        for c in concurrencies:
+            cfg = BenchConfig(concurrency=c, rate=None, requests=c, duration=None, warmup=0, max_new_tokens=max_new,
+                              temperature=0.0, seed=0, ignore_eos=True, timeout=None)
+            run = asyncio.run(run_bench(target, cfg, items, progress=False))
+            agg = aggregate(run.records, run.duration)
+            row = {"concurrency": c, "seconds": run.duration, "output_tokens_per_s": agg.output_token_throughput,
+                   "failed": agg.failed,
+                   "ttft_p50_ms": agg.ttft.p50 * 1e3, "ttft_p99_ms": agg.ttft.p99 * 1e3,
+                   "itl_p50_ms": agg.itl.p50 * 1e3, "itl_p99_ms": agg.itl.p99 * 1e3}
+            result["rows"].append(row)
+            print(f"grpc          c={c:3d}: {row['output_tokens_per_s']:8.1f} tok/s  ttft p50 {row['ttft_p50_ms']:.0f} ms"
+                  f"  itl p50 {row['itl_p50_ms']:.0f} ms", flush=True)
+        m = _scrape(mport)
+        result["memory"] = {
+            "peak_resident_bytes": m["lmserve_process_peak_resident_memory_bytes"],
+            "resident_bytes": m["process_resident_memory_bytes"],
+            "weights_bytes": m["lmserve_model_weights_bytes"],
+            "kv_cache_budget_bytes": m["lmserve_kv_cache_bytes"],
+        }
+        mem = result["memory"]
+        mem["allowance_bytes"] = mem["weights_bytes"] + mem["kv_cache_budget_bytes"] + 600 * 2**20
+        mem["within_allowance"] = mem["peak_resident_bytes"] <= mem["allowance_bytes"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="catalog name, .gguf file or HF directory")
+    p.add_argument("--models-dir", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024, help="context per request (sizes the KV cache)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc"], help="sections to leave out")
+    p.add_argument("--out", default="reports/engine_bench.json")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from lmserve.model.catalog import resolve_model
+    from lmserve.model.loader import load_model
+
+    path = resolve_model(args.model, models_dir=args.models_dir)
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
+    }
+    if "engine" not in args.skip:
+        t0 = time.perf_counter()
+        loaded = load_model(path, dtype=args.dtype, device=args.device)
+        report["load_seconds"] = time.perf_counter() - t0
+        report["dtype"], report["device"] = str(loaded.dtype), str(loaded.device)
+        report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
+        del loaded
+    if "hf" not in args.skip and path.suffix == ".gguf":
+        report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens)
+        if "engine" in report:
+            report["ratio_engine_over_transformers"] = {
+                str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
+                for e, h in zip(report["engine"], report["transformers"])}
+    if "grpc" not in args.skip:
+        report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
+                                    args.max_model_len)
+        if "engine" in report:
+            report["ratio_grpc_over_engine"] = {
+                str(e["concurrency"]): g["output_tokens_per_s"] / e["output_tokens_per_s"]
+                for e, g in zip(report["engine"], report["grpc"]["rows"])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}, indent=2))
+    print(f"report written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
