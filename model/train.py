@@ -110,14 +110,17 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int, character_coverage: fl
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=character_coverage, hard_vocab_limit=False,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        unk_piece=UNK_TOKEN, bos_piece=BOS_TOKEN, eos_piece=EOS_TOKEN, pad_piece=PAD_TOKEN,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
-        max_sentence_length=1 << 20, num_threads=1, minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(docs), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, character_coverage=character_coverage, hard_vocab_limit=False,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            unk_piece=UNK_TOKEN, bos_piece=BOS_TOKEN, eos_piece=EOS_TOKEN, pad_piece=PAD_TOKEN,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+            max_sentence_length=1 << 20, num_threads=1, minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. a vocabulary too small for the characters and the 256 byte pieces
+        raise ValueError(f"tokenizer training failed: {str(e).split('] ')[-1]}") from e
     return buf.getvalue()
 
 
@@ -285,8 +288,13 @@ def train(
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    if steps < 1 or batch_size < 1 or context < 2:
-        raise ValueError("steps and batch_size must be >= 1 and context >= 2")
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=kv_heads,
+                 steps=steps, batch_size=batch_size)
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if context < 2 or not lr > 0 or (warmup is not None and warmup < 0):
+        raise ValueError(f"need context >= 2, lr > 0 and warmup >= 0 (got {context}, {lr}, {warmup})")
     if hidden_size % heads:
         raise ValueError(f"hidden_size={hidden_size} is not a multiple of heads={heads}")
     docs = split_documents(read_texts(texts_or_files))

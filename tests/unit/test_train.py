@@ -294,10 +294,18 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, make_input):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_inconsistent_heads_exits_2(tmp_path, capsys):
+@pytest.mark.parametrize("options, says", [
+    (["--heads", "4", "--kv-heads", "3"], "num_kv_heads"),
+    (["--heads", "0"], "heads must be positive"),
+    (["--vocab-size", "100"], "vocab"),  # below the 256 byte pieces + characters sentencepiece needs
+    (["--lr", "0"], "lr > 0"),
+])
+def test_cli_bad_hyperparameters_exit_2(tmp_path, capsys, options, says):
     (tmp_path / "a.txt").write_text(TEXT)
-    assert run_cli(["train", str(tmp_path), "--out", str(tmp_path / "out"), "--heads", "4", "--kv-heads", "3", "-q"]) == 2
-    assert "num_kv_heads" in capsys.readouterr().err
+    assert run_cli(["train", str(tmp_path), "--out", str(tmp_path / "out"), "--steps", "1", "-q", *options]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmserve train: error:") and says in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_trains_a_loadable_model(tmp_path, capsys):
