@@ -297,3 +297,38 @@ def test_logits_oracle_is_position_consistent(random_tiny):
     full = full_forward_logits(random_tiny.model, ids)
     part = full_forward_logits(random_tiny.model, ids[:7])
     torch.testing.assert_close(full[:7], part, rtol=1e-5, atol=1e-5)
+
+
+async def test_max_new_tokens_cap_comes_from_the_settings(random_tiny):
+    with running(random_tiny, max_new_tokens_cap=8) as engine:
+        with pytest.raises(RequestValidationError) as err:
+            engine.generate(Request([5, 6], greedy(9)))
+        res, _ = await collect(engine, Request([5, 6], greedy(8, ignore_eos=True)))
+    assert [f for f, _ in err.value.violations] == ["max_new_tokens"] and "8" in str(err.value)
+    assert len(res.token_ids) == 8
+
+
+def penalized_greedy_reference(model, prompt, max_new, rep, presence, frequency):
+    """Greedy over full-recompute logits with the penalties applied by hand: repetition (HF rule) over
+    prompt and output, presence and frequency over the output only."""
+    out: list[int] = []
+    for _ in range(max_new):
+        logits = full_forward_logits(model, prompt + out)[-1].clone()  # [V]
+        for t in set(prompt) | set(out):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        out.append(int(logits.argmax()))
+    return out
+
+
+async def test_penalties_see_the_prompt_and_the_tokens_generated_so_far(random_tiny):
+    rng = random.Random(21)
+    prompts = [random_prompt(rng, n, random_tiny.config.vocab_size) for n in (3, 12)]
+    kw = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
+    refs = [penalized_greedy_reference(random_tiny.model, p, 30, 1.6, 0.7, 0.4) for p in prompts]
+    with running(random_tiny) as engine:
+        results = await results_of(engine, [Request(p, greedy(30, ignore_eos=True, **kw)) for p in prompts]
+                                   + [Request(prompts[0], greedy(30, ignore_eos=True))])
+    assert [r.token_ids for r in results[:2]] == refs
+    assert results[2].token_ids != refs[0]  # the penalties changed the choice somewhere
