@@ -7,6 +7,7 @@ inference passes dropout_p=0.0.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,18 @@ class AttentionMetadata:
     write_j: Tensor | None = None  # [T] chunk offset of each real token
     write_slot: Tensor | None = None  # [T] slot of each real token
     write_pos: Tensor | None = None  # [T] cache position of each real token
+
+    @functools.cached_property
+    def _folded(self) -> dict[int, Tensor]:
+        return {}
+
+    def folded_mask(self, group: int) -> Tensor:
+        """mask repeated for `group` query heads per KV head: [R, 1, group*L, S]; built once per step."""
+        if group == 1:
+            return self.mask
+        if group not in self._folded:
+            self._folded[group] = self.mask.repeat(1, 1, group, 1)
+        return self._folded[group]
 
     @property
     def batch_size(self) -> int:
@@ -96,16 +109,18 @@ class AttentionMetadata:
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Grouped-query attention through SDPA without repeating K/V.
 
-    q [N, H, L, d], k/v [N, Hkv, S, d] (may be strided views of the cache), mask [N, 1, L, S].
+    q [N, H, L, d], k/v [N, Hkv, S, d] (may be strided views of the cache).
     The G = H / Hkv query heads sharing one KV head are folded into the query-length axis,
-    so K/V are read in place.
+    so K/V are read in place. mask is [N, 1, L, S], or already folded [N, 1, G*L, S]
+    (AttentionMetadata.folded_mask) so that the repeat is paid once per step, not per layer.
     """
     N, H, L, d = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     if G > 1:
         q = q.reshape(N, Hkv, G * L, d)  # [N, Hkv, G*L, d] (head h = kv*G + g)
-        mask = mask.repeat(1, 1, G, 1)  # [N, 1, G*L, S]
+        if mask.shape[2] != G * L:
+            mask = mask.repeat(1, 1, G, 1)  # [N, 1, G*L, S]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
     return out.reshape(N, H, L, d)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -76,7 +76,7 @@ class ModelConfig:
             )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rs = cfg.get("rope_scaling") or None
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None  # transformers >= 5 nests it
         scaling = None
         if rs and rs.get("rope_type", rs.get("type")) == "llama3":
             scaling = RopeScaling(

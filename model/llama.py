@@ -45,10 +45,13 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [B, H, L, d], positions [B, L]."""
-        cos = self.cos[positions][:, None]  # [B, 1, L, d]
-        sin = self.sin[positions][:, None]
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, L, d] for positions [B, L]; looked up once per forward, shared by all layers."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, H, L, d] rotated by its tokens' positions."""
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -66,12 +69,12 @@ class Attention(nn.Module):
         self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
         self.last_weights: Tensor | None = None
 
-    def forward(self, x: Tensor, positions: Tensor, rotary: Rotary, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.d).transpose(1, 2)  # [B, H, L, d]
         k = self.k_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
         v = self.v_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
 
         if cache is not None:
             # only real tokens are written, each at its explicit position
@@ -87,7 +90,7 @@ class Attention(nn.Module):
         if self.reference:
             out, self.last_weights = explicit_attention(q, k, v, meta.mask)
         else:
-            out = sdpa_attention(q, k, v, meta.mask)  # [R, H, L, d]
+            out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv))  # [R, H, L, d]
         if meta.read_cache and meta.rows is not None:
             out = out[meta.rows]  # [B, H, L, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
@@ -112,8 +115,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cache)
+    def forward(self, x, rope, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
                 cache: KVCache | None = None, logits_index: Tensor | None = None) -> Tensor:
         """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
         x = self.model.embed_tokens(input_ids)  # [B, L, D]
+        rope = self.model.rotary.tables(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary, meta, cache)
+            x = layer(x, rope, meta, cache)
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
         return self.lm_head(self.model.norm(x))
