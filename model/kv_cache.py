@@ -51,6 +51,11 @@ class KVCache:
         self.k[layer][slot_idx, :, pos_idx] = k
         self.v[layer][slot_idx, :, pos_idx] = v
 
+    def clear(self, slot: int, upto: int | None = None) -> None:
+        """Zero a slot's first `upto` positions (all by default): no stale non-finite K/V for the next owner."""
+        self.k[:, slot, :, :upto] = 0
+        self.v[:, slot, :, :upto] = 0
+
     def view(self, layer: int, lo: int, hi: int, length: int) -> tuple[Tensor, Tensor]:
         """Views (no copy) k, v [hi - lo, kv_heads, length, d] of slots lo..hi-1."""
         return self.k[layer, lo:hi, :, :length], self.v[layer, lo:hi, :, :length]

@@ -241,7 +241,13 @@ class Engine:
                     self.scheduler.finish(seq, FinishReason.ERROR)
                     results.append((seq, None, FinishReason.ERROR))
                     continue
-                chunk, reason = self.processor.on_token(seq, out.token_ids[i], out.logprobs[i])
+                try:
+                    chunk, reason = self.processor.on_token(seq, out.token_ids[i], out.logprobs[i])
+                except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
+                    log.exception("output processing failed for %s", seq.request_id)
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    results.append((seq, None, FinishReason.ERROR))
+                    continue
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                 results.append((seq, chunk, reason))
@@ -249,7 +255,7 @@ class Engine:
             obs.on_step(now - t0, batch)
         for seq, chunk, reason in results:
             if chunk is None:
-                self._finish(seq, reason, error="the model produced non-finite scores for this request")
+                self._finish(seq, reason, error="generation failed for this request")
                 continue
             last = seq.state.get("last_token_time")
             seq.state["last_token_time"] = now
@@ -278,6 +284,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, chunk: GenerationChunk | None = None,
                 error: str | None = None) -> None:
+        if reason is FinishReason.ERROR and seq.slot is not None:
+            # a failed request may have left non-finite K/V; masked keys still multiply values (0 * NaN)
+            self.cache.clear(seq.slot, min(self.cache.max_len, seq.total_len + 1))
         final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
         for obs in self.observers:
             obs.on_finish(seq, final)

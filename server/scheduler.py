@@ -65,6 +65,10 @@ class SlotAllocator:
     def used(self) -> int:
         return self.capacity - len(self._free)
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def allocate(self) -> int | None:
         if not self._free:
             return None
@@ -92,7 +96,8 @@ class Scheduler:
 
     # ---- intake ------------------------------------------------------------------
     def add(self, request: Request) -> Sequence:
-        if len(self.waiting) >= self.max_queue:
+        # waiting requests first claim the free slots; only the rest count against the queue bound
+        if len(self.waiting) - self.slots.num_free >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
         seq = Sequence(request)
         self.waiting.append(seq)

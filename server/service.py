@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -30,6 +31,11 @@ FINISH = {
     FinishReason.DEADLINE: pb.FINISH_REASON_DEADLINE,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
+
+
+def new_request_id() -> str:
+    """The id a request gets when the caller sent none."""
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
@@ -103,7 +109,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             logprobs=p.logprobs if p.HasField("logprobs") else None,
         )
 
-    def _request(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
+    def _request(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext, rid: str) -> Request:
         self._check_ready()
         if self.draining:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
@@ -112,7 +118,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         request = Request(
             prompt_ids=ids,
             params=self._params(req.params),
-            request_id=f"{req.request_id or 'rpc'}#{next(self._ids)}",
+            request_id=f"{rid}#{next(self._ids)}",  # unique inside the engine even if callers reuse ids
             deadline=None if remaining is None else time.monotonic() + remaining,
         )
         try:
@@ -147,8 +153,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                                       total_seconds=c.timings.total_seconds)
         return out
 
-    async def _chunks(self, req: pb.GenerateRequest, context) -> AsyncIterator[GenerationChunk]:
-        request = self._request(req, context)
+    async def _chunks(self, req: pb.GenerateRequest, context, rid: str) -> AsyncIterator[GenerationChunk]:
+        request = self._request(req, context, rid)
         stream = self.engine.generate(request)  # admission errors raise here, before any response
         self.in_flight += 1
         try:
@@ -167,16 +173,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     # ---- RPCs -----------------------------------------------------------------------
     @map_errors
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        result = GenerationResult(request_id=request.request_id)
-        async for chunk in self._chunks(request, context):
+        rid = request.request_id or new_request_id()
+        result = GenerationResult(request_id=rid)
+        async for chunk in self._chunks(request, context, rid):
             result.add(chunk)
-        return pb.GenerateResponse(request_id=request.request_id, text=result.text, token_ids=result.token_ids,
+        return pb.GenerateResponse(request_id=rid, text=result.text, token_ids=result.token_ids,
                                    logprobs=self._logprobs(result.logprobs), **self._final_fields(result))
 
     @map_errors
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for chunk in self._chunks(request, context):
-            msg = pb.GenerateStreamResponse(request_id=request.request_id, text=chunk.text, token_ids=chunk.token_ids,
+        rid = request.request_id or new_request_id()
+        async for chunk in self._chunks(request, context, rid):
+            msg = pb.GenerateStreamResponse(request_id=rid, text=chunk.text, token_ids=chunk.token_ids,
                                             logprobs=self._logprobs(chunk.logprobs))
             if chunk.finished:
                 msg.MergeFrom(pb.GenerateStreamResponse(**self._final_fields(chunk)))

@@ -7,6 +7,8 @@ import pytest
 
 from lmserve.model.catalog import pull
 
+pytest_plugins = ["fixtures.trained_model"]
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:

@@ -54,6 +54,22 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval:
         time.sleep(interval)
 
 
+async def async_wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05,
+                           what: str = "condition"):
+    """wait_until for async tests: the blocking predicate runs in a thread, so the event loop (and the
+    grpc.aio calls it drives) keeps running while we wait."""
+    import asyncio
+
+    end = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
 class MetricsSnapshot:
     """One scrape of /metrics, parsed with prometheus_client's own parser."""
 

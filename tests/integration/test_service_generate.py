@@ -158,8 +158,7 @@ def test_max_new_tokens_ends_with_length(stub):
     assert res.finish_reason == pb.FINISH_REASON_LENGTH and res.usage.completion_tokens == 7
 
 
-@pytest.mark.xfail(strict=True, reason="service echoes request.request_id verbatim, so an empty id stays empty "
-                                       "(server/service.py Generate/GenerateStream); the proto promises a server-assigned id")
+
 def test_server_assigns_a_request_id_when_empty(stub):
     p = pb.SamplingParams(max_new_tokens=3)
     res = stub.Generate(pb.GenerateRequest(prompt="The baker", params=p), timeout=60)

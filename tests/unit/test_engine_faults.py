@@ -203,10 +203,6 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(random_ti
     assert next_one.token_ids == greedy_reference(random_tiny.model, prompts[4], 7)[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: server/engine.py _step_once calls processor.on_token (detokenizer, stop strings) outside the "
-    "try that guards the step; an exception there propagates out of _run, kills the engine thread and "
-    "fails every request with 'the server is shutting down' instead of failing only that request"))
 async def test_an_output_processing_error_fails_only_its_request(random_tiny):
     prompts = prompts_for(random_tiny, 6, (5, 9))
     with running(random_tiny, max_batch=2) as engine:
@@ -227,11 +223,6 @@ async def test_an_output_processing_error_fails_only_its_request(random_tiny):
     assert alive
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a request whose activations turned non-finite leaves NaN K/V in its cache slot; the slot is "
-    "reused without clearing, and the next owner reads those stale positions as masked keys whenever a "
-    "longer sequence shares its decode step (SDPA: 0 weight * NaN value = NaN), so it fails too. "
-    "Fix: zero cache.k/v[:, slot] when a request finishes with ERROR (or when a slot is allocated)"))
 async def test_nan_activations_do_not_reach_the_next_owner_of_the_slot(trained):
     loaded = tiny_loaded(trained.tokenizer, seed=3)
     rng = random.Random(8)
@@ -377,11 +368,6 @@ async def test_full_queue_rejects_and_admitted_requests_finish(random_tiny):
     assert later.token_ids == greedy_reference(random_tiny.model, prompts[4], 5)[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: Scheduler.add (server/scheduler.py) counts every new request against max_queue before it can "
-    "take a free slot, so max_queue=0 (accepted by EngineSettings) rejects every request on an idle engine, "
-    "and a burst larger than max_queue is refused while slots are free. Fix: reject only when "
-    "len(waiting) >= max_queue + number of free slots not yet claimed by waiting requests"))
 async def test_zero_queue_still_admits_requests_while_slots_are_free(random_tiny):
     with running(random_tiny, max_batch=2, max_queue=0) as engine:
         res, _ = await collect(engine, Request([5, 6, 7], greedy(4, ignore_eos=True)))

@@ -44,11 +44,15 @@ def test_admission_bounded_by_slots_fcfs():
 
 def test_queue_bound_rejects_overflow():
     s = Scheduler(num_slots=1, max_queue=2, token_budget=100)
-    s.add(req(3))
-    s.add(req(3))
+    for _ in range(3):  # one will take the free slot, two may wait
+        s.add(req(3))
     with pytest.raises(QueueFullError, match="full"):
         s.add(req(3))
-    assert len(s.waiting) == 2
+    assert len(s.waiting) == 3
+    run_step(s)  # the first is admitted: still only two wait, so the queue stays full
+    with pytest.raises(QueueFullError):
+        s.add(req(3))
+    assert len(s.waiting) == 2 and len(s.running) == 1
 
 
 def test_token_budget_chunks_long_prompt_and_keeps_decoding():

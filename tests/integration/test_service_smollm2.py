@@ -1,0 +1,77 @@
+"""The real chat model, SmolLM2-135M-Instruct (GGUF): loading-time health, and chat served end to end."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from _server import wait_until
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from lmserve.v1 import lmserve_pb2 as pb
+from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [("user", "What is the capital of France?")]
+
+
+@pytest.fixture(scope="module")
+def started(start_module_server, smollm2_gguf_path):
+    """Start the server and look at it while the model loads: (server, what a call got while NOT_SERVING)."""
+    srv = start_module_server(smollm2_gguf_path, wait=False, threads=2, max_batch=4, metrics_port=None)
+
+    def listening_but_loading():
+        if not srv.running:
+            raise AssertionError(f"server exited\n{srv.log_tail()}")
+        return srv.health(timeout=1) == "NOT_SERVING"
+
+    wait_until(listening_but_loading, 120, 0.02, "the server to listen while loading")
+    with srv.channel() as ch:
+        try:
+            pb_grpc.TextGenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            early = None
+        except grpc.RpcError as exc:
+            early = exc
+    srv.wait_ready()
+    return srv, early
+
+
+@pytest.fixture(scope="module")
+def stub(started):
+    ch = started[0].channel()
+    yield pb_grpc.TextGenerationStub(ch)
+    ch.close()
+
+
+def messages(turns) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in turns])
+
+
+def test_calls_while_loading_are_unavailable(started):
+    srv, early = started
+    assert early is not None, "a call succeeded while health said NOT_SERVING"
+    assert early.code() == grpc.StatusCode.UNAVAILABLE and "loading" in early.details()
+    assert srv.health() == srv.health("lmserve.v1.TextGeneration") == "SERVING"
+
+
+def test_chat_is_rendered_with_the_gguf_template_and_answered(stub, smollm2_gguf_path):
+    gguf = pytest.importorskip("gguf")
+    template = gguf.GGUFReader(smollm2_gguf_path).fields["tokenizer.chat_template"].contents()
+    expected = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+        messages=[{"role": r, "content": c} for r, c in QUESTION], add_generation_prompt=True)
+    tok = stub.Tokenize(pb.TokenizeRequest(messages=messages(QUESTION), add_generation_prompt=True), timeout=30)
+    assert tok.text == expected
+
+    request = pb.GenerateRequest(request_id="chat", messages=messages(QUESTION),
+                                 params=pb.SamplingParams(max_new_tokens=48))
+    unary = stub.Generate(request, timeout=120)
+    stream = list(stub.GenerateStream(request, timeout=120))
+    assert "".join(m.text for m in stream) == unary.text
+    assert [t for m in stream for t in m.token_ids] == list(unary.token_ids)
+    by_ids = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=tok.token_ids), params=request.params),
+                           timeout=120)
+    assert list(by_ids.token_ids) == list(unary.token_ids)
+    assert unary.usage.prompt_tokens == len(tok.token_ids)
+    # the instruct model answers and ends its turn by itself; its end-of-turn marker is not text
+    assert unary.finish_reason == pb.FINISH_REASON_EOS, unary.text
+    assert "Paris" in unary.text and "<|im_end|>" not in unary.text
