@@ -1,6 +1,6 @@
 # Two commands do all setup on a fresh machine:
 #   make serve   -> creates .venv, installs, pulls SmolLM2 if missing, serves it on :50051 (metrics :9400)
-#   make test    -> creates .venv, installs, runs the whole test suite
+#   make test    -> creates .venv, installs (nginx + prometheus via apt if missing), runs the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,6 +21,7 @@ serve: $(STAMP)
 	$(BIN)/lmserve serve
 
 test: $(STAMP)
+	sh deploy/ci/install-test-deps.sh  # nginx and prometheus for the deployment tests (apt, once)
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
