@@ -22,7 +22,7 @@ DEFAULT_TARGET = "localhost:50051"
 TARGET_ENV = "LMSERVE_TARGET"
 TOKEN_ENV = "LMSERVE_TOKEN"
 # Packages that contribute subcommands; each exposes add_subcommands(subparsers).
-EXTERNAL_SUBCOMMANDS = ("lmserve.model.cli", "lmserve.server.cli")
+EXTERNAL_SUBCOMMANDS = ("lmserve.model.cli", "lmserve.model.train_cli", "lmserve.server.cli")
 
 
 class CliUsageError(Exception):

@@ -12,8 +12,7 @@ def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over gRPC (default: SmolLM2-135M-Instruct, pulled if missing)",
         description="Load a model and serve TextGeneration over gRPC, with grpc.health.v1, reflection and "
-                    "Prometheus metrics. Every flag can also be set with the LMSERVE_* variable shown.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "Prometheus metrics. Every flag can also be set with the LMSERVE_* variable shown.")
     add_arguments(p)
     p.set_defaults(func=run)
 

@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerSettings):
         flag = "--" + f.name.replace("_", "-")
         parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
-                            help=f"{HELP[f.name]} [env {_env_name(f.name)}; default {f.default}]")
+                            help=f"{HELP[f.name]} [env {_env_name(f.name)}"
+                                 + ("]" if f.default is None else f"; default {f.default}]"))
 
 
 def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings:
