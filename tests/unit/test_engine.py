@@ -13,7 +13,7 @@ from lmserve.server.request import FinishReason, Request, RequestValidationError
 from lmserve.server.settings import EngineSettings
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, corpus_prompt, one_torch_thread, full_forward_logits, greedy, greedy_reference, prompt_continuations, random_prompt,
-    random_tiny, results_of, running, trained, trained_model_dir,
+    random_tiny, results_of, running, trained,
 )
 
 

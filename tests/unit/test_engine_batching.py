@@ -19,7 +19,7 @@ from lmserve.server.outputs import GenerationResult
 from lmserve.server.request import Request, SamplingParams
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, corpus_prompt, greedy, greedy_reference, one_torch_thread, prompt_continuations, random_prompt,
-    random_tiny, running, single_torch_thread, trained, trained_model_dir, wait_idle,
+    random_tiny, running, single_torch_thread, trained, wait_idle,
 )
 
 POOL_SIZE = 33  # the target and up to 32 others

@@ -1,7 +1,7 @@
 """Shared builders for the engine tests (this module holds no tests).
 
-Models: the memorizing model trained by lmserve's trainer (tests/fixtures/trained_model.py) and
-small random Llama models that share its sentencepiece tokenizer, both CPU float32.
+Models: the memorizing model trained by lmserve's trainer (tests/fixtures/trained_model.py, a plugin
+of tests/conftest.py) and small random Llama models sharing its sentencepiece tokenizer, CPU float32.
 Oracle: `greedy_reference` decodes by a full forward over the whole sequence at every step
 (no KV cache, no scheduler, no runner), the independent check for the engine's cached path.
 """
@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from fixtures.trained_model import prompt_continuations, trained_model_dir  # noqa: F401 - fixture re-export
+from fixtures.trained_model import prompt_continuations  # noqa: F401 - re-exported for the test modules
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.config import ModelConfig
 from lmserve.model.llama import LlamaForCausalLM
@@ -53,7 +53,7 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def trained(trained_model_dir) -> LoadedModel:  # noqa: F811 - the fixture imported above
+def trained(trained_model_dir) -> LoadedModel:
     """The memorizing model: peaked logits, greedy decoding reproduces its corpus."""
     return load_model(trained_model_dir, dtype=torch.float32, device="cpu")
 
