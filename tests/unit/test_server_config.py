@@ -1,0 +1,42 @@
+"""Server settings: flags beat LMSERVE_* variables beat defaults; bad values are clear errors."""
+
+import argparse
+
+import pytest
+
+from lmserve.server.auth import read_tokens
+from lmserve.server.config import ServerSettings, add_arguments, settings_from_args
+
+
+def parse(argv, env=None):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return settings_from_args(p.parse_args(argv), environ=env or {})
+
+
+def test_defaults_env_and_flag_precedence():
+    assert parse([]) == ServerSettings()
+    s = parse([], {"LMSERVE_PORT": "6000", "LMSERVE_MAX_BATCH": "8", "LMSERVE_KV_CACHE_GB": "1.5"})
+    assert (s.port, s.max_batch, s.kv_cache_gb) == (6000, 8, 1.5)
+    s = parse(["--port", "7000"], {"LMSERVE_PORT": "6000"})
+    assert s.port == 7000
+
+
+def test_bad_values_name_the_flag():
+    with pytest.raises(ValueError, match="--max-batch / LMSERVE_MAX_BATCH: 'lots'"):
+        parse(["--max-batch", "lots"])
+    with pytest.raises(ValueError, match="tls-key"):
+        parse(["--tls-cert", "cert.pem"])
+    with pytest.raises(ValueError, match="mutual TLS"):
+        parse(["--tls-client-ca", "ca.pem"])
+    with pytest.raises(ValueError, match="ports"):
+        parse(["--port", "70000"])
+
+
+def test_token_file_ignores_comments_and_rejects_empty(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text("# ops team\n  alpha  \n\nbeta\n")
+    assert read_tokens(f) == ("alpha", "beta")
+    f.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no token"):
+        read_tokens(f)
