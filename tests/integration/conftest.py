@@ -11,7 +11,6 @@ Every server started through these factories is stopped (SIGTERM, then SIGKILL) 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -19,22 +18,6 @@ from _server import ServerProcess
 
 # Servers stop fast in tests: a drain waits at most this long for in-flight calls.
 TEST_GRACE_PERIOD = 5
-
-
-def _load_trained_model_plugin():
-    """tests/fixtures/trained_model.py, loaded by path (tests/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "fixtures" / "trained_model.py"
-    spec = importlib.util.spec_from_file_location("lmserve_tests_trained_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_trained = _load_trained_model_plugin()
-# Re-exported so this directory works whether or not the top-level conftest registers the plugin.
-trained_model_dir = _trained.trained_model_dir
-training_prompts = _trained.training_prompts
-training_corpus = _trained.training_corpus
 
 
 class _Factory:
