@@ -284,8 +284,10 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, chunk: GenerationChunk | None = None,
                 error: str | None = None) -> None:
-        if reason is FinishReason.ERROR and seq.slot is not None:
-            # a failed request may have left non-finite K/V; masked keys still multiply values (0 * NaN)
+        if seq.slot is not None:
+            # Zero what this request wrote: K/V it left behind may be non-finite (a poisoned prompt
+            # cancelled mid-prefill never showed NaN logits), and masked keys still multiply values
+            # (0 * NaN = NaN) for the slot's next owner. Costs one memset of the written positions.
             self.cache.clear(seq.slot, min(self.cache.max_len, seq.total_len + 1))
         final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
         for obs in self.observers:

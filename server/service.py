@@ -91,10 +91,12 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             return self._render_chat(req.messages, "messages"), "messages"
         raise RequestValidationError([("input", "set one of prompt, token_ids or messages")])
 
-    def _params(self, p: pb.SamplingParams) -> SamplingParams:
+    def _params(self, p: pb.SamplingParams, prompt_len: int) -> SamplingParams:
         s = self.engine.settings
+        # unset max_new_tokens: the server default, shortened to what the cap and the context leave
+        default = max(1, min(s.default_max_new_tokens, s.max_new_tokens_cap, self.engine.max_model_len - prompt_len))
         return SamplingParams(
-            max_new_tokens=p.max_new_tokens or s.default_max_new_tokens,
+            max_new_tokens=p.max_new_tokens or default,
             temperature=p.temperature,
             top_k=p.top_k,
             top_p=p.top_p if p.top_p != 0 else 1.0,
@@ -117,7 +119,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         remaining = context.time_remaining()
         request = Request(
             prompt_ids=ids,
-            params=self._params(req.params),
+            params=self._params(req.params, len(ids)),
             request_id=f"{rid}#{next(self._ids)}",  # unique inside the engine even if callers reuse ids
             deadline=None if remaining is None else time.monotonic() + remaining,
         )

@@ -225,9 +225,6 @@ async def test_health_reports_serving(server):
         assert await client.health() == "SERVING"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server/service.py _params: a request that leaves max_new_tokens 0 gets default_max_new_tokens (256) unclamped, "
-    "so it is rejected when 256 exceeds --max-new-tokens-cap or the context left after the prompt"))
 def test_server_default_max_new_tokens_fits_the_context(server, prompts):
     prefix, continuation = prompts[0]
     with Client(server.target, timeout=60) as client:

@@ -253,12 +253,6 @@ async def test_nan_activations_do_not_reach_the_next_owner_of_the_slot(trained):
     assert short_tokens == ref_short
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: server/engine.py Engine._finish zeroes a slot only when the request finishes with ERROR; a "
-    "request whose K/V turned non-finite during a chunk that produced no logits (chunked prefill) and "
-    "that is then cancelled or expires leaves NaN K/V behind, and the slot's next owner fails when it "
-    "decodes next to a longer sequence. Fix: clear the slot's cached positions on every finish (or on "
-    "allocation), not only on ERROR"))
 @pytest.mark.parametrize("ending", ["cancel", "deadline"])
 async def test_nan_left_by_a_prompt_that_ends_without_an_error_does_not_reach_the_next_owner(trained, ending):
     """A poisoned prompt leaves the engine during chunked prefill, before any logits could show the NaN:
