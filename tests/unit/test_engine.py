@@ -332,3 +332,26 @@ async def test_penalties_see_the_prompt_and_the_tokens_generated_so_far(random_t
                                    + [Request(prompts[0], greedy(30, ignore_eos=True))])
     assert [r.token_ids for r in results[:2]] == refs
     assert results[2].token_ids != refs[0]  # the penalties changed the choice somewhere
+
+
+async def test_kv_budget_limits_the_slots_and_everyone_still_finishes(random_tiny):
+    from lmserve.model.kv_cache import KVCache
+
+    cfg = random_tiny.config
+    per_slot = KVCache.bytes_per_token(cfg, random_tiny.dtype) * 64
+    rng = random.Random(17)
+    prompts = [random_prompt(rng, rng.randint(1, 20), cfg.vocab_size) for _ in range(6)]
+    with running(random_tiny, max_batch=8, max_model_len=64, kv_cache_bytes=2 * per_slot + per_slot // 2) as engine:
+        assert engine.stats().slots_capacity == 2
+        assert engine.stats().kv_cache_bytes == 2 * per_slot
+        results = await results_of(engine, [Request(p, greedy(10, ignore_eos=True)) for p in prompts])
+    for res, p in zip(results, prompts):
+        assert res.token_ids == greedy_reference(random_tiny.model, p, 10)[0]
+    with pytest.raises(ValueError):
+        Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_bytes=per_slot - 1))
+
+
+def test_context_length_is_bounded_by_the_model(random_tiny):
+    engine = Engine(random_tiny, EngineSettings(max_batch=1, max_model_len=100_000))
+    assert engine.max_model_len == random_tiny.config.max_position_embeddings
+    assert Engine(random_tiny, EngineSettings(max_batch=1, max_model_len=50)).max_model_len == 50
