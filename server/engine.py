@@ -85,7 +85,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
-        self._cancels: list[str] = []
+        self._cancels: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
         self._steps = 0
@@ -163,8 +163,10 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Ask the loop to cancel; the slot is free by the next step. Unknown ids are ignored."""
-        with self._lock:
-            self._cancels.append(request_id)
+        with self._lock:  # resolve the id now: a late cancel must not hit a later request reusing it
+            seq = self.scheduler.get(request_id)
+            if seq is not None:
+                self._cancels.append(seq)
         self._wake.set()
 
     # ---- introspection ----------------------------------------------------------------
@@ -206,7 +208,9 @@ class Engine:
         """One engine step; False when there was nothing to do."""
         with self._lock:
             cancels, self._cancels = self._cancels, []
-            cancelled = [s for s in (self.scheduler.cancel(rid) for rid in cancels) if s is not None]
+            cancelled = [s for s in cancels if s.status is not SeqStatus.FINISHED]
+            for seq in cancelled:
+                self.scheduler.finish(seq, FinishReason.CANCELLED)
             batch = self.scheduler.schedule()
         for seq in cancelled:
             self._finish(seq, FinishReason.CANCELLED)

@@ -140,12 +140,6 @@ async def test_cancelling_a_waiting_request_and_unknown_ids(random_tiny):
     assert res.token_ids == greedy_reference(random_tiny.model, prompts[0], 6)[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: server/engine.py Engine.cancel queues the request *id* and _step_once resolves it only at the "
-    "next step, so a cancel aimed at a request that has already finished (e.g. a stream closed just "
-    "after its last token) cancels a new request submitted under the same id before that step. Fix: "
-    "resolve the id to its Sequence under the lock inside cancel() (scheduler.get) and queue the "
-    "Sequence; ids not in flight at that moment are ignored, as documented"))
 async def test_a_stale_cancel_does_not_hit_a_later_request_with_the_same_id(random_tiny):
     gate = threading.Event()
     held = [False]
