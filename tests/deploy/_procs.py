@@ -41,6 +41,7 @@ def render_nginx_conf(shipped: str, backends: list[str], listen_port: int, workd
     temp = "".join(f"    {kind}_temp_path {workdir / kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     text = text.replace("http {\n", "http {\n" + temp, 1)
     text = text.replace("access_log /dev/stdout", f"access_log {workdir / 'access.log'}")
+    text = text.replace("error_log /dev/stderr", f"error_log {workdir / 'error.log'}")
     return text.replace("worker_processes auto;", "worker_processes 1;")
 
 
