@@ -1,7 +1,8 @@
 """Retry policy shared by the sync and asyncio clients.
 
-Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried, with exponential backoff and full
-jitter, and only while nothing was received: once a stream delivered a chunk, a failure
+Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried (plus CANCELLED sent by a server that is
+shutting down, never a cancel of our own), with exponential backoff and full jitter, and only
+while nothing was received: once a stream delivered a chunk, a failure
 is raised to the caller (replaying would duplicate tokens). A call's timeout bounds all
 its attempts together, backoff sleeps included.
 """
@@ -17,6 +18,14 @@ import grpc
 from .errors import DeadlineExceededError, LmserveError
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+LOCAL_CANCEL_DETAILS = "Locally cancelled"  # grpc's text when this process cancelled the call
+
+
+def is_retryable(error: LmserveError) -> bool:
+    """UNAVAILABLE, RESOURCE_EXHAUSTED, or CANCELLED by the server (a replica stopping mid-handshake)."""
+    if error.code in RETRYABLE_CODES:
+        return True
+    return error.code == grpc.StatusCode.CANCELLED and LOCAL_CANCEL_DETAILS not in (error.message or "")
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class RetryState:
 
         ``received`` says whether the failed attempt delivered any response message.
         """
-        if received or error.code not in RETRYABLE_CODES or self.attempt > self._policy.max_retries:
+        if received or not is_retryable(error) or self.attempt > self._policy.max_retries:
             raise error
         delay = self._policy.backoff(self.attempt, self._rng)
         if error.retry_delay is not None:

@@ -134,7 +134,10 @@ def is_verified(path: Path, sha256: str) -> bool:
     digest = sha256_file(path)
     if digest != sha256:
         return False
-    _write_atomic(_sidecar(path), json.dumps(_stamp(path, digest)).encode())
+    try:  # remember the digest; a read-only models dir only costs a re-hash next time
+        _write_atomic(_sidecar(path), json.dumps(_stamp(path, digest)).encode())
+    except OSError:
+        pass
     return True
 
 

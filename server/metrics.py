@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
+from .request import FinishReason
+
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
 
@@ -45,6 +47,8 @@ class Metrics:
                                 ["status", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("lmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("lmserve_generated_tokens", "Tokens generated", registry=r)
+        for reason in FinishReason:  # every series exists from the start, so rate() counts the first ones
+            self.requests.labels(status=request_status(reason), finish_reason=reason.value)
         r.register(_LiveCollector(self))
         engine.observers.append(self)
 
@@ -59,9 +63,7 @@ class Metrics:
             self.itl.observe(gap_seconds)
 
     def on_finish(self, seq, final) -> None:
-        reason = final.finish_reason.value
-        status = {"error": "error", "cancelled": "cancelled", "deadline": "deadline_exceeded"}.get(reason, "ok")
-        self.requests.labels(status=status, finish_reason=reason).inc()
+        self.requests.labels(status=request_status(final.finish_reason), finish_reason=final.finish_reason.value).inc()
         if seq.first_scheduled is not None:
             self.queue.observe(final.timings.queue_seconds)
         if seq.first_token is not None:
@@ -74,6 +76,12 @@ class Metrics:
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Start the /metrics HTTP endpoint on its own thread; returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+def request_status(reason: FinishReason) -> str:
+    """The final status label of a request that finished for `reason`."""
+    return {FinishReason.ERROR: "error", FinishReason.CANCELLED: "cancelled",
+            FinishReason.DEADLINE: "deadline_exceeded"}.get(reason, "ok")
 
 
 class _LiveCollector:

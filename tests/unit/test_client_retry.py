@@ -126,3 +126,11 @@ async def test_async_stream_failing_after_tokens_is_not_retried():
                     received.append(chunk.text)
         assert srv.servicer.attempts["GenerateStream"] == 1
     assert received == script.stream_words
+
+
+def test_server_cancel_is_retried_but_a_local_cancel_is_not():
+    from lmserve.client._retry import is_retryable
+    from lmserve.client.errors import CancelledError
+
+    assert is_retryable(CancelledError("CANCELLED", code=grpc.StatusCode.CANCELLED))  # replica stopping
+    assert not is_retryable(CancelledError("Locally cancelled by application!", code=grpc.StatusCode.CANCELLED))
