@@ -74,6 +74,35 @@ async def test_sigterm_drains_in_flight_streams(start_server, trained_model_dir)
     assert "Traceback" not in server.log and "grace period over" not in server.log
 
 
+async def test_calls_left_when_the_grace_period_ends_fail_retryably(start_server, trained_model_dir):
+    """--grace-period 1 with ~STREAMS x 80 decode steps queued: the process still exits 0, and every call it
+    could not finish fails with UNAVAILABLE (a waiting one before any message), never a non-retryable code."""
+    server = start_server(trained_model_dir, threads=1, max_batch=SLOTS, grace_period=1)
+    async with server.aio_channel() as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        calls = [stub.GenerateStream(pb.GenerateRequest(prompt="The baker", params=LONG), timeout=120)
+                 for _ in range(STREAMS)]
+        head = await calls[0].read()
+        assert head is not grpc.aio.EOF
+        server.signal(signal.SIGTERM)
+        results = await asyncio.gather(*(read_all(c) for c in calls))
+    assert server.wait(timeout=60) == 0
+
+    cut = 0
+    for i, (msgs, err) in enumerate(results):
+        if err is None:
+            assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert len(msgs) + (i == 0) == LONG.max_new_tokens
+            continue
+        cut += 1
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, (i, err.code(), err.details())
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs)
+    over = re.search(r"grace period over with (\d+) call\(s\) still in flight", server.log)
+    assert cut <= (int(over.group(1)) if over else 0), server.log_tail()
+    assert "Traceback" not in server.log
+
+
 WATCH_BUG = ("server/app.py uses the thread-based grpc_health.v1.health.HealthServicer on a grpc.aio server: each Watch "
              "blocks a worker thread for good, even after the client cancels, so a few watchers starve Check and "
              "the process hangs at exit; use grpc_health.v1.health.aio.HealthServicer (await health.set)")
