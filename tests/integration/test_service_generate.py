@@ -111,6 +111,29 @@ def test_logprobs_are_consistent(stub):
         assert lp.top[0].token_id == lp.token_id and lp.top[0].logprob == pytest.approx(lp.logprob)  # greedy
 
 
+def test_logprobs_zero_gives_the_chosen_tokens_only(stub):
+    p = pb.SamplingParams(max_new_tokens=6, logprobs=0, ignore_eos=True)
+    res = assert_stream_equals_unary(stub, pb.GenerateRequest(request_id="lp0", prompt="A red fox", params=p))
+    assert [lp.token_id for lp in res.logprobs] == list(res.token_ids)
+    assert all(not lp.top and lp.logprob <= 0 for lp in res.logprobs)
+    plain = stub.Generate(pb.GenerateRequest(prompt="A red fox", params=pb.SamplingParams(max_new_tokens=6)), timeout=60)
+    assert not plain.logprobs
+
+
+def test_concurrent_calls_may_share_a_request_id(trained_server, training_prompts):
+    """Ids are the caller's business: two streams with one id each get their own tokens and the id echoed."""
+    (p1, c1), (p2, c2) = training_prompts[0], training_prompts[3]
+    with trained_server.channel() as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        params = pb.SamplingParams(max_new_tokens=100)
+        a = stub.GenerateStream(pb.GenerateRequest(request_id="same", prompt=p1, params=params), timeout=60)
+        b = stub.GenerateStream(pb.GenerateRequest(request_id="same", prompt=p2, params=params), timeout=60)
+        first_a = next(a)  # both are in flight together
+        msgs_b, msgs_a = list(b), [first_a, *a]
+    assert "".join(m.text for m in msgs_a) == c1 and "".join(m.text for m in msgs_b) == c2
+    assert {m.request_id for m in msgs_a + msgs_b} == {"same"}
+
+
 def test_token_ids_input_equals_text_input(stub, trained_model_dir):
     text = "The lighthouse keeper climbed"
     tok = stub.Tokenize(pb.TokenizeRequest(text=text), timeout=10)
