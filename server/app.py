@@ -51,28 +51,29 @@ class Server:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.service = TextGenerationService()
-        self.health = health.HealthServicer()
+        self.health = health.aio.HealthServicer()  # the blocking one would pin a Watch thread at exit
         self.engine = None
         self.metrics = None
         self._metrics_http = None
         self._stop = asyncio.Event()
+        self._watchdog: asyncio.Task | None = None
         interceptors = [BearerAuthInterceptor(read_tokens(settings.auth_tokens_file))] if settings.auth_tokens_file else []
         self.grpc = grpc.aio.server(options=grpc_options(settings), interceptors=interceptors)
         lmserve_pb2_grpc.add_TextGenerationServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self._set_health(False)
         addr = f"{settings.host}:{settings.port}"
         creds = server_credentials(settings)
         self.port = self.grpc.add_secure_port(addr, creds) if creds else self.grpc.add_insecure_port(addr)
 
-    def _set_health(self, serving: bool) -> None:
+    async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
     async def start(self) -> None:
         """Listen at once (health says NOT_SERVING), then load the model off the event loop."""
+        await self._set_health(False)
         await self.grpc.start()
         t0 = time.monotonic()
         self.engine, self.metrics = await asyncio.to_thread(self._load)
@@ -80,7 +81,7 @@ class Server:
         self.service.attach(self.engine, self.engine.loaded.config.name if s.model.endswith((".gguf", "/")) else s.model)
         if s.metrics_port:
             self._metrics_http = self.metrics.serve(s.metrics_port, s.metrics_host or s.host)
-        self._set_health(True)
+        await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
         log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, %d slots, metrics %s) ready in %.1fs",
@@ -113,7 +114,7 @@ class Server:
         """Health follows the engine: NOT_SERVING when its loop is dead or stuck, or while draining."""
         while True:
             h = self.engine.health()
-            self._set_health(h.ok and not self.service.draining)
+            await self._set_health(h.ok and not self.service.draining)
             if not h.ok:
                 log.error("engine unhealthy: %s", h.detail)
             await asyncio.sleep(HEALTH_CHECK_INTERVAL)
@@ -125,15 +126,16 @@ class Server:
         """NOT_SERVING, refuse new calls (UNAVAILABLE), let in-flight ones finish within the grace period."""
         s = self.settings
         self.service.draining = True
-        self._set_health(False)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await self._set_health(False)
         if self.engine is not None:
             self.engine.stop_accepting()
         log.info("draining: %d call(s) in flight, grace period %.0fs", self.service.in_flight, s.grace_period)
         idle = await self.service.wait_idle(s.grace_period)
         if not idle:
             log.warning("grace period over with %d call(s) still in flight", self.service.in_flight)
-        if getattr(self, "_watchdog", None):
-            self._watchdog.cancel()
+        await self.health.enter_graceful_shutdown()  # ends open Watch streams with NOT_SERVING
         await self.grpc.stop(grace=1.0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
