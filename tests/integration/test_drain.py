@@ -10,7 +10,6 @@ import re
 import signal
 
 import grpc
-import pytest
 from _server import UNREACHABLE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -103,16 +102,10 @@ async def test_calls_left_when_the_grace_period_ends_fail_retryably(start_server
     assert "Traceback" not in server.log
 
 
-WATCH_BUG = ("server/app.py uses the thread-based grpc_health.v1.health.HealthServicer on a grpc.aio server: each Watch "
-             "blocks a worker thread for good, even after the client cancels, so a few watchers starve Check and "
-             "the process hangs at exit; use grpc_health.v1.health.aio.HealthServicer (await health.set)")
-
-
 def watch(channel, timeout):
     return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
 
 
-@pytest.mark.xfail(strict=True, reason=WATCH_BUG)
 def test_cancelled_health_watches_leave_health_checks_working(start_server, trained_model_dir):
     server = start_server(trained_model_dir, threads=1, metrics_port=None)
     try:
@@ -126,7 +119,6 @@ def test_cancelled_health_watches_leave_health_checks_working(start_server, trai
         server.kill()
 
 
-@pytest.mark.xfail(strict=True, reason=WATCH_BUG)
 def test_health_watcher_sees_not_serving_and_the_server_still_exits(start_server, trained_model_dir):
     server = start_server(trained_model_dir, threads=1, metrics_port=None)
     try:
