@@ -108,7 +108,7 @@ class AsyncClient(ClientBase):
         return parse_model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
     async def health(self, service: str = "", *, timeout: Any = DEFAULT) -> str:
-        """Standard gRPC health status: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+        """Standard gRPC health status: "SERVING", "NOT_SERVING" or "UNKNOWN"; a service the server does not know raises InternalError (NOT_FOUND)."""
         try:
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=service),

@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _report(error: LmserveError) -> None:
     code = error.code.name if error.code is not None else "ERROR"
-    print(f"lmserve: {code}: {error.message}", file=sys.stderr)
+    # the server's message already lists the violations; print them once, one per line
+    summary = "invalid request" if error.field_violations else error.message
+    print(f"lmserve: {code}: {summary}", file=sys.stderr)
     for field, description in error.field_violations:
         print(f"  {field}: {description}", file=sys.stderr)
 

@@ -117,7 +117,7 @@ class Client(ClientBase):
         return parse_model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
     def health(self, service: str = "", *, timeout: Any = DEFAULT) -> str:
-        """Standard gRPC health status: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN".
+        """Standard gRPC health status: "SERVING", "NOT_SERVING" or "UNKNOWN"; a service the server does not know raises InternalError (NOT_FOUND).
 
         Not retried: it reports the server's state now. An unreachable server raises
         :class:`~lmserve.client.errors.UnavailableError`.
