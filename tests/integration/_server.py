@@ -140,7 +140,7 @@ class ServerProcess:
             try:
                 self.wait_ready()
                 return self.target
-            except ServerStartError as exc:
+            except ServerStartError:
                 if self.proc.poll() is None or not any(m in self.log for m in BIND_ERRORS) or attempt == attempts - 1:
                     raise
                 self._reset()

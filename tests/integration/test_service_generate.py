@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import grpc
 import pytest
 import sentencepiece as spm
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -180,9 +179,8 @@ def test_max_new_tokens_ends_with_length(stub):
     res = assert_stream_equals_unary(stub, pb.GenerateRequest(request_id="len", prompt="The baker", params=p))
     assert res.finish_reason == pb.FINISH_REASON_LENGTH and res.usage.completion_tokens == 7
 
-
-
 def test_server_assigns_a_request_id_when_empty(stub):
+    """The proto promises a server-assigned id when the caller sends none, the same on every chunk."""
     p = pb.SamplingParams(max_new_tokens=3)
     res = stub.Generate(pb.GenerateRequest(prompt="The baker", params=p), timeout=60)
     msgs = stream_all(stub, pb.GenerateRequest(prompt="The baker", params=p))
