@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmserve.v1 import lmserve_pb2 as pb
+from grpc_health.v1 import health_pb2_grpc
 
-from ._channel import Connection
+from lmserve.v1 import lmserve_pb2 as pb
+from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
+
+from ._channel import Connection, channel_options
 from ._convert import build_generate_request, resolve_params
 from ._retry import RetryPolicy
 from .types import SamplingParams
@@ -16,20 +19,26 @@ DEFAULT = object()
 
 
 class ClientBase:
-    """Holds connection settings, default timeout and retry policy; builds requests."""
+    """Holds connection settings, default timeout and retry policy; opens the channel; builds requests.
+
+    Subclasses set ``_grpc`` to the ``grpc`` module (blocking) or ``grpc.aio``: that is the only
+    difference in how the two clients connect.
+    """
+
+    _grpc: Any
 
     def __init__(
         self,
-        target: str,
+        target: str = "localhost:50051",
         *,
-        tls: bool,
-        ca_file: str | None,
-        client_cert: str | None,
-        client_key: str | None,
-        token: str | None,
-        timeout: float | None,
-        max_retries: int,
-        retry_policy: RetryPolicy | None,
+        tls: bool = False,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        retry_policy: RetryPolicy | None = None,
     ) -> None:
         self.connection = Connection(
             target=target, tls=tls, ca_file=ca_file, client_cert=client_cert, client_key=client_key, token=token
@@ -37,6 +46,13 @@ class ClientBase:
         self.default_timeout = timeout
         self.retry_policy = retry_policy or RetryPolicy(max_retries=max_retries)
         self._metadata = self.connection.metadata()
+        credentials = self.connection.credentials()
+        if credentials is None:
+            self._channel = self._grpc.insecure_channel(target, options=channel_options())
+        else:
+            self._channel = self._grpc.secure_channel(target, credentials, options=channel_options())
+        self._stub = pb_grpc.TextGenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     @property
     def target(self) -> str:

@@ -7,13 +7,11 @@ from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 from ._base import DEFAULT, ClientBase
-from ._channel import channel_options
 from ._convert import (
     build_tokenize_request,
     parse_generate_response,
@@ -21,7 +19,6 @@ from ._convert import (
     parse_stream_response,
     parse_tokenize_response,
 )
-from ._retry import RetryPolicy
 from .errors import error_from_rpc
 from .types import GenerationResult, ModelInfo, SamplingParams, StreamChunk, TokenizeResult
 
@@ -47,30 +44,7 @@ class Client(ClientBase):
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(
-        self,
-        target: str = "localhost:50051",
-        *,
-        tls: bool = False,
-        ca_file: str | None = None,
-        client_cert: str | None = None,
-        client_key: str | None = None,
-        token: str | None = None,
-        timeout: float | None = None,
-        max_retries: int = 3,
-        retry_policy: RetryPolicy | None = None,
-    ) -> None:
-        super().__init__(
-            target, tls=tls, ca_file=ca_file, client_cert=client_cert, client_key=client_key,
-            token=token, timeout=timeout, max_retries=max_retries, retry_policy=retry_policy,
-        )
-        credentials = self.connection.credentials()
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=channel_options())
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options())
-        self._stub = pb_grpc.TextGenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _grpc = grpc
 
     # ------------------------------------------------------------ public API
 

@@ -113,7 +113,7 @@ def _scrape(port: int) -> dict[str, float]:
 def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len) -> dict:
     """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
     from lmserve.client import Client
-    from lmserve.client.bench import BenchConfig, WorkItem, run_bench, synthetic_workload
+    from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
     port, mport = _free_port(), _free_port()

@@ -23,7 +23,7 @@ from .processor import OutputProcessor
 from .request import FinishReason, Request, RequestValidationError
 from .runner import ModelRunner
 from .sampler import Sampler, make_generator
-from .scheduler import QueueFullError, ScheduledBatch, Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 
