@@ -135,10 +135,12 @@ class Server:
         idle = await self.service.wait_idle(s.grace_period)
         if not idle:
             log.warning("grace period over with %d call(s) still in flight", self.service.in_flight)
+        if self.engine is not None:
+            # what is still running ends with UNAVAILABLE (retryable before its first token)
+            await asyncio.to_thread(self.engine.shutdown)
+            await self.service.wait_idle(5.0)  # let the handlers send those statuses
         await self.health.enter_graceful_shutdown()  # ends open Watch streams with NOT_SERVING
         await self.grpc.stop(grace=1.0)
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
         if self._metrics_http is not None:
             self._metrics_http[0].shutdown()
         log.info("stopped")

@@ -200,9 +200,9 @@ class Engine:
             with self._lock:
                 seqs = [*self.scheduler.waiting, *self.scheduler.running]
                 for seq in seqs:
-                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    self.scheduler.finish(seq, FinishReason.SHUTDOWN)
             for seq in seqs:
-                self._finish(seq, FinishReason.ERROR, error="the server is shutting down")
+                self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")
 
     def _step_once(self) -> bool:
         """One engine step; False when there was nothing to do."""

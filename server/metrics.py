@@ -81,7 +81,7 @@ class Metrics:
 def request_status(reason: FinishReason) -> str:
     """The final status label of a request that finished for `reason`."""
     return {FinishReason.ERROR: "error", FinishReason.CANCELLED: "cancelled",
-            FinishReason.DEADLINE: "deadline_exceeded"}.get(reason, "ok")
+            FinishReason.DEADLINE: "deadline_exceeded", FinishReason.SHUTDOWN: "unavailable"}.get(reason, "ok")
 
 
 class _LiveCollector:

@@ -31,6 +31,7 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+    SHUTDOWN = "shutdown"  # the engine stopped before the request finished (retryable elsewhere)
 
 
 @dataclass(frozen=True)

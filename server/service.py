@@ -161,6 +161,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.in_flight += 1
         try:
             async for chunk in stream:
+                if chunk.finish_reason is FinishReason.SHUTDOWN:
+                    raise EdgeError(grpc.StatusCode.UNAVAILABLE, "the server stopped before this request finished; retry")
                 if chunk.finish_reason is FinishReason.ERROR:
                     raise EdgeError(grpc.StatusCode.INTERNAL, chunk.error or "generation failed")
                 if chunk.finish_reason is FinishReason.DEADLINE:

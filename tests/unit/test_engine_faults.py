@@ -503,7 +503,7 @@ async def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(random_tin
     finally:
         gate.set()
         engine_cm.__exit__(None, None, None)
-    assert chunks[-1].finish_reason is FinishReason.ERROR and "shutting down" in chunks[-1].error
+    assert chunks[-1].finish_reason is FinishReason.SHUTDOWN and "shutting down" in chunks[-1].error
     assert len(chunks[-1].token_ids) + sum(len(c.token_ids) for c in chunks[:-1]) < 50
     assert not engine.health().alive
 
