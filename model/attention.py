@@ -72,6 +72,25 @@ class AttentionMetadata:
         return cls(q_lens=q_lens, mask=cls.causal_padded(q_lens, L))
 
     @classmethod
+    def packed(cls, slots: Tensor, q_lens: Tensor) -> tuple["AttentionMetadata", Tensor]:
+        """Fresh prompts (all from position 0) packed into ONE row with no padding at all.
+
+        Token t of the row belongs to sequence seg[t]; it sees key u iff u <= t and seg[u] == seg[t]
+        (causal AND same sequence). Returns the metadata and positions [1, T] (each sequence's own
+        0, 1, 2, ...). K/V go to each sequence's slot as with `for_cache`.
+        """
+        device = q_lens.device
+        T = int(q_lens.sum())
+        ar = torch.arange(T, device=device)
+        seg = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=device), q_lens)  # [T]
+        pos = ar - (torch.cumsum(q_lens, 0) - q_lens)[seg]  # [T]
+        mask = (seg[:, None] == seg[None, :]) & (ar[None, :] <= ar[:, None])  # [T, T]
+        meta = cls(q_lens=torch.full((1,), T, device=device), mask=mask[None, None], read_cache=False,
+                   slots=slots, starts=torch.zeros_like(slots), write_b=torch.zeros_like(ar), write_j=ar,
+                   write_slot=slots[seg], write_pos=pos)
+        return meta, pos[None]
+
+    @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
 

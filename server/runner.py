@@ -34,6 +34,8 @@ class ModelRunner:
 
     def _prefill(self, batch: ScheduledBatch) -> Tensor:
         chunks = batch.prefill
+        if all(c.start == 0 for c in chunks):
+            return self._prefill_packed(batch)
         L = max(c.length for c in chunks)
         ids = torch.zeros(len(chunks), L, dtype=torch.long)
         for b, c in enumerate(chunks):
@@ -45,6 +47,16 @@ class ModelRunner:
         last = self._tensor([b * L + c.length - 1 for b, c in enumerate(chunks) if c.completes_prompt])
         logits = self.model(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
         return logits
+
+    def _prefill_packed(self, batch: ScheduledBatch) -> Tensor:
+        """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
+        chunks = batch.prefill
+        ids = torch.tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]], dtype=torch.long)
+        q_lens = self._tensor([c.length for c in chunks])  # [B]
+        meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]), q_lens)
+        ends = torch.cumsum(q_lens, 0) - 1  # [B] last token of each prompt in the row
+        last = ends[[i for i, c in enumerate(chunks) if c.completes_prompt]]
+        return self.model(ids[None].to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
 
     def _decode(self, batch: ScheduledBatch) -> Tensor:
         seqs = batch.decode
