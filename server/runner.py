@@ -9,7 +9,7 @@ from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 
-from .scheduler import ScheduledBatch
+from .scheduler import PrefillChunk, ScheduledBatch
 
 
 class ModelRunner:
@@ -17,7 +17,6 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
-        self.max_pos = model.config.max_position_embeddings - 1
 
     def _tensor(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -33,24 +32,31 @@ class ModelRunner:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill(self, batch: ScheduledBatch) -> Tensor:
+        """New prompts go packed in one forward; a chunk continuing a long prompt runs on its own, so
+        its cache view spans one slot (a shared view would span every slot in between)."""
         chunks = batch.prefill
-        if all(c.start == 0 for c in chunks):
-            return self._prefill_packed(batch)
-        L = max(c.length for c in chunks)
-        ids = torch.zeros(len(chunks), L, dtype=torch.long)
-        for b, c in enumerate(chunks):
-            ids[b, : c.length] = torch.tensor(c.seq.request.prompt_ids[c.start: c.start + c.length])
-        starts = self._tensor([c.start for c in chunks])  # [B]
-        q_lens = self._tensor([c.length for c in chunks])  # [B]
-        positions = (starts[:, None] + torch.arange(L, device=self.device)[None, :]).clamp_(max=self.max_pos)  # [B, L]
-        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot for c in chunks]), starts, q_lens, L)
-        last = self._tensor([b * L + c.length - 1 for b, c in enumerate(chunks) if c.completes_prompt])
-        logits = self.model(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
+        fresh = [c for c in chunks if c.start == 0]
+        parts = [self._prefill_continued(c) for c in chunks if c.start > 0]
+        if fresh:
+            parts.append(self._prefill_packed(fresh))
+        order = [c for c in chunks if c.start > 0] + fresh  # logits rows follow batch.prefill's order
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if order != chunks:
+            done = [c for c in order if c.completes_prompt]
+            logits = logits[[done.index(c) for c in chunks if c.completes_prompt]]
         return logits
 
-    def _prefill_packed(self, batch: ScheduledBatch) -> Tensor:
+    def _prefill_continued(self, c: PrefillChunk) -> Tensor:
+        """The next chunk of a prompt whose beginning is already cached: attends to it in place."""
+        ids = torch.tensor(c.seq.request.prompt_ids[c.start: c.start + c.length], dtype=torch.long)[None]  # [1, L]
+        starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
+        positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
+        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length)
+        last = self._tensor([c.length - 1] if c.completes_prompt else [])
+        return self.model(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [0 or 1, V]
+
+    def _prefill_packed(self, chunks: list[PrefillChunk]) -> Tensor:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
-        chunks = batch.prefill
         ids = torch.tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]], dtype=torch.long)
         q_lens = self._tensor([c.length for c in chunks])  # [B]
         meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]), q_lens)
