@@ -304,3 +304,14 @@ def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
             detail.Unpack(bad)
             out += [(v.field, v.description) for v in bad.field_violations]
     return out
+
+
+async def read_stream(call) -> tuple[list, "grpc.aio.AioRpcError | None"]:
+    """Read a grpc.aio stream to its end: (messages, the error that ended it or None)."""
+    messages = []
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            messages.append(msg)
+    except grpc.aio.AioRpcError as exc:
+        return messages, exc
+    return messages, None

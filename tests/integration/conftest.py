@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 from _server import ServerProcess
 
 # Servers stop fast in tests: a drain waits at most this long for in-flight calls.
@@ -75,3 +76,16 @@ def trained_server_flags() -> dict:
 def trained_server(start_session_server, trained_model_dir) -> ServerProcess:
     """The trained model served with TRAINED_SERVER_FLAGS and /metrics, shared by every module that asks."""
     return start_session_server(trained_model_dir, **TRAINED_SERVER_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def server(trained_server):
+    """The shared trained-model server, checked idle at the start of a module."""
+    trained_server.wait_idle()
+    return trained_server
+
+
+@pytest.fixture(scope="module")
+def sp(trained_model_dir):
+    """The trained model's own sentencepiece model: an independent tokenizer oracle."""
+    return spm.SentencePieceProcessor(model_file=str(trained_model_dir / "tokenizer.model"))

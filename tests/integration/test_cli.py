@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 from _server import free_port
 
 from lmserve.v1 import lmserve_pb2 as pb
@@ -40,17 +39,6 @@ def lmserve(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.stderr.strip().splitlines()
-
-
-@pytest.fixture(scope="module")
-def server(trained_server):
-    trained_server.wait_idle()
-    return trained_server
-
-
-@pytest.fixture(scope="module")
-def sp(trained_model_dir):
-    return spm.SentencePieceProcessor(model_file=str(trained_model_dir / "tokenizer.model"))
 
 
 def test_generate_prints_the_memorized_continuation(server, training_prompts):

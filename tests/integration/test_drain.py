@@ -10,7 +10,7 @@ import re
 import signal
 
 import grpc
-from _server import UNREACHABLE
+from _server import UNREACHABLE, read_stream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmserve.v1 import lmserve_pb2 as pb
@@ -21,15 +21,6 @@ STREAMS = 10  # one decodes at a time, so most are still waiting in the queue wh
 GRACE = 60
 LONG = pb.SamplingParams(max_new_tokens=80, ignore_eos=True)
 
-
-async def read_all(call) -> tuple[list[pb.GenerateStreamResponse], grpc.aio.AioRpcError | None]:
-    messages = []
-    try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            messages.append(msg)
-    except grpc.aio.AioRpcError as exc:
-        return messages, exc
-    return messages, None
 
 
 async def test_sigterm_drains_in_flight_streams(start_server, trained_model_dir):
@@ -50,7 +41,7 @@ async def test_sigterm_drains_in_flight_streams(start_server, trained_model_dir)
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
         states.append(await asyncio.to_thread(server.health, "lmserve.v1.TextGeneration"))
-        results = await asyncio.gather(*(read_all(c) for c in calls))
+        results = await asyncio.gather(*(read_stream(c) for c in calls))
     assert states == ["NOT_SERVING", "NOT_SERVING"], "health while draining"
 
     outputs = []
@@ -85,7 +76,7 @@ async def test_calls_left_when_the_grace_period_ends_fail_retryably(start_server
         head = await calls[0].read()
         assert head is not grpc.aio.EOF
         server.signal(signal.SIGTERM)
-        results = await asyncio.gather(*(read_all(c) for c in calls))
+        results = await asyncio.gather(*(read_stream(c) for c in calls))
     assert server.wait(timeout=60) == 0
 
     cut = 0

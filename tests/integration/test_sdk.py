@@ -14,7 +14,6 @@ import dataclasses
 import json
 
 import pytest
-import sentencepiece as spm
 from test_security import TOKENS, creds, pki  # noqa: F401  (pki: the module's certificate fixture)
 
 import lmserve
@@ -72,17 +71,6 @@ class RecordingPolicy(RetryPolicy):
 
 def fast_retries(max_retries: int = 1000) -> RecordingPolicy:
     return RecordingPolicy(max_retries=max_retries, initial_backoff=0.01, max_backoff=0.1)
-
-
-@pytest.fixture(scope="module")
-def server(trained_server):
-    trained_server.wait_idle()
-    return trained_server
-
-
-@pytest.fixture(scope="module")
-def sp(trained_model_dir):
-    return spm.SentencePieceProcessor(model_file=str(trained_model_dir / "tokenizer.model"))
 
 
 @pytest.fixture(scope="module")

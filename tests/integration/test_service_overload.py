@@ -7,6 +7,8 @@ import asyncio
 import grpc
 import pytest
 
+from _server import read_stream
+
 from lmserve.client import Client, OverloadedError
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
@@ -20,16 +22,6 @@ def server(start_module_server, trained_model_dir):
     return start_module_server(trained_model_dir, threads=1, max_batch=1, max_queue=MAX_QUEUE)
 
 
-async def drain(call) -> tuple[list[pb.GenerateStreamResponse], grpc.aio.AioRpcError | None]:
-    """Read a stream to its end: (messages, the error that ended it or None)."""
-    messages = []
-    try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            messages.append(msg)
-    except grpc.aio.AioRpcError as exc:
-        return messages, exc
-    return messages, None
-
 
 async def test_excess_streams_are_rejected_before_any_message(server):
     async with server.aio_channel() as channel:
@@ -40,7 +32,7 @@ async def test_excess_streams_are_rejected_before_any_message(server):
 
         calls = [stub.GenerateStream(pb.GenerateRequest(request_id=f"r{i}", prompt="The baker", params=LONG),
                                      timeout=120) for i in range(1, 6)]
-        results = await asyncio.gather(drain(first), *(drain(c) for c in calls))
+        results = await asyncio.gather(read_stream(first), *(read_stream(c) for c in calls))
 
     rejected = [(msgs, err) for msgs, err in results if err is not None]
     admitted = [msgs for msgs, err in results if err is None]
