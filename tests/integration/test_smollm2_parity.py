@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor
 from torch.testing import assert_close
 
 from lmserve.model.attention import AttentionMetadata
