@@ -250,52 +250,63 @@ async def test_an_output_processing_error_fails_only_its_request(random_tiny):
     assert alive
 
 
-async def test_nan_activations_do_not_reach_the_next_owner_of_the_slot(trained):
-    loaded = tiny_loaded(trained.tokenizer, seed=3)
-    rng = random.Random(8)
+# Two requests that must not see a poisoned predecessor's slot: ids drawn from rng seed 8.
+_CLEAN_RNG_SEED = 8
+
+
+def _clean_pair(loaded):
+    rng = random.Random(_CLEAN_RNG_SEED)
     vocab = loaded.config.vocab_size
-    short, long_ = random_prompt(rng, 3, vocab), random_prompt(rng, 40, vocab)
-    ref_short = greedy_reference(loaded.model, short, 20)[0]
-    ref_long = greedy_reference(loaded.model, long_, 20)[0]
-    used = set(short) | set(long_) | set(ref_short) | set(ref_long)
+    return rng, random_prompt(rng, 3, vocab), random_prompt(rng, 40, vocab)
+
+
+def poisoned_model(trained, poisoned_len: int):
+    """A tiny untied model whose embedding row for one token is NaN (logit rows stay finite), and a
+    prompt of `poisoned_len` tokens holding that token; the token is absent from the clean pair and
+    from its greedy outputs."""
+    loaded = tiny_loaded(trained.tokenizer, seed=3)
+    rng, short, long_ = _clean_pair(loaded)
+    used = set(short) | set(long_)
+    for p in (short, long_):
+        used |= set(greedy_reference(loaded.model, p, 20)[0])
+    vocab = loaded.config.vocab_size
     poison = next(t for t in range(vocab - 1, 0, -1) if t not in used)
     with torch.no_grad():
-        loaded.model.model.embed_tokens.weight[poison] = float("nan")  # untied: logits rows stay finite
-    poisoned_prompt = random_prompt(rng, 24, vocab)
+        loaded.model.model.embed_tokens.weight[poison] = float("nan")
+    poisoned_prompt = random_prompt(rng, poisoned_len, vocab)
     poisoned_prompt[2] = poison
+    return loaded, poisoned_prompt
+
+
+async def assert_next_owner_is_clean(engine, loaded):
+    """After the poisoned request left: a short request takes its freed slot 0 while a long one shares
+    its decode steps; both give exactly their greedy reference tokens."""
+    await wait_idle(engine)
+    _, short, long_ = _clean_pair(loaded)
+    stream = engine.generate(Request(short, greedy(20, ignore_eos=True), request_id="short"))
+    first = await stream.__anext__()
+    long_task = asyncio.ensure_future(collect(engine, Request(long_, greedy(20, ignore_eos=True))))
+    rest = [c async for c in stream]
+    long_res, _ = await long_task
+    assert long_res.token_ids == greedy_reference(loaded.model, long_, 20)[0]
+    assert rest[-1].finish_reason is FinishReason.LENGTH, rest[-1].error
+    assert [t for c in [first, *rest] for t in c.token_ids] == greedy_reference(loaded.model, short, 20)[0]
+
+
+async def test_nan_activations_do_not_reach_the_next_owner_of_the_slot(trained):
+    loaded, poisoned_prompt = poisoned_model(trained, 24)
 
     with running(loaded, max_batch=2) as engine:
         bad, _ = await collect(engine, Request(poisoned_prompt, greedy(5), request_id="poisoned"))
         assert bad.finish_reason is FinishReason.ERROR  # it fails, alone
-        await wait_idle(engine)
-        # the short request takes the freed slot 0; the long one shares its decode steps
-        stream = engine.generate(Request(short, greedy(20, ignore_eos=True), request_id="short"))
-        first = await stream.__anext__()
-        long_task = asyncio.ensure_future(collect(engine, Request(long_, greedy(20, ignore_eos=True))))
-        rest = [c async for c in stream]
-        long_res, _ = await long_task
-    short_tokens = [t for c in [first, *rest] for t in c.token_ids]
-    assert long_res.token_ids == ref_long
-    assert rest[-1].finish_reason is FinishReason.LENGTH, rest[-1].error
-    assert short_tokens == ref_short
+        await assert_next_owner_is_clean(engine, loaded)
 
 
 @pytest.mark.parametrize("ending", ["cancel", "deadline"])
 async def test_nan_left_by_a_prompt_that_ends_without_an_error_does_not_reach_the_next_owner(trained, ending):
     """A poisoned prompt leaves the engine during chunked prefill, before any logits could show the NaN:
     it finishes CANCELLED or DEADLINE, not ERROR, yet its slot holds NaN K/V all the same."""
-    loaded = tiny_loaded(trained.tokenizer, seed=3)
-    rng = random.Random(8)
-    vocab = loaded.config.vocab_size
-    short, long_ = random_prompt(rng, 3, vocab), random_prompt(rng, 40, vocab)
-    ref_short = greedy_reference(loaded.model, short, 20)[0]
-    ref_long = greedy_reference(loaded.model, long_, 20)[0]
-    used = set(short) | set(long_) | set(ref_short) | set(ref_long)
-    poison = next(t for t in range(vocab - 1, 0, -1) if t not in used)
-    with torch.no_grad():
-        loaded.model.model.embed_tokens.weight[poison] = float("nan")
-    poisoned_prompt = random_prompt(rng, 40, vocab)
-    poisoned_prompt[2] = poison
+    loaded, poisoned_prompt = poisoned_model(trained, 40)
 
     with running(loaded, max_batch=2, token_budget=16) as engine:
         shift = shifted_clock(engine)
@@ -312,15 +323,7 @@ async def test_nan_left_by_a_prompt_that_ends_without_an_error_does_not_reach_th
         bad, _ = await collect(engine, Request(poisoned_prompt, greedy(5), request_id="poisoned",
                                                deadline=time.monotonic() + 3600))
         assert bad.finish_reason is (FinishReason.CANCELLED if ending == "cancel" else FinishReason.DEADLINE)
-        await wait_idle(engine)
-        stream = engine.generate(Request(short, greedy(20, ignore_eos=True), request_id="short"))
-        first = await stream.__anext__()  # slot 0, the poisoned prompt's
-        long_task = asyncio.ensure_future(collect(engine, Request(long_, greedy(20, ignore_eos=True))))
-        rest = [c async for c in stream]
-        long_res, _ = await long_task
-    assert long_res.token_ids == ref_long
-    assert rest[-1].finish_reason is FinishReason.LENGTH, rest[-1].error
-    assert [t for c in [first, *rest] for t in c.token_ids] == ref_short
+        await assert_next_owner_is_clean(engine, loaded)
 
 
 async def test_ids_beyond_the_tokenizer_but_inside_the_model_vocabulary(trained):
