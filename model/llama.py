@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .attention import AttentionMetadata, explicit_attention, sdpa_attention
 from .config import ModelConfig, rope_inv_freq
+from .inference_linear import fuse_linears, held_bytes
 from .kv_cache import KVCache
 
 
@@ -66,14 +67,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q|k|v in one GEMM, set by fuse_projections()
         self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
         self.last_weights: Tensor | None = None
 
+    def fuse_projections(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = fuse_linears(self.o_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, L, H*d], k and v [B, L, Hkv*d]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split([self.n_heads * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1)
+
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.d).transpose(1, 2)  # [B, H, L, d]
-        k = self.k_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
-        v = self.v_proj(x).view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
+        q, k, v = self.project(x)
+        q = q.view(B, L, self.n_heads, self.d).transpose(1, 2)  # [B, H, L, d]
+        k = k.view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
+        v = v.view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
         q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
 
         if cache is not None:
@@ -102,9 +116,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate|up in one GEMM, set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        self.down_proj = fuse_linears(self.down_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,10 +158,29 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.prepared = False  # set by prepare_for_inference()
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
             self.model.rotary.build(self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype)
+
+    @torch.no_grad()
+    def prepare_for_inference(self) -> "LlamaForCausalLM":
+        """Fuse same-input projections and prepack weights for the device (see inference_linear).
+
+        One-way: the result serves forward passes only (no training, no HF-named state_dict).
+        """
+        if not self.prepared:
+            for layer in self.model.layers:
+                layer.self_attn.fuse_projections()
+                layer.mlp.fuse_projections()
+            self.lm_head = fuse_linears(self.lm_head)
+            self.prepared = True
+        return self
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held, prepacked copies included (a tied LM head's packed copy counts)."""
+        return held_bytes(self)
 
     def set_reference_attention(self, on: bool = True) -> None:
         """Route every layer through the explicit attention (keeps per-layer weights)."""

@@ -25,7 +25,8 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights held in memory (prepacked copies included)."""
+        return self.model.weight_bytes()
 
 
 def default_device() -> torch.device:
@@ -65,8 +66,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str) -> LlamaForCausalLM:
-    """Check names and shapes against the config, then materialize the model (no random init)."""
+                device: torch.device | str, prepare: bool = True) -> LlamaForCausalLM:
+    """Check names and shapes against the config, then materialize the model (no random init).
+
+    prepare: fuse and prepack the linear layers for serving (LlamaForCausalLM.prepare_for_inference).
+    """
     shapes = expected_shapes(cfg)
     missing = [n for n in shapes if n not in tensors]
     if missing:
@@ -82,7 +86,8 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device, dtype)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.prepare_for_inference() if prepare else model
 
 
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
