@@ -1,7 +1,8 @@
 """Attention over a slot-indexed KV cache with SDPA, plus the explicit reference.
 
 Mask convention everywhere: boolean, True = may attend (SDPA's `attn_mask`). Never combined
-with `is_causal`. SDPA scales by 1/sqrt(d) itself, so q is never pre-divided, and
+with `is_causal`. The model hands SDPA the same mask in additive form (0 / -inf), converted
+once per step (`AttentionMetadata.folded_mask`); every query row keeps at least one key. SDPA scales by 1/sqrt(d) itself, so q is never pre-divided, and
 inference passes dropout_p=0.0.
 """
 
@@ -42,16 +43,22 @@ class AttentionMetadata:
     write_pos: Tensor | None = None  # [T] cache position of each real token
 
     @functools.cached_property
-    def _folded(self) -> dict[int, Tensor]:
+    def _folded(self) -> dict[tuple, Tensor]:
         return {}
 
-    def folded_mask(self, group: int) -> Tensor:
-        """mask repeated for `group` query heads per KV head: [R, 1, group*L, S]; built once per step."""
-        if group == 1:
-            return self.mask
-        if group not in self._folded:
-            self._folded[group] = self.mask.repeat(1, 1, group, 1)
-        return self._folded[group]
+    def folded_mask(self, group: int, dtype: torch.dtype | None = None) -> Tensor:
+        """mask repeated for `group` query heads per KV head: [R, 1, group*L, S]; built once per step.
+
+        With a dtype: the additive form (0 = may attend, -inf = blocked), which SDPA would
+        otherwise rebuild from the boolean mask inside every layer's call.
+        """
+        key = (group, dtype)
+        if key not in self._folded:
+            mask = self.mask if group == 1 else self.mask.repeat(1, 1, group, 1)
+            if dtype is not None:
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._folded[key] = mask
+        return self._folded[key]
 
     @property
     def batch_size(self) -> int:

@@ -25,36 +25,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        # normalized in float32, cast back, then scaled (HF's order). Written out rather than
+        # F.rms_norm, which is slower on CPU; in-place where the tensor is our own temporary.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps))
         return self.weight * x32.to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables indexed by each token's explicit position (rotate-half convention)."""
+    """cos/sin tables indexed by each token's explicit position (rotate-half convention).
+
+    Rotate-half: x * cos + cat(-x2, x1) * sin. The minus sign lives in the table instead
+    (`sin_signed` = cat(-sin1, sin2)), so a rotation is cat(x2, x1), a multiply and a multiply-add.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(0), persistent=False)
 
     def build(self, device: torch.device | str, dtype: torch.dtype) -> None:
         inv = rope_inv_freq(self.cfg).to(device)  # [d/2]
         t = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)  # [P, d]
+        self.sin_signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)  # [P, d]
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [B, 1, L, d] for positions [B, L]; looked up once per forward, shared by all layers."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+        """cos, sin_signed [B, L, 1, d] for positions [B, L]; looked up once per forward, shared by all layers."""
+        return self.cos[positions][:, :, None], self.sin_signed[positions][:, :, None]
 
     @staticmethod
-    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, H, L, d] rotated by its tokens' positions."""
+    def apply(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+        """x [B, L, heads, d] rotated by its tokens' positions."""
         x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return torch.addcmul(x * cos, torch.cat([x2, x1], dim=-1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -76,24 +82,26 @@ class Attention(nn.Module):
         self.o_proj = fuse_linears(self.o_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, L, H*d], k and v [B, L, Hkv*d]."""
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated q [B, L, H, d], rotated k and v [B, L, Hkv, d]."""
+        B, L, _ = x.shape
+        H, Hkv, d = self.n_heads, self.n_kv, self.d
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.qkv_proj(x).split([self.n_heads * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1)
+            q = Rotary.apply(self.q_proj(x).view(B, L, H, d), *rope)
+            k = Rotary.apply(self.k_proj(x).view(B, L, Hkv, d), *rope)
+            return q, k, self.v_proj(x).view(B, L, Hkv, d)
+        qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
+        qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
+        return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         B, L, _ = x.shape
-        q, k, v = self.project(x)
-        q = q.view(B, L, self.n_heads, self.d).transpose(1, 2)  # [B, H, L, d]
-        k = k.view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
-        v = v.view(B, L, self.n_kv, self.d).transpose(1, 2)  # [B, Hkv, L, d]
-        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
-
+        q, k, v = self.project(x, rope)  # [B, L, heads, d]
         if cache is not None:
             # only real tokens are written, each at its explicit position
             cache.write(self.layer, meta.write_slot, meta.write_pos,
-                        k[meta.write_b, :, meta.write_j], v[meta.write_b, :, meta.write_j])  # [T, Hkv, d]
+                        k[meta.write_b, meta.write_j], v[meta.write_b, meta.write_j])  # [T, Hkv, d]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
         if meta.read_cache:
             k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
             if meta.rows is not None:
@@ -104,7 +112,7 @@ class Attention(nn.Module):
         if self.reference:
             out, self.last_weights = explicit_attention(q, k, v, meta.mask)
         else:
-            out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv))  # [R, H, L, d]
+            out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv, q.dtype))  # [R, H, L, d]
         if meta.read_cache and meta.rows is not None:
             out = out[meta.rows]  # [B, H, L, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
