@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention_plan import AttentionCall, cache_calls, packed_calls
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -27,6 +29,10 @@ class AttentionMetadata:
     - cache: keys are read from the KV cache as a *view* over the slot range [lo, hi)
       (no gather, no copy). Sequence b sits at row `rows[b]` of that view; queries are
       scattered to those rows when the batch is not exactly the range in order.
+
+    `calls` is how the serving path runs the cache layout: several SDPA calls, each over a
+    narrower view (attention_plan). `mask`, `lo`, `hi`, `rows` describe the same attention as
+    one call; the explicit reference attention uses that.
     """
 
     q_lens: Tensor  # [B] real (unpadded) query tokens per sequence
@@ -41,6 +47,7 @@ class AttentionMetadata:
     write_j: Tensor | None = None  # [T] chunk offset of each real token
     write_slot: Tensor | None = None  # [T] slot of each real token
     write_pos: Tensor | None = None  # [T] cache position of each real token
+    calls: tuple[AttentionCall, ...] = ()  # the same attention split into SDPA calls over cache views
 
     @functools.cached_property
     def _folded(self) -> dict[tuple, Tensor]:
@@ -94,7 +101,7 @@ class AttentionMetadata:
         mask = (seg[:, None] == seg[None, :]) & (ar[None, :] <= ar[:, None])  # [T, T]
         meta = cls(q_lens=torch.full((1,), T, device=device), mask=mask[None, None], read_cache=False,
                    slots=slots, starts=torch.zeros_like(slots), write_b=torch.zeros_like(ar), write_j=ar,
-                   write_slot=slots[seg], write_pos=pos)
+                   write_slot=slots[seg], write_pos=pos, calls=packed_calls(slots.tolist(), q_lens.tolist()))
         return meta, pos[None]
 
     @classmethod
@@ -129,7 +136,8 @@ class AttentionMetadata:
         mask[:, :, 0] = True  # rows of slots outside the batch: one harmless key, no NaN
         mask[rows] = seq_mask
         identity = (hi - lo == B) and bool((rows == torch.arange(B, device=device)).all())
-        return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows, **common)
+        return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows,
+                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device), **common)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -149,6 +157,28 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
             mask = mask.repeat(1, 1, G, 1)  # [N, 1, G*L, S]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
     return out.reshape(N, H, L, d)
+
+
+def attend_calls(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    """Run meta.calls (attention_plan) for queries q [B, H, L, d] against one layer's cache
+    k_cache, v_cache [slots, Hkv, max_len, d]. Returns [B, H, L, d]; K/V are read as views."""
+    G = q.shape[1] // k_cache.shape[1]
+    out = torch.zeros_like(q)  # every real query is covered by a call; padding rows stay 0
+    for c in meta.calls:
+        qc = q[c.batch, :, c.tokens]  # [n, H, Lq, d]
+        k, v = k_cache[c.lo: c.hi, :, : c.length], v_cache[c.lo: c.hi, :, : c.length]  # [R, Hkv, S, d] views
+        if c.mask_rows is None:  # a whole prompt from position 0: causal is the entire mask
+            o = F.scaled_dot_product_attention(qc, k, v, dropout_p=0.0, is_causal=True, enable_gqa=G > 1)
+        else:
+            if c.rows is not None:
+                scattered = qc.new_zeros(c.hi - c.lo, *qc.shape[1:])  # [R, H, Lq, d]
+                scattered[c.rows] = qc
+                qc = scattered
+            mask = meta.folded_mask(G, q.dtype)[c.mask_rows, :, :, : c.length]  # [R, 1, G*Lq, S] view
+            o = sdpa_attention(qc, k, v, mask)  # [R, H, Lq, d]
+            o = o if c.rows is None else o[c.rows]
+        out[c.batch, :, c.tokens] = o
+    return out
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionMetadata, explicit_attention, sdpa_attention
+from .attention import AttentionMetadata, attend_calls, explicit_attention, sdpa_attention
 from .config import ModelConfig, rope_inv_freq
 from .inference_linear import fuse_linears, held_bytes
 from .kv_cache import KVCache
@@ -102,6 +102,9 @@ class Attention(nn.Module):
             cache.write(self.layer, meta.write_slot, meta.write_pos,
                         k[meta.write_b, meta.write_j], v[meta.write_b, meta.write_j])  # [T, Hkv, d]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
+        if meta.calls and cache is not None and not self.reference:
+            out = attend_calls(q, cache.k[self.layer], cache.v[self.layer], meta)  # [B, H, L, d]
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
         if meta.read_cache:
             k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
             if meta.rows is not None:

@@ -33,6 +33,10 @@ def chat_prompts(n: int) -> list[list[dict]]:
     return [[{"role": m.role, "content": m.content} for m in items[i % len(items)].prompt] for i in range(n)]
 
 
+def prompt_ids(tok, c: int) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template(m)) for m in chat_prompts(c)]
+
+
 def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
     from .engine import Engine
     from .request import Request, SamplingParams
@@ -42,7 +46,7 @@ def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
     engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len)).start()
 
     async def wave(c: int, n_tokens: int) -> float:
-        prompts = [tok.encode(tok.apply_chat_template(m)) for m in chat_prompts(c)]
+        prompts = prompt_ids(tok, c)
         t0 = time.perf_counter()
 
         async def one(ids):
@@ -190,6 +194,9 @@ def main(argv=None) -> int:
     from lmserve.model.catalog import resolve_model
     from lmserve.model.loader import load_model
 
+    from .bench_bounds import matmul_bounds
+    from .settings import EngineSettings
+
     path = resolve_model(args.model, models_dir=args.models_dir)
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -204,6 +211,13 @@ def main(argv=None) -> int:
         report["load_seconds"] = time.perf_counter() - t0
         report["dtype"], report["device"] = str(loaded.dtype), str(loaded.device)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
+        report["matmul_bounds"] = bounds = matmul_bounds(
+            loaded.model, {c: sum(map(len, prompt_ids(loaded.tokenizer, c))) for c in args.concurrency},
+            args.max_new_tokens, EngineSettings().token_budget, loaded.dtype, loaded.device)
+        print(f"matmul-only bounds: weights stream at {bounds['weight_stream_gb_per_s']:.1f} GB/s (batch 1), "
+              f"prefill GEMMs at {bounds['prefill_gflop_per_s']:.0f} GFLOP/s", flush=True)
+        for c, b in bounds["by_concurrency"].items():
+            print(f"bound         c={int(c):3d}: {b['output_tokens_per_s_bound']:8.1f} tok/s", flush=True)
         del loaded
     if "hf" not in args.skip and path.suffix == ".gguf":
         report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens)
@@ -211,6 +225,9 @@ def main(argv=None) -> int:
             report["ratio_engine_over_transformers"] = {
                 str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
                 for e, h in zip(report["engine"], report["transformers"])}
+            report["ratio_bound_over_transformers"] = {
+                str(h["concurrency"]): report["matmul_bounds"]["by_concurrency"][str(h["concurrency"])][
+                    "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
     if "grpc" not in args.skip:
         report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
                                     args.max_model_len)

@@ -1,0 +1,63 @@
+"""Upper bounds on throughput from the model's matrix multiplies alone, measured on this machine.
+
+A wave of `c` requests must at least run every linear layer over every prompt token (prefill,
+in steps of `token_budget` rows) and then once per generated token (decode, `c` rows per step,
+LM head included). Timing exactly those multiplies with the served model's own kernels, and
+charging nothing for attention, sampling, scheduling or Python, gives the best tokens/s any
+engine built on these kernels could reach here. The benchmark reports it next to the measured
+numbers so a target can be checked against what the hardware allows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lmserve.model.llama import LlamaForCausalLM
+
+
+def _linears(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+
+
+@torch.inference_mode()
+def time_linears(layers: list[nn.Module], rows: int, dtype: torch.dtype, device: torch.device,
+                 repeats: int = 3) -> float:
+    """Median seconds for one pass of `rows` input rows through every layer in `layers`."""
+    inputs = {n: torch.randn(rows, n, dtype=dtype, device=device) for n in {m.in_features for m in layers}}
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for m in layers:
+            m(inputs[m.in_features])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    one_pass()  # warm-up (prepacking caches, allocator)
+    return statistics.median(one_pass() for _ in range(repeats))
+
+
+def matmul_bounds(model: LlamaForCausalLM, prompt_tokens: dict[int, int], max_new: int, token_budget: int,
+                  dtype: torch.dtype, device: torch.device) -> dict:
+    """For each concurrency c (prompt_tokens[c] = total prompt tokens of its wave): the matmul-only
+    time of the wave and the tokens/s bound it implies, plus the machine rates behind them."""
+    body = _linears(model.model.layers)
+    head = [model.lm_head]
+    weight_bytes = sum(m.in_features * m.out_features for m in body + head) * torch.finfo(dtype).bits // 8
+    chunk = token_budget
+    prefill_per_token = time_linears(body, chunk, dtype, device) / chunk
+    flops_per_token = 2 * sum(m.in_features * m.out_features for m in body)
+    single = time_linears(body + head, 1, dtype, device)
+    out: dict = {"weight_stream_gb_per_s": weight_bytes / single / 1e9,
+                 "prefill_gflop_per_s": flops_per_token / prefill_per_token / 1e9, "by_concurrency": {}}
+    for c, prompt in prompt_tokens.items():
+        step = time_linears(body, c, dtype, device) + time_linears(head, c, dtype, device)
+        seconds = prompt * prefill_per_token + (max_new - 1) * step
+        out["by_concurrency"][str(c)] = {"prompt_tokens": prompt, "decode_step_matmul_seconds": step,
+                                         "wave_matmul_seconds": seconds,
+                                         "output_tokens_per_s_bound": c * max_new / seconds}
+    return out
