@@ -114,7 +114,19 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len) -> dict:
+def parameter_bytes(cfg, dtype) -> int:
+    """Bytes of the checkpoint's parameters at the serving dtype (the memory allowance counts these)."""
+    import math
+
+    import torch
+
+    from lmserve.model.loader import expected_shapes
+
+    return sum(math.prod(s) for s in expected_shapes(cfg).values()) * torch.finfo(dtype).bits // 8
+
+
+def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
+               param_bytes: int | None) -> dict:
     """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
     from lmserve.client import Client
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
@@ -161,11 +173,14 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
         result["memory"] = {
             "peak_resident_bytes": m["lmserve_process_peak_resident_memory_bytes"],
             "resident_bytes": m["process_resident_memory_bytes"],
-            "weights_bytes": m["lmserve_model_weights_bytes"],
+            "weights_held_bytes": m["lmserve_model_weights_bytes"],  # prepacked copies included
+            "parameter_bytes": param_bytes,
             "kv_cache_budget_bytes": m["lmserve_kv_cache_bytes"],
         }
         mem = result["memory"]
-        mem["allowance_bytes"] = mem["weights_bytes"] + mem["kv_cache_budget_bytes"] + 600 * 2**20
+        # the allowance counts the checkpoint's parameters, not the extra prepacked LM head copy
+        weights = param_bytes if param_bytes is not None else mem["weights_held_bytes"]
+        mem["allowance_bytes"] = weights + mem["kv_cache_budget_bytes"] + 600 * 2**20
         mem["within_allowance"] = mem["peak_resident_bytes"] <= mem["allowance_bytes"]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -210,6 +225,7 @@ def main(argv=None) -> int:
         loaded = load_model(path, dtype=args.dtype, device=args.device)
         report["load_seconds"] = time.perf_counter() - t0
         report["dtype"], report["device"] = str(loaded.dtype), str(loaded.device)
+        report["parameter_bytes"] = parameter_bytes(loaded.config, loaded.dtype)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
         report["matmul_bounds"] = bounds = matmul_bounds(
             loaded.model, {c: sum(map(len, prompt_ids(loaded.tokenizer, c))) for c in args.concurrency},
@@ -230,7 +246,7 @@ def main(argv=None) -> int:
                     "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
     if "grpc" not in args.skip:
         report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
-                                    args.max_model_len)
+                                    args.max_model_len, report.get("parameter_bytes"))
         if "engine" in report:
             report["ratio_grpc_over_engine"] = {
                 str(e["concurrency"]): g["output_tokens_per_s"] / e["output_tokens_per_s"]
