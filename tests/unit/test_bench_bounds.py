@@ -1,0 +1,37 @@
+"""The matmul-only throughput bound counts exactly the multiplies the forward runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmserve.model.config import ModelConfig
+from lmserve.model.llama import LlamaForCausalLM
+from lmserve.server.bench_bounds import layer_flops_per_token, matmul_bounds
+
+
+def tiny() -> tuple[ModelConfig, LlamaForCausalLM]:
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=48, max_position_embeddings=64)
+    return cfg, LlamaForCausalLM(cfg).init_weights(0.1, generator=torch.Generator().manual_seed(0)).eval()
+
+
+def test_flops_per_token_match_the_config_before_and_after_fusing():
+    cfg, model = tiny()
+    D, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    per_layer = D * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * D + 3 * D * I
+    expected = 2 * cfg.num_layers * per_layer
+    assert layer_flops_per_token(model) == expected
+    assert layer_flops_per_token(model.prepare_for_inference()) == expected  # fused: same work
+
+
+def test_bounds_are_consistent_with_their_own_timings():
+    cfg, model = tiny()
+    model.prepare_for_inference()
+    out = matmul_bounds(model, {1: 10, 4: 40}, max_new=8, token_budget=16, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    assert out["weight_stream_gb_per_s"] > 0 and out["prefill_gflop_per_s"] > 0
+    for c, row in out["by_concurrency"].items():
+        assert row["wave_matmul_seconds"] > 7 * row["decode_step_matmul_seconds"] > 0  # 7 decode steps + prefill
+        assert math.isclose(row["output_tokens_per_s_bound"], int(c) * 8 / row["wave_matmul_seconds"])
