@@ -191,6 +191,45 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
     return result
 
 
+def markdown_summary(report: dict) -> str:
+    """The README's benchmark table and memory line, from a report written by this module."""
+    eng = {r["concurrency"]: r for r in report.get("engine", [])}
+    hf = {r["concurrency"]: r for r in report.get("transformers", [])}
+    grpc = {r["concurrency"]: r for r in report.get("grpc", {}).get("rows", [])}
+    bounds = report.get("matmul_bounds", {}).get("by_concurrency", {})
+    dash = "–"
+
+    def tps(row):
+        return f"{row['output_tokens_per_s']:.1f}" if row else dash
+
+    lines = ["| concurrency | engine tok/s | transformers tok/s | engine / transformers | matmul-only bound tok/s "
+             "| bound / transformers | gRPC tok/s | gRPC / engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in report["concurrency"]:
+        e, h, g, b = eng.get(c), hf.get(c), grpc.get(c), bounds.get(str(c))
+        bound = b["output_tokens_per_s_bound"] if b else None
+        cells = [str(c), tps(e), tps(h),
+                 f"{e['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x" if e and h else dash,
+                 f"{bound:.1f}" if bound else dash,
+                 f"{bound / h['output_tokens_per_s']:.2f}x" if bound and h else dash,
+                 tps(g), f"{g['output_tokens_per_s'] / e['output_tokens_per_s']:.2f}" if g and e else dash,
+                 f"{g['ttft_p50_ms'] / 1e3:.1f} / {g['ttft_p99_ms'] / 1e3:.1f}" if g else dash,
+                 f"{g['itl_p50_ms']:.0f} / {g['itl_p99_ms']:.0f}" if g else dash]
+        lines.append("| " + " | ".join(cells) + " |")
+    mem = report.get("grpc", {}).get("memory")
+    if mem:
+        gib = 2**30
+        weights = mem["allowance_bytes"] - mem["kv_cache_budget_bytes"] - 600 * 2**20
+        lines.append("")
+        lines.append(
+            f"Memory at concurrency {max(report['concurrency'])}: peak resident {mem['peak_resident_bytes'] / gib:.2f} GiB; "
+            f"allowance = parameters {weights / gib:.2f} GiB + KV budget {mem['kv_cache_budget_bytes'] / gib:.2f} GiB "
+            f"+ 600 MiB = {mem['allowance_bytes'] / gib:.2f} GiB ({'within' if mem['within_allowance'] else 'OVER'}); "
+            f"weights held {mem['weights_held_bytes'] / gib:.2f} GiB (with the prepacked LM head copy). "
+            f"Start to ready with the model pulled: {report['grpc']['start_to_ready_seconds']:.1f} s.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="catalog name, .gguf file or HF directory")
@@ -202,7 +241,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc"], help="sections to leave out")
     p.add_argument("--out", default="reports/engine_bench.json")
+    p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown_summary(json.loads(Path(args.table).read_text())))
+        return 0
 
     import torch
 
@@ -253,7 +296,7 @@ def main(argv=None) -> int:
                 for e, g in zip(report["engine"], report["grpc"]["rows"])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k.startswith("ratio")}, indent=2))
+    print(markdown_summary(report))
     print(f"report written to {args.out}")
     return 0
 
