@@ -1,9 +1,10 @@
 """Attention over a slot-indexed KV cache with SDPA, plus the explicit reference.
 
-Mask convention everywhere: boolean, True = may attend (SDPA's `attn_mask`). Never combined
-with `is_causal`. The model hands SDPA the same mask in additive form (0 / -inf), converted
-once per step (`AttentionMetadata.folded_mask`); every query row keeps at least one key. SDPA scales by 1/sqrt(d) itself, so q is never pre-divided, and
-inference passes dropout_p=0.0.
+Mask convention everywhere: boolean, True = may attend (SDPA's `attn_mask`). A mask is never
+combined with `is_causal`; a call over exactly one prompt's own tokens uses `is_causal` alone.
+The model hands SDPA the mask in additive form (0 / -inf), converted once per step
+(`AttentionMetadata.folded_mask`); every real query row keeps at least one key. SDPA scales by
+1/sqrt(d) itself, so q is never pre-divided, and inference passes dropout_p=0.0.
 """
 
 from __future__ import annotations

@@ -222,7 +222,8 @@ def markdown_summary(report: dict) -> str:
         weights = mem["allowance_bytes"] - mem["kv_cache_budget_bytes"] - 600 * 2**20
         lines.append("")
         lines.append(
-            f"Memory at concurrency {max(report['concurrency'])}: peak resident {mem['peak_resident_bytes'] / gib:.2f} GiB; "
+            f"Memory at concurrency {max(report['concurrency'])}: "
+            f"peak resident {mem['peak_resident_bytes'] / gib:.2f} GiB; "
             f"allowance = parameters {weights / gib:.2f} GiB + KV budget {mem['kv_cache_budget_bytes'] / gib:.2f} GiB "
             f"+ 600 MiB = {mem['allowance_bytes'] / gib:.2f} GiB ({'within' if mem['within_allowance'] else 'OVER'}); "
             f"weights held {mem['weights_held_bytes'] / gib:.2f} GiB (with the prepacked LM head copy). "
