@@ -315,3 +315,11 @@ async def read_stream(call) -> tuple[list, "grpc.aio.AioRpcError | None"]:
     except grpc.aio.AioRpcError as exc:
         return messages, exc
     return messages, None
+
+
+async def read_all(call) -> list:
+    """Read a grpc.aio stream to its end; an error that ends it is raised."""
+    messages, exc = await read_stream(call)
+    if exc is not None:
+        raise exc
+    return messages

@@ -21,12 +21,6 @@ PER_REQUEST = ("lmserve_time_to_first_token_seconds", "lmserve_request_duration_
 
 
 @pytest.fixture(scope="module")
-def server(trained_server):
-    trained_server.wait_idle()
-    return trained_server
-
-
-@pytest.fixture(scope="module")
 def stub(server):
     ch = server.channel()
     yield pb_grpc.TextGenerationStub(ch)

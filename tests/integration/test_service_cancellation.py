@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from _server import read_all
 
 from lmserve.client import Client, DeadlineExceededError
 from lmserve.v1 import lmserve_pb2 as pb
@@ -27,13 +28,6 @@ def server(trained_server, trained_server_flags):
 
 def ended(snapshot, status: str) -> float:
     return snapshot.total("lmserve_requests_total", status=status)
-
-
-async def read_all(call) -> list[pb.GenerateStreamResponse]:
-    messages = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        messages.append(msg)
-    return messages
 
 
 async def test_cancellation_storm_frees_every_slot(server, training_prompts):

@@ -17,6 +17,7 @@ import asyncio
 
 import grpc
 import pytest
+from integration._server import read_all
 
 from lmserve.client import AsyncClient
 from lmserve.v1 import lmserve_pb2 as pb
@@ -37,13 +38,6 @@ async def run_others(client: AsyncClient, prompts) -> list[list]:
         return [c async for c in client.stream(prefix, max_new_tokens=MAX_NEW_TOKENS, request_id=f"o{i}")]
 
     return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(OTHERS))), BOUND)
-
-
-async def read_rest(call) -> list[pb.GenerateStreamResponse]:
-    messages = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        messages.append(msg)
-    return messages
 
 
 async def test_stalled_readers_do_not_stall_other_streams(busy_server, training_prompts):
@@ -68,7 +62,7 @@ async def test_stalled_readers_do_not_stall_other_streams(busy_server, training_
         assert all(h.finish_reason == pb.FINISH_REASON_UNSPECIFIED for h in heads)
 
         # the first stalled stream drains to its full, exact length; the others are cancelled
-        drained = [heads[0], *await read_rest(stalled[0])]
+        drained = [heads[0], *await read_all(stalled[0])]
         assert await stalled[0].code() == grpc.StatusCode.OK
         assert [t for m in drained for t in m.token_ids] == list(reference.token_ids)
         assert drained[-1].finish_reason == pb.FINISH_REASON_LENGTH and drained[-1].usage == reference.usage
