@@ -31,6 +31,15 @@ class LoadedModel:
         return self.model.weight_bytes()
 
 
+def _glibc():
+    """The C library when it is glibc (it has the malloc tuning calls used here), else None."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
 def bound_native_caches() -> None:
     """Keep a long-running serving process's memory to its tensors. Call before the first oneDNN op.
 
@@ -43,19 +52,17 @@ def bound_native_caches() -> None:
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
     os.environ.setdefault("LRU_CACHE_CAPACITY", "32")
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-1, 4 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(-1, 4 << 20)  # M_TRIM_THRESHOLD
 
 
 def release_freed_memory() -> None:
     """Hand memory freed while loading back to the OS (glibc keeps freed heap pages otherwise,
     and resident memory would carry the dequantized originals' footprint for the process's life)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def default_device() -> torch.device:
