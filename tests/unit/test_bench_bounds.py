@@ -1,8 +1,10 @@
-"""The matmul-only throughput bound counts exactly the multiplies the forward runs."""
+"""Benchmark helpers: the matmul-only bound counts exactly the multiplies the forward runs, the
+README summary is derived from the report, and the native-cache bounds leave operators in charge."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -35,3 +37,27 @@ def test_bounds_are_consistent_with_their_own_timings():
     for c, row in out["by_concurrency"].items():
         assert row["wave_matmul_seconds"] > 7 * row["decode_step_matmul_seconds"] > 0  # 7 decode steps + prefill
         assert math.isclose(row["output_tokens_per_s_bound"], int(c) * 8 / row["wave_matmul_seconds"])
+
+
+def test_markdown_summary_ratios_come_from_the_report_rows():
+    from lmserve.server.bench_engine import markdown_summary
+
+    report = {
+        "concurrency": [1, 8],
+        "engine": [{"concurrency": 1, "output_tokens_per_s": 12.0}, {"concurrency": 8, "output_tokens_per_s": 40.0}],
+        "transformers": [{"concurrency": 1, "output_tokens_per_s": 10.0}],  # c=8 missing: shown as a dash
+        "matmul_bounds": {"by_concurrency": {"1": {"output_tokens_per_s_bound": 25.0}}},
+    }
+    rows = [line.split(" | ") for line in markdown_summary(report).splitlines()[2:]]
+    assert rows[0][1:6] == ["12.0", "10.0", "1.20x", "25.0", "2.50x"]
+    assert rows[1][1:4] == ["40.0", "–", "–"]
+
+
+def test_native_cache_bounds_are_defaults_an_operator_can_override(monkeypatch):
+    from lmserve.model.loader import bound_native_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    bound_native_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
