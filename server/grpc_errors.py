@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -59,9 +60,7 @@ def map_errors(handler):
                 async for item in handler(self, request, context):
                     yield item
             except Exception as exc:  # noqa: BLE001 - this is the mapping point
-                if _already_aborted(exc):
-                    raise
-                await context.abort_with_status(to_status(exc))
+                await _abort(context, exc)
         return stream_wrapper
 
     @functools.wraps(handler)
@@ -69,10 +68,21 @@ def map_errors(handler):
         try:
             return await handler(self, request, context)
         except Exception as exc:  # noqa: BLE001 - this is the mapping point
-            if _already_aborted(exc):
-                raise
-            await context.abort_with_status(to_status(exc))
+            await _abort(context, exc)
     return unary_wrapper
+
+
+async def _abort(context, exc: Exception) -> None:
+    """End the call with exc's status, unless the caller's deadline has already passed: gRPC then
+    ends the call with DEADLINE_EXCEEDED itself, and a status sent now races that and fails inside
+    grpc core (logged there as a server error with a traceback). The call is treated as cancelled."""
+    if _already_aborted(exc):
+        raise exc
+    status = to_status(exc)
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise asyncio.CancelledError("the caller's deadline passed") from exc
+    await context.abort_with_status(status)
 
 
 def _already_aborted(exc: BaseException) -> bool:
