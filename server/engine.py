@@ -179,9 +179,14 @@ class Engine:
         return EngineHealth(True, False, "ok")
 
     def stats(self) -> EngineStats:
+        """A consistent snapshot. A request counts as running from admission until its outcome is
+        recorded and delivered, not only while it holds a slot, so "nothing running" also means
+        every finished request is already counted by the observers."""
         sch = self.scheduler
+        with self._lock:
+            in_flight, waiting = len(self._sinks), len(sch.waiting)
         return EngineStats(
-            running=len(sch.running), waiting=len(sch.waiting), slots_used=sch.slots.used,
+            running=in_flight - waiting, waiting=waiting, slots_used=sch.slots.used,
             slots_capacity=sch.slots.capacity, slots_allocated_total=sch.slots.allocated_total,
             slots_freed_total=sch.slots.freed_total, kv_cache_bytes=self.cache.nbytes,
             cached_tokens=sum(s.num_cached for s in list(sch.running)), steps=self._steps)

@@ -95,7 +95,7 @@ class _LiveCollector:
         st = eng.stats()
         lm = eng.loaded
         yield from (
-            _gauge("lmserve_running_requests", "Requests holding a KV slot", st.running),
+            _gauge("lmserve_running_requests", "Requests admitted and not yet finished", st.running),
             _gauge("lmserve_waiting_requests", "Requests waiting for a KV slot", st.waiting),
             _gauge("lmserve_kv_slots_used", "KV cache slots in use", st.slots_used),
             _gauge("lmserve_kv_slots_capacity", "KV cache slots in total", st.slots_capacity),

@@ -167,6 +167,33 @@ async def test_a_stale_cancel_does_not_hit_a_later_request_with_the_same_id(rand
     assert new_res.token_ids == greedy_reference(random_tiny.model, prompts[2], 6)[0]
 
 
+async def test_a_request_counts_as_running_until_its_outcome_is_recorded(random_tiny):
+    # The slot is freed before the observers hear of the finish; a scrape in between must not
+    # show an idle engine whose finished request is not counted yet.
+    recording, release = threading.Event(), threading.Event()
+
+    class SlowRecorder(FinishLog):
+        def on_finish(self, seq, final):
+            recording.set()
+            release.wait(30)
+            super().on_finish(seq, final)
+
+    log = SlowRecorder()
+    with running(random_tiny, max_batch=2) as engine:
+        engine.observers.append(log)
+        task = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(4, ignore_eos=True), request_id="r")))
+        try:
+            await asyncio.to_thread(recording.wait, 30)
+            stats = engine.stats()
+            assert stats.slots_used == 0  # the slot is already back ...
+            assert stats.running == 1 and "r" not in log.reasons  # ... but the request is not over
+        finally:
+            release.set()
+        await task
+        await wait_idle(engine)
+        assert log.reasons == {"r": FinishReason.LENGTH}
+
+
 # ---- poisoned requests and failing steps -----------------------------------------------------------
 
 async def test_non_finite_logits_fail_only_their_request(random_tiny):
