@@ -73,6 +73,19 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device_dtype(device: torch.device | str | None,
+                         dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype a model is served with: the defaults fill what is not given."""
+    device = torch.device(device) if device is not None else default_device()
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    return device, dtype or default_dtype(device)
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must provide, with its shape."""
     D, d, V, I = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
@@ -160,11 +173,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     from .catalog import resolve_model
 
     bound_native_caches()
-    device = torch.device(device) if device is not None else default_device()
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-    dtype = dtype or default_dtype(device)
+    device, dtype = resolve_device_dtype(device, dtype)
     path = resolve_model(str(spec), models_dir=models_dir)
     if path.is_file() and path.suffix == ".gguf":
         from .gguf_reader import read_gguf

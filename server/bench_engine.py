@@ -71,25 +71,33 @@ def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
     return rows
 
 
-def bench_hf(gguf_path: Path, concurrencies, max_new) -> list[dict]:
+def bench_hf(gguf_path: Path, concurrencies, max_new, device, dtype) -> list[dict]:
+    """transformers `generate` on the same prompts: a batch of c, left-padded, SDPA attention."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     d, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
     rows = []
     for c in concurrencies:
         texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat_prompts(c)]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+            sync()
             t0 = time.perf_counter()
             out = model.generate(**enc, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
+            sync()
             dt = time.perf_counter() - t0
         assert out.shape[1] - enc["input_ids"].shape[1] == max_new
         rows.append({"concurrency": c, "seconds": dt, "output_tokens_per_s": c * max_new / dt})
@@ -126,7 +134,7 @@ def parameter_bytes(cfg, dtype) -> int:
 
 
 def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
-               param_bytes: int | None) -> dict:
+               param_bytes: int | None, device, dtype) -> dict:
     """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
     from lmserve.client import Client
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
@@ -134,7 +142,8 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
 
     port, mport = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
-           "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len)]
+           "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
+           "--device", str(device), "--dtype", str(dtype).removeprefix("torch.")]
     if models_dir:
         cmd += ["--models-dir", models_dir]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -169,19 +178,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
             result["rows"].append(row)
             print(f"grpc          c={c:3d}: {row['output_tokens_per_s']:8.1f} tok/s  ttft p50 {row['ttft_p50_ms']:.0f} ms"
                   f"  itl p50 {row['itl_p50_ms']:.0f} ms", flush=True)
-        m = _scrape(mport)
-        result["memory"] = {
-            "peak_resident_bytes": m["lmserve_process_peak_resident_memory_bytes"],
-            "resident_bytes": m["process_resident_memory_bytes"],
-            "weights_held_bytes": m["lmserve_model_weights_bytes"],  # prepacked copies included
-            "parameter_bytes": param_bytes,
-            "kv_cache_budget_bytes": m["lmserve_kv_cache_bytes"],
-        }
-        mem = result["memory"]
-        # the allowance counts the checkpoint's parameters, not the extra prepacked LM head copy
-        weights = param_bytes if param_bytes is not None else mem["weights_held_bytes"]
-        mem["allowance_bytes"] = weights + mem["kv_cache_budget_bytes"] + 600 * 2**20
-        mem["within_allowance"] = mem["peak_resident_bytes"] <= mem["allowance_bytes"]
+        result["memory"] = memory_report(_scrape(mport), param_bytes)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -189,6 +186,31 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
         except subprocess.TimeoutExpired:
             proc.kill()
     return result
+
+
+def memory_report(m: dict[str, float], param_bytes: int | None) -> dict:
+    """The serving process's memory from one /metrics scrape, checked against weights + KV + 600 MiB.
+
+    On CPU the check is on peak resident memory; on CUDA on the peak of GPU memory allocated (the
+    weights and the KV cache live there; host memory then holds the CUDA runtime instead)."""
+    mem = {
+        "peak_resident_bytes": m["lmserve_process_peak_resident_memory_bytes"],
+        "resident_bytes": m["process_resident_memory_bytes"],
+        "weights_held_bytes": m["lmserve_model_weights_bytes"],  # prepacked copies included
+        "parameter_bytes": param_bytes,
+        "kv_cache_budget_bytes": m["lmserve_kv_cache_bytes"],
+        "checked": "peak_resident_bytes",
+    }
+    if "lmserve_cuda_memory_peak_allocated_bytes" in m:
+        mem.update(cuda_allocated_bytes=m["lmserve_cuda_memory_allocated_bytes"],
+                   cuda_reserved_bytes=m["lmserve_cuda_memory_reserved_bytes"],
+                   cuda_peak_allocated_bytes=m["lmserve_cuda_memory_peak_allocated_bytes"],
+                   checked="cuda_peak_allocated_bytes")
+    # the allowance counts the checkpoint's parameters, not the extra prepacked LM head copy
+    weights = param_bytes if param_bytes is not None else mem["weights_held_bytes"]
+    mem["allowance_bytes"] = weights + mem["kv_cache_budget_bytes"] + 600 * 2**20
+    mem["within_allowance"] = mem[mem["checked"]] <= mem["allowance_bytes"]
+    return mem
 
 
 def markdown_summary(report: dict) -> str:
@@ -221,9 +243,13 @@ def markdown_summary(report: dict) -> str:
         gib = 2**30
         weights = mem["allowance_bytes"] - mem["kv_cache_budget_bytes"] - 600 * 2**20
         lines.append("")
+        checked = mem.get("checked", "peak_resident_bytes")
+        what = "peak GPU memory allocated" if checked == "cuda_peak_allocated_bytes" else "peak resident"
+        host = (f" (host peak resident {mem['peak_resident_bytes'] / gib:.2f} GiB)"
+                if checked != "peak_resident_bytes" else "")
         lines.append(
             f"Memory at concurrency {max(report['concurrency'])}: "
-            f"peak resident {mem['peak_resident_bytes'] / gib:.2f} GiB; "
+            f"{what} {mem[checked] / gib:.2f} GiB{host}; "
             f"allowance = parameters {weights / gib:.2f} GiB + KV budget {mem['kv_cache_budget_bytes'] / gib:.2f} GiB "
             f"+ 600 MiB = {mem['allowance_bytes'] / gib:.2f} GiB ({'within' if mem['within_allowance'] else 'OVER'}); "
             f"weights held {mem['weights_held_bytes'] / gib:.2f} GiB (with the prepacked LM head copy). "
@@ -238,8 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024, help="context per request (sizes the KV cache)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc"], help="sections to leave out")
     p.add_argument("--out", default="reports/engine_bench.json")
     p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
@@ -251,24 +277,25 @@ def main(argv=None) -> int:
     import torch
 
     from lmserve.model.catalog import resolve_model
-    from lmserve.model.loader import load_model
+    from lmserve.model.loader import load_model, resolve_device_dtype
 
     from .bench_bounds import matmul_bounds
     from .settings import EngineSettings
 
     path = resolve_model(args.model, models_dir=args.models_dir)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
+        "dtype": str(dtype), "device": str(device), "parameter_bytes": None,
     }
     if "engine" not in args.skip:
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype=args.dtype, device=args.device)
+        loaded = load_model(path, dtype=dtype, device=device)
         report["load_seconds"] = time.perf_counter() - t0
-        report["dtype"], report["device"] = str(loaded.dtype), str(loaded.device)
         report["parameter_bytes"] = parameter_bytes(loaded.config, loaded.dtype)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
         report["matmul_bounds"] = bounds = matmul_bounds(
@@ -280,7 +307,7 @@ def main(argv=None) -> int:
             print(f"bound         c={int(c):3d}: {b['output_tokens_per_s_bound']:8.1f} tok/s", flush=True)
         del loaded
     if "hf" not in args.skip and path.suffix == ".gguf":
-        report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens)
+        report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens, device, dtype)
         if "engine" in report:
             report["ratio_engine_over_transformers"] = {
                 str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
@@ -290,7 +317,7 @@ def main(argv=None) -> int:
                     "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
     if "grpc" not in args.skip:
         report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
-                                    args.max_model_len, report.get("parameter_bytes"))
+                                    args.max_model_len, report.get("parameter_bytes"), device, dtype)
         if "engine" in report:
             report["ratio_grpc_over_engine"] = {
                 str(e["concurrency"]): g["output_tokens_per_s"] / e["output_tokens_per_s"]

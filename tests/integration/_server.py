@@ -149,6 +149,7 @@ class ServerProcess:
     def _spawn(self, flags: dict) -> None:
         self.port = free_port()
         want_metrics = flags.pop("metrics_port", 0) is not None
+        flags.setdefault("device", "cpu")  # the same everywhere; CUDA servers are asked for by name
         self.metrics_port = free_port() if want_metrics else None
         args = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", self.model, "--host", HOST,
                 "--port", str(self.port), "--metrics-port", str(self.metrics_port or 0)]

@@ -53,6 +53,28 @@ def test_markdown_summary_ratios_come_from_the_report_rows():
     assert rows[1][1:4] == ["40.0", "–", "–"]
 
 
+def scrape(**extra) -> dict[str, float]:
+    base = {"lmserve_process_peak_resident_memory_bytes": 3.2 * 2**30, "process_resident_memory_bytes": 2.5 * 2**30,
+            "lmserve_model_weights_bytes": 0.7 * 2**30, "lmserve_kv_cache_bytes": 2.0 * 2**30}
+    return base | extra
+
+
+def test_memory_is_checked_on_resident_memory_on_cpu_and_on_gpu_memory_on_cuda():
+    from lmserve.server.bench_engine import markdown_summary, memory_report
+
+    allowance = 0.5 * 2**30 + 2.0 * 2**30 + 600 * 2**20  # parameters + KV budget + 600 MiB
+    cpu = memory_report(scrape(), param_bytes=2**29)
+    assert cpu["checked"] == "peak_resident_bytes" and cpu["allowance_bytes"] == allowance
+    assert not cpu["within_allowance"]  # 3.20 GiB resident > 3.09 GiB
+    cuda = memory_report(scrape(lmserve_cuda_memory_allocated_bytes=2.6 * 2**30,
+                                lmserve_cuda_memory_reserved_bytes=2.8 * 2**30,
+                                lmserve_cuda_memory_peak_allocated_bytes=2.7 * 2**30), param_bytes=2**29)
+    assert cuda["checked"] == "cuda_peak_allocated_bytes" and cuda["within_allowance"]
+    report = {"concurrency": [64], "grpc": {"rows": [], "memory": cuda, "start_to_ready_seconds": 5.0}}
+    line = markdown_summary(report).splitlines()[-1]
+    assert "peak GPU memory allocated 2.70 GiB (host peak resident 3.20 GiB)" in line and "(within)" in line
+
+
 def test_native_cache_bounds_are_defaults_an_operator_can_override(monkeypatch):
     from lmserve.model.loader import bound_native_caches
 

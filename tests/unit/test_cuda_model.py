@@ -1,0 +1,129 @@
+"""The model and the engine on CUDA: SDPA on the GPU, in float32 and in bfloat16 (the CUDA default).
+
+CI has no GPU, so this module is skipped there. On a CUDA host:
+
+    pytest tests/unit/test_cuda_model.py tests/integration/test_cuda_metrics.py
+
+Oracles: the explicit attention and transformers in float32 on the CPU, and the corpus the trained
+fixture memorized. Each check prints what it measured, so a run on a GPU host is also a report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lmserve.model.attention import AttentionMetadata, attend_calls, explicit_attention
+from lmserve.model.kv_cache import KVCache
+from lmserve.model.loader import load_model
+from lmserve.server.request import FinishReason, Request
+from fixtures.trained_model import corpus_paragraphs, prompt_continuations
+from test_engine_helpers import corpus_prompt, greedy, results_of, running
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+CUDA = torch.device("cuda")
+DTYPES = [torch.float32, torch.bfloat16]
+# bfloat16 keeps 8 significant bits: attention outputs of order 1 agree with float32 to a few 1e-2.
+ATTENTION_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+FUSED_SDPA = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+
+
+def _cpu(x):
+    return x.cpu() if torch.is_tensor(x) else x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_calls_on_cuda_match_the_explicit_attention(dtype):
+    # scattered slots, mixed cache and query lengths (chunk continuations with right padding), GQA
+    slots, starts, q_lens = (torch.tensor(x, device=CUDA) for x in ([6, 1, 3, 0, 9], [40, 2, 7, 0, 3], [1, 3, 1, 2, 4]))
+    meta = AttentionMetadata.for_cache(slots, starts, q_lens)
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d = 6, 2, 64
+    k_cache, v_cache = (torch.randn(12, kv_heads, 64, d, generator=g).to(dtype).float() for _ in range(2))
+    L = meta.mask.shape[2]
+    q = (torch.randn(len(q_lens), heads, L, d, generator=g) * 3).to(dtype).float()  # inputs exact in both dtypes
+    out = attend_calls(q.to(CUDA, dtype), k_cache.to(CUDA, dtype), v_cache.to(CUDA, dtype), meta).float().cpu()
+
+    rows, mask, S = _cpu(meta.rows), meta.mask.cpu(), meta.mask.shape[-1]
+    q_rows = q.new_zeros(meta.hi - meta.lo, heads, L, d)
+    q_rows[rows] = q
+    ref, _ = explicit_attention(q_rows, k_cache[meta.lo: meta.hi, :, :S], v_cache[meta.lo: meta.hi, :, :S], mask)
+    real = torch.arange(L)[None, :] < q_lens.cpu()[:, None]  # padding queries are not compared
+    got, want = out.transpose(1, 2)[real], ref[rows].transpose(1, 2)[real]
+    print(f"{dtype}: max |cuda - explicit| = {(got - want).abs().max():.2e}")
+    assert_close(got, want, **ATTENTION_TOL[dtype])
+
+
+def _paragraph_ids(loaded, n_tokens: int = 64) -> list[list[int]]:
+    return [[loaded.tokenizer.bos_id, *loaded.tokenizer.encode(p)][:n_tokens] for p in corpus_paragraphs()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.inference_mode()
+def test_logits_on_cuda_match_transformers_on_the_cpu(trained_model_dir, dtype):
+    transformers = pytest.importorskip("transformers")
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32).eval()
+    ours = load_model(trained_model_dir, dtype=dtype, device=CUDA)
+    worst, disagreements, decided = 0.0, 0, 0
+    for ids in _paragraph_ids(ours):
+        L = len(ids)
+        want = oracle(input_ids=torch.tensor([ids])).logits[0]  # [L, V]
+        meta = AttentionMetadata.fresh(torch.tensor([L], device=CUDA))
+        got = ours.model(torch.tensor([ids], device=CUDA), torch.arange(L, device=CUDA)[None], meta)[0].float().cpu()
+        if dtype == torch.float32:
+            assert_close(got, want, rtol=1e-4, atol=1e-3)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * want.abs().max()  # decisions bf16 rounding cannot flip
+        decided += int(clear.sum())
+        disagreements += int((got.argmax(-1) != want.argmax(-1))[clear].sum())
+    print(f"{dtype}: max |cuda - transformers| / max |logit| = {worst:.2e}; "
+          f"argmax disagreements on {decided} clear positions: {disagreements}")
+    assert decided > 100 and disagreements == 0
+    assert worst < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@torch.inference_mode()
+def test_sdpa_runs_fused_kernels_on_cuda_in_bfloat16(trained_model_dir):
+    """Packed prefill (causal calls) and decode over the cache (masked calls) both reach a fused
+    SDPA backend; the math fallback would be correct but slow and memory-hungry."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loaded = load_model(trained_model_dir, dtype=torch.bfloat16, device=CUDA)
+    prompts = _paragraph_ids(loaded, 24)[:3]
+    lens = torch.tensor([len(p) for p in prompts], device=CUDA)
+    slots = torch.tensor([2, 0, 1], device=CUDA)
+    cache = KVCache(loaded.config, 3, 64, torch.bfloat16, CUDA)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        meta, positions = AttentionMetadata.packed(slots, lens)
+        ids = torch.tensor([t for p in prompts for t in p], device=CUDA)[None]
+        last = loaded.model(ids, positions, meta, cache, logits_index=lens.cumsum(0) - 1).argmax(-1)  # [3]
+        meta = AttentionMetadata.for_cache(slots, lens, torch.ones_like(lens))
+        loaded.model(last[:, None], lens[:, None], meta, cache)
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    sdpa = sorted(n for n in names if "attention" in n.lower() or "fmha" in n.lower() or "flash" in n.lower())
+    print("attention ops and kernels:", *sdpa, sep="\n  ")
+    assert not any("_scaled_dot_product_attention_math" in n for n in names), sdpa
+    assert any(any(f in n for f in FUSED_SDPA) for n in names), sdpa
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+async def test_engine_on_cuda_reproduces_the_memorized_corpus(trained_model_dir, dtype):
+    """Every training prompt at once through the engine (packed prefill, batched decode, sampling on
+    the GPU): each continues its paragraph word for word and stops at eos."""
+    loaded = load_model(trained_model_dir, dtype=dtype, device=CUDA)
+    tok = loaded.tokenizer
+    pairs = prompt_continuations()
+    prompts = [corpus_prompt(tok, prefix) for prefix, _ in pairs]
+    with running(loaded, max_batch=len(prompts)) as engine:
+        results = await results_of(engine, [Request(p, greedy(120 - len(p))) for p in prompts])
+        stats = engine.stats()
+    wrong = [(prefix, res.text) for (prefix, continuation), res in zip(pairs, results)
+             if res.finish_reason is not FinishReason.EOS or res.text != continuation]
+    print(f"{dtype}: {len(results) - len(wrong)} of {len(results)} continuations exact")
+    assert not wrong, wrong
+    assert stats.slots_allocated_total == stats.slots_freed_total == len(prompts)
