@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench venv clean
+.PHONY: serve test bench cuda-check venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m lmserve.server.bench_engine --out reports/engine_bench.json
+
+# On a CUDA host (a CUDA build of torch in the environment): the GPU tests, then the benchmark in bfloat16.
+cuda-check: $(STAMP)
+	$(BIN)/pytest -q -s tests/unit/test_cuda_model.py tests/integration/test_cuda_metrics.py
+	$(BIN)/python -m lmserve.server.bench_engine --device cuda --out reports/engine_bench_cuda.json
 
 clean:
 	rm -rf $(VENV) .cache

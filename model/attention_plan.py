@@ -9,7 +9,9 @@ packed row (T x T) although each may only see its own tokens. The plan here:
   slots so that each call reads (slots spanned) x (longest in the run) keys, minimising
   that total plus a fixed cost per call (`CALL_COST_KEYS`, in key-rows: what launching one
   more SDPA call costs compared with reading keys; measured ~50 us vs ~0.15 us per key-row
-  of K and V on a 2-core AVX2 CPU).
+  of K and V on a 2-core AVX2 CPU). On a GPU a launch costs ~10 us while a key-row of K and V
+  streams in well under a nanosecond, so the cost there (`GPU_CALL_COST_KEYS`) makes one call
+  per step the plan unless the keys it would waste run into the tens of thousands of rows.
 
 Every call reads K/V as a view of the cache (no gather). A masked key contributes nothing,
 so the result equals one big call up to float rounding (SDPA blocks the key axis differently).
@@ -23,6 +25,12 @@ import torch
 from torch import Tensor
 
 CALL_COST_KEYS = 256
+GPU_CALL_COST_KEYS = 65536
+
+
+def call_cost_for(device: torch.device) -> int:
+    """The fixed cost of one more SDPA call, in key-rows read, on this kind of device."""
+    return CALL_COST_KEYS if device.type == "cpu" else GPU_CALL_COST_KEYS
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,13 @@ def slot_runs(slots: list[int], kv_lens: list[int], call_cost: int = CALL_COST_K
 
 
 def cache_calls(slots: list[int], kv_lens: list[int], L: int, device: torch.device,
-                call_cost: int = CALL_COST_KEYS) -> tuple[AttentionCall, ...]:
-    """Calls for sequences reading the cache (kv_lens[b] = keys of sequence b after this step)."""
+                call_cost: int | None = None) -> tuple[AttentionCall, ...]:
+    """Calls for sequences reading the cache (kv_lens[b] = keys of sequence b after this step);
+    call_cost defaults to the device's (call_cost_for)."""
     base = min(slots)
     calls = []
-    for run in slot_runs(slots, kv_lens, call_cost):
+    cost = call_cost_for(torch.device(device)) if call_cost is None else call_cost
+    for run in slot_runs(slots, kv_lens, cost):
         lo, hi = slots[run[0]], slots[run[-1]] + 1
         contiguous = run == list(range(run[0], run[0] + len(run)))
         batch = slice(run[0], run[-1] + 1) if contiguous else torch.tensor(run, device=device)

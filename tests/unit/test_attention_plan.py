@@ -50,6 +50,13 @@ def test_one_long_sequence_among_short_ones_gets_its_own_call():
     assert slot_runs(slots, [10] * 5, 256) == [[0, 1, 2, 3, 4]]  # alike: one call
 
 
+def test_a_gpu_plans_one_call_where_a_cpu_splits():
+    slots, kv_lens = [0, 1, 2, 3, 4], [10, 12, 900, 11, 9]  # contiguous slots: no index tensors are built
+    assert len(cache_calls(slots, kv_lens, 1, torch.device("cpu"))) == 3
+    (call,) = cache_calls(slots, kv_lens, 1, torch.device("cuda"))
+    assert (call.lo, call.hi, call.length, call.batch) == (0, 5, 900, slice(0, 5))
+
+
 def layout(call_cost: int):
     """Sequences in scattered slots (gaps, batch order unlike slot order), mixed cache lengths and
     query lengths (continuation chunks with right padding), the calls forced apart by call_cost."""
