@@ -106,6 +106,28 @@ class AttentionMetadata:
         return meta, pos[None]
 
     @classmethod
+    def static_decode(cls, slots: Tensor, positions: Tensor, num_slots: int, max_len: int) -> "AttentionMetadata":
+        """One token per sequence (sequence b at cache position positions[b] of slot slots[b]),
+        attending over the whole cache: every slot, all max_len keys, masked by each slot's length.
+
+        Built from tensor ops alone, with shapes fixed by (B, num_slots, max_len): no host sync, so a
+        decode step can be captured in a CUDA graph and replayed with new slots and positions. It
+        reads every slot's keys in full, which suits a GPU (a launch costs more than those reads).
+        A row may repeat another row (same slot, position and token): it writes the same K/V.
+        """
+        device = slots.device
+        B = slots.shape[0]
+        kv_len = torch.zeros(num_slots, dtype=positions.dtype, device=device).index_put_((slots,), positions + 1)
+        mask = torch.arange(max_len, device=device)[None, :] < kv_len[:, None]  # [num_slots, S]
+        mask[:, 0] = True  # slots outside the batch: one harmless key, no NaN
+        ar = torch.arange(B, device=device)
+        call = AttentionCall(batch=slice(0, B), tokens=slice(0, 1), lo=0, hi=num_slots, length=max_len,
+                             mask_rows=slice(0, num_slots), rows=slots)
+        return cls(q_lens=torch.ones_like(slots), mask=mask[:, None, None, :], read_cache=True, slots=slots,
+                   starts=positions, lo=0, hi=num_slots, rows=slots, write_b=ar, write_j=torch.zeros_like(ar),
+                   write_slot=slots, write_pos=positions, calls=(call,))
+
+    @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
 

@@ -291,6 +291,7 @@ def main(argv=None) -> int:
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
         "dtype": str(dtype), "device": str(device), "parameter_bytes": None,
+        "cuda_graphs": device.type == "cuda" and EngineSettings().cuda_graphs,
     }
     if "engine" not in args.skip:
         t0 = time.perf_counter()

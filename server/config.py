@@ -24,6 +24,7 @@ class ServerSettings:
     max_model_len: int | None = None
     kv_cache_gb: float | None = None
     token_budget: int = 512
+    cuda_graphs: bool = True  # on CUDA: decode steps replayed from graphs captured at start
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -60,6 +61,7 @@ HELP = {
     "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
     "kv_cache_gb": "KV cache budget in GiB (default: enough for --max-batch full-length requests)",
     "token_budget": "tokens per engine step; long prompts are prefilled in chunks of this size",
+    "cuda_graphs": "on CUDA, replay decode steps from CUDA graphs captured at start-up: true or false",
     "threads": "torch CPU threads (default: torch's choice)",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
@@ -84,6 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  + ("]" if f.default is None else f"; default {f.default}]"))
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _boolean(raw: str) -> bool:
+    if str(raw).strip().lower() in _TRUE:
+        return True
+    if str(raw).strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
 def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings:
     """Flags win over LMSERVE_* variables, which win over defaults. Values are converted and validated."""
     environ = os.environ if environ is None else environ
@@ -96,12 +109,15 @@ def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings
             continue
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         try:
-            if kind.startswith("int"):
+            if kind == "bool":
+                values[f.name] = _boolean(raw)
+            elif kind.startswith("int"):
                 values[f.name] = int(raw)
             elif kind.startswith("float"):
                 values[f.name] = float(raw)
             else:
                 values[f.name] = str(raw)
         except ValueError:
-            raise ValueError(f"--{f.name.replace('_', '-')} / {_env_name(f.name)}: {raw!r} is not a valid {kind.split()[0]}")
+            hint = " (true or false)" if kind == "bool" else ""
+            raise ValueError(f"--{f.name.replace('_', '-')} / {_env_name(f.name)}: {raw!r} is not a valid {kind.split()[0]}{hint}")
     return ServerSettings(**values)

@@ -77,7 +77,12 @@ class Engine:
         budget = s.kv_cache_bytes or KVCache.bytes_per_token(cfg, loaded.dtype) * self.max_model_len * s.max_batch
         self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, s.max_batch, loaded.dtype, loaded.device)
         self.scheduler = Scheduler(self.cache.num_slots, s.max_queue, s.token_budget)
-        self.runner = ModelRunner(loaded.model, self.cache, loaded.device)
+        graphs = None
+        if s.cuda_graphs and loaded.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(loaded.model, self.cache, self.cache.num_slots)
+        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, graphs)
         self.sampler = Sampler()
         self.processor = OutputProcessor(loaded.tokenizer, self.max_model_len)
         self.observers: list[EngineObserver] = []

@@ -13,10 +13,13 @@ from .scheduler import PrefillChunk, ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device):
+    """`graphs`: decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs) when given."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, graphs=None):
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs
 
     def _tensor(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -66,6 +69,9 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch) -> Tensor:
         seqs = batch.decode
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
+                                   [s.slot for s in seqs])
         ids = self._tensor([s.token_at(s.num_cached) for s in seqs])[:, None]  # [B, 1]
         starts = self._tensor([s.num_cached for s in seqs])  # [B]
         meta = AttentionMetadata.for_cache(self._tensor([s.slot for s in seqs]), starts,

@@ -15,6 +15,7 @@ class EngineSettings:
     max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask for
     default_max_new_tokens: int = 256
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck
+    cuda_graphs: bool = True  # on CUDA, replay decode steps from graphs captured at start (cuda_graphs.py)
 
     def __post_init__(self):
         for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens"):

@@ -107,3 +107,30 @@ def test_packed_prompts_attend_only_to_their_own_tokens_one_call_each():
         for s, e, seq in zip((0, *ends[:-1].tolist()), ends.tolist(), seqs):
             alone = model(seq[None], torch.arange(len(seq))[None], AttentionMetadata.fresh(torch.tensor([len(seq)])))
             assert_close(packed[s:e], alone[0], **TIGHT)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_static_decode_over_the_whole_cache_equals_the_planned_decode(pad):
+    """The graph-capturable decode (every slot, all max_len keys, shapes fixed) gives the planned
+    decode's logits and K/V writes; padding rows that repeat row 0 change nothing."""
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8,
+                      intermediate_size=48, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).init_weights(0.2, generator=torch.Generator().manual_seed(1)).eval()
+    g = torch.Generator().manual_seed(2)
+    planned, static = KVCache(cfg, 6, 32, torch.float32), KVCache(cfg, 6, 32, torch.float32)
+    planned.k.normal_(generator=g)
+    planned.v.normal_(generator=g)
+    static.k.copy_(planned.k)
+    static.v.copy_(planned.v)
+    slots, positions, ids = [4, 0, 2, 5], [9, 0, 30, 3], [7, 11, 13, 60]  # a sequence at its first and last position
+    with torch.no_grad():
+        meta = AttentionMetadata.for_cache(torch.tensor(slots), torch.tensor(positions), torch.ones(4, dtype=torch.long), 1)
+        want = model(torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], meta, planned)[:, 0]
+        rows = [slots, positions, ids]
+        slots_p, positions_p, ids_p = (torch.tensor(r + r[:1] * pad) for r in rows)
+        meta = AttentionMetadata.static_decode(slots_p, positions_p, 6, 32)
+        got = model(ids_p[:, None], positions_p[:, None], meta, static)[:, 0]
+    assert_close(got[:4], want, **TIGHT)
+    assert_close(got[4:], want[:1].expand(pad, -1), **TIGHT)
+    assert_close(static.k, planned.k, **TIGHT)
+    assert_close(static.v, planned.v, **TIGHT)

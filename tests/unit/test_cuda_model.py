@@ -10,6 +10,8 @@ fixture memorized. Each check prints what it measured, so a run on a GPU host is
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -17,6 +19,7 @@ from torch.testing import assert_close
 from lmserve.model.attention import AttentionMetadata, attend_calls, explicit_attention
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import load_model
+from lmserve.server.cuda_graphs import DecodeGraphs
 from lmserve.server.request import FinishReason, Request
 from fixtures.trained_model import corpus_paragraphs, prompt_continuations
 from test_engine_helpers import corpus_prompt, greedy, results_of, running
@@ -112,18 +115,53 @@ def test_sdpa_runs_fused_kernels_on_cuda_in_bfloat16(trained_model_dir):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-async def test_engine_on_cuda_reproduces_the_memorized_corpus(trained_model_dir, dtype):
+@torch.inference_mode()
+def test_graph_replayed_decode_matches_the_eager_decode(trained_model_dir, dtype):
+    """Replays in every bucket (padding rows included) give the eager decode's logits and K/V writes,
+    with the caches full of other sequences' keys."""
+    loaded = load_model(trained_model_dir, dtype=dtype, device=CUDA)
+    cfg, slots_n, max_len = loaded.config, 8, 64
+    eager, cached = KVCache(cfg, slots_n, max_len, dtype, CUDA), KVCache(cfg, slots_n, max_len, dtype, CUDA)
+    graphs = DecodeGraphs(loaded.model, cached, slots_n)
+    assert graphs.buckets == [1, 2, 4, 8]
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    eager.k.normal_(generator=g)
+    eager.v.normal_(generator=g)
+    cached.k.copy_(eager.k)
+    cached.v.copy_(eager.v)
+    rng = random.Random(0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for n in (1, 3, 8, 2, 5):  # buckets 1, 4, 8, 2, 8: padded rows in two of them
+        slots = rng.sample(range(slots_n), n)
+        positions = [rng.randrange(max_len) for _ in range(n)]
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(n)]
+        pos_t = torch.tensor(positions, device=CUDA)
+        meta = AttentionMetadata.for_cache(torch.tensor(slots, device=CUDA), pos_t, torch.ones_like(pos_t), 1)
+        want = loaded.model(torch.tensor(ids, device=CUDA)[:, None], pos_t[:, None], meta, eager)[:, 0].float()
+        got = graphs.run(ids, positions, slots).float()
+        scale = float(want.abs().max())
+        print(f"{dtype} n={n}: max |graph - eager| / max |logit| = {float((got - want).abs().max()) / scale:.2e}")
+        assert float((got - want).abs().max()) <= tol * scale
+        assert_close(cached.k.float(), eager.k.float(), rtol=tol, atol=tol)
+    assert graphs.replays == 5
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+async def test_engine_on_cuda_reproduces_the_memorized_corpus(trained_model_dir, dtype, graphs):
     """Every training prompt at once through the engine (packed prefill, batched decode, sampling on
     the GPU): each continues its paragraph word for word and stops at eos."""
     loaded = load_model(trained_model_dir, dtype=dtype, device=CUDA)
     tok = loaded.tokenizer
     pairs = prompt_continuations()
     prompts = [corpus_prompt(tok, prefix) for prefix, _ in pairs]
-    with running(loaded, max_batch=len(prompts)) as engine:
+    with running(loaded, max_batch=len(prompts), cuda_graphs=graphs) as engine:
         results = await results_of(engine, [Request(p, greedy(120 - len(p))) for p in prompts])
         stats = engine.stats()
+        replays = engine.runner.graphs.replays if graphs else 0
     wrong = [(prefix, res.text) for (prefix, continuation), res in zip(pairs, results)
              if res.finish_reason is not FinishReason.EOS or res.text != continuation]
     print(f"{dtype}: {len(results) - len(wrong)} of {len(results)} continuations exact")
     assert not wrong, wrong
     assert stats.slots_allocated_total == stats.slots_freed_total == len(prompts)
+    assert (replays > 50) is graphs  # the decode steps did run from graphs

@@ -33,6 +33,15 @@ def test_bad_values_name_the_flag():
         parse(["--port", "70000"])
 
 
+@pytest.mark.parametrize("raw,expected", [("false", False), ("0", False), ("Off", False), ("yes", True), ("1", True)])
+def test_boolean_settings_take_words_and_digits(raw, expected):
+    assert ServerSettings().cuda_graphs is True
+    assert parse(["--cuda-graphs", raw]).cuda_graphs is expected
+    assert parse([], {"LMSERVE_CUDA_GRAPHS": raw}).cuda_graphs is expected
+    with pytest.raises(ValueError, match=r"--cuda-graphs / LMSERVE_CUDA_GRAPHS: 'maybe' is not a valid bool \(true or false\)"):
+        parse(["--cuda-graphs", "maybe"])
+
+
 def test_token_file_ignores_comments_and_rejects_empty(tmp_path):
     f = tmp_path / "tokens"
     f.write_text("# ops team\n  alpha  \n\nbeta\n")

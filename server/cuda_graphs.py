@@ -1,0 +1,72 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model on a GPU is a few hundred tiny kernels, and launching them from
+Python costs far more than running them. Each batch-size bucket's step (model forward over the
+whole KV cache, `AttentionMetadata.static_decode`) is captured once at start-up and replayed with
+new token ids, positions and slots copied into its static input buffers: one launch per step.
+
+A batch of n is run in the smallest bucket >= n; the extra rows repeat row 0 (same token, slot and
+position), so they write the same K/V to the same place and their logits are dropped. Graphs share
+one memory pool, captured from the largest bucket down, since they never run at the same time.
+The logits returned are a view of the bucket's static output: read them before the next replay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lmserve.model.attention import AttentionMetadata
+from lmserve.model.kv_cache import KVCache
+from lmserve.model.llama import LlamaForCausalLM
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every 16, and max_batch itself."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return sorted({*small, *range(16, max_batch, 16), max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int, warmups: int = 2):
+        self.model, self.cache = model, cache
+        self.buckets = buckets_up_to(max_batch)
+        self.max_batch = self.buckets[-1]
+        device = cache.k.device
+        self._inputs = torch.zeros(3, self.max_batch, dtype=torch.long, device=device)  # ids, positions, slots
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, Tensor] = {}
+        self.replays = 0
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for b in reversed(self.buckets):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):  # warm-up: kernels chosen and workspaces allocated before capture
+                    for _ in range(warmups):
+                        self._forward(b)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[b] = self._forward(b)
+                self._graphs[b] = graph
+            torch.cuda.synchronize(device)
+            cache.k.zero_()  # capture wrote K/V of token 0 at slot 0, position 0
+            cache.v.zero_()
+
+    def _forward(self, b: int) -> Tensor:
+        ids, positions, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
+        meta = AttentionMetadata.static_decode(slots, positions, self.cache.num_slots, self.cache.max_len)
+        return self.model(ids[:, None], positions[:, None], meta, self.cache)[:, 0]  # [b, V]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> Tensor:
+        """Logits [n, V] of one decode step for n <= max_batch sequences."""
+        n = len(ids)
+        b = next(size for size in self.buckets if size >= n)
+        pad = b - n
+        host = torch.tensor([ids + ids[:1] * pad, positions + positions[:1] * pad, slots + slots[:1] * pad],
+                            dtype=torch.long)
+        self._inputs[:, :b].copy_(host)
+        self._graphs[b].replay()
+        self.replays += 1
+        return self._outputs[b][:n]
