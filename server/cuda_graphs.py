@@ -47,7 +47,7 @@ class DecodeGraphs:
                         self._forward(b)
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self._outputs[b] = self._forward(b)
                 self._graphs[b] = graph
             torch.cuda.synchronize(device)
