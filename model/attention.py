@@ -102,7 +102,7 @@ class AttentionMetadata:
         mask = (seg[:, None] == seg[None, :]) & (ar[None, :] <= ar[:, None])  # [T, T]
         meta = cls(q_lens=torch.full((1,), T, device=device), mask=mask[None, None], read_cache=False,
                    slots=slots, starts=torch.zeros_like(slots), write_b=torch.zeros_like(ar), write_j=ar,
-                   write_slot=slots[seg], write_pos=pos, calls=packed_calls(slots.tolist(), q_lens.tolist()))
+                   write_slot=slots[seg], write_pos=pos, calls=packed_calls(slots, q_lens))
         return meta, pos[None]
 
     @classmethod

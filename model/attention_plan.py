@@ -4,7 +4,8 @@ One call over every sequence of a step is the simplest plan, but SDPA then reads
 sequence, as many keys as the longest one has, and packed prompts attend over the whole
 packed row (T x T) although each may only see its own tokens. The plan here:
 
-- packed new prompts: one call per prompt over its own slot (causal L x L);
+- packed new prompts: one call per prompt over its own slot (causal L x L); on a GPU one
+  masked call over the packed row instead (launches cost more there than the mask);
 - decode / continuation chunks: sequences sorted by slot, cut into runs of neighbouring
   slots so that each call reads (slots spanned) x (longest in the run) keys, minimising
   that total plus a fixed cost per call (`CALL_COST_KEYS`, in key-rows: what launching one
@@ -90,10 +91,15 @@ def cache_calls(slots: list[int], kv_lens: list[int], L: int, device: torch.devi
     return tuple(calls)
 
 
-def packed_calls(slots: list[int], q_lens: list[int]) -> tuple[AttentionCall, ...]:
-    """One causal call per prompt of a packed row (batch row 0), each over its own slot."""
+def packed_calls(slots: Tensor, q_lens: Tensor) -> tuple[AttentionCall, ...]:
+    """One causal call per prompt of a packed row (batch row 0), each over its own slot.
+
+    On a GPU: no calls, meaning one SDPA call over the whole row with its block-diagonal mask
+    (AttentionMetadata.mask); a launch per prompt and layer costs more there than the T x T mask."""
+    if slots.device.type != "cpu":
+        return ()
     calls, start = [], 0
-    for slot, n in zip(slots, q_lens):
+    for slot, n in zip(slots.tolist(), q_lens.tolist()):
         calls.append(AttentionCall(batch=slice(0, 1), tokens=slice(start, start + n), lo=slot, hi=slot + 1, length=n))
         start += n
     return tuple(calls)

@@ -90,7 +90,8 @@ def test_calls_equal_the_explicit_attention_over_the_full_mask(call_cost, heads,
     assert_close(out.transpose(1, 2)[real], ref.transpose(1, 2)[real], **TIGHT)
 
 
-def test_packed_prompts_attend_only_to_their_own_tokens_one_call_each():
+@pytest.mark.parametrize("gpu_plan", [False, True], ids=["call per prompt", "one masked call (GPU plan)"])
+def test_packed_prompts_attend_only_to_their_own_tokens(gpu_plan):
     cfg = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8,
                       intermediate_size=48, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg).init_weights(0.2, generator=torch.Generator().manual_seed(0)).eval()
@@ -98,6 +99,8 @@ def test_packed_prompts_attend_only_to_their_own_tokens_one_call_each():
     seqs = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
     meta, positions = AttentionMetadata.packed(torch.tensor([4, 0, 2]), torch.tensor(lens))
     assert [(c.lo, c.tokens.start, c.tokens.stop) for c in meta.calls] == [(4, 0, 5), (0, 5, 6), (2, 6, 15)]
+    if gpu_plan:  # what packed_calls plans on a GPU: the row's block-diagonal causal mask in one call
+        meta = dataclasses.replace(meta, calls=())
     cache = KVCache(cfg, 5, 32, torch.float32)
     cache.k.normal_(0, 50)  # stale garbage in every slot: only the calls' bounds keep it out
     cache.v.normal_(0, 50)
