@@ -87,6 +87,10 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
 
     async def GenerateStream(self, request, context):
         await self._admit("GenerateStream", request, context)
+        # The RPC's end before the stream's, not only CancelledError in here: a cancel that lands while
+        # grpc awaits a write outside this generator never raises inside it.
+        finished = []
+        context.add_done_callback(lambda _: None if finished else self.cancelled.set())
         rid = request.request_id or "srv-1"
         try:
             for i, word in enumerate(self.script.stream_words):
@@ -107,6 +111,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 usage=pb.Usage(prompt_tokens=self.script.prompt_tokens, completion_tokens=n),
                 timing=pb.Timing(queue_seconds=0.0, time_to_first_token_seconds=0.1, total_seconds=0.2),
             )
+            finished.append(True)
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
