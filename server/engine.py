@@ -81,7 +81,11 @@ class Engine:
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(loaded.model, self.cache, self.cache.num_slots)
+            try:
+                graphs = DecodeGraphs(loaded.model, self.cache, self.cache.num_slots)
+            except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
+                raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
+                                   "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, graphs)
         self.sampler = Sampler()
         self.processor = OutputProcessor(loaded.tokenizer, self.max_model_len)
