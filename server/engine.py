@@ -76,7 +76,9 @@ class Engine:
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         budget = s.kv_cache_bytes or KVCache.bytes_per_token(cfg, loaded.dtype) * self.max_model_len * s.max_batch
         self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, s.max_batch, loaded.dtype, loaded.device)
-        self.scheduler = Scheduler(self.cache.num_slots, s.max_queue, s.token_budget)
+        # a quarter of the context: the prompts that would make short neighbours read many empty keys
+        self.scheduler = Scheduler(self.cache.num_slots, s.max_queue, s.token_budget,
+                                   long_prompt=max(2, self.max_model_len // 4))
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs

@@ -53,7 +53,8 @@ class ScheduledBatch:
 
 
 class SlotAllocator:
-    """Hands out the lowest free slot, which keeps live slots dense (cache views stay small)."""
+    """Hands out the lowest free slot, or the highest one when asked, which keeps live slots dense
+    at both ends (cache views stay small)."""
 
     def __init__(self, num_slots: int):
         self.capacity = num_slots
@@ -69,11 +70,16 @@ class SlotAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int | None:
+    def allocate(self, from_top: bool = False) -> int | None:
         if not self._free:
             return None
         self.allocated_total += 1
-        return heapq.heappop(self._free)
+        if not from_top:
+            return heapq.heappop(self._free)
+        top = max(self._free)
+        self._free.remove(top)
+        heapq.heapify(self._free)
+        return top
 
     def free(self, slot: int) -> None:
         self.freed_total += 1
@@ -81,8 +87,13 @@ class SlotAllocator:
 
 
 class Scheduler:
+    """`long_prompt`: prompts of at least this many tokens take the highest free slot and the others
+    the lowest, so neighbouring slots hold requests of similar length and a decode step's attention
+    calls over runs of neighbouring slots (model/attention_plan.py) read fewer keys for nothing.
+    None: always the lowest."""
+
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -90,6 +101,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.min_prefill_chunk = min_prefill_chunk
         self.clock = clock
+        self.long_prompt = long_prompt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
@@ -127,7 +139,8 @@ class Scheduler:
                 batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
                 budget -= n
         while self.waiting and budget > 0:
-            slot = self.slots.allocate()
+            slot = self.slots.allocate(from_top=self.long_prompt is not None
+                                       and self.waiting[0].prompt_len >= self.long_prompt)
             if slot is None:
                 break
             seq = self.waiting.popleft()

@@ -42,6 +42,20 @@ def test_admission_bounded_by_slots_fcfs():
     assert b2.decode == [seqs[1]]
 
 
+def test_long_prompts_take_slots_from_the_top_so_neighbours_have_similar_lengths():
+    s = Scheduler(num_slots=6, max_queue=10, token_budget=1000, long_prompt=10)
+    lengths = [3, 40, 4, 12, 10, 9]  # 10 and more count as long
+    seqs = [s.add(req(n, f"r{i}")) for i, n in enumerate(lengths)]
+    run_step(s)
+    assert [q.slot for q in seqs] == [0, 5, 1, 4, 3, 2]
+    assert max(q.slot for q in seqs if q.prompt_len < 10) < min(q.slot for q in seqs if q.prompt_len >= 10)
+    s.finish(seqs[1], FinishReason.LENGTH)  # a long one leaves slot 5 ...
+    s.finish(seqs[0], FinishReason.LENGTH)  # ... a short one slot 0
+    late = [s.add(req(n, f"late{n}")) for n in (50, 2)]
+    run_step(s)
+    assert [q.slot for q in late] == [5, 0]  # each end refilled by its own kind
+
+
 def test_queue_bound_rejects_overflow():
     s = Scheduler(num_slots=1, max_queue=2, token_budget=100)
     for _ in range(3):  # one will take the free slot, two may wait
