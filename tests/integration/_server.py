@@ -5,6 +5,7 @@
         stub = TextGenerationStub(srv.channel())
         snapshot = srv.metrics()                      # parsed /metrics
 
+Servers run on the CPU unless a test passes `device` (the same everywhere, GPU host or not).
 The process runs in its own session with LMSERVE_* variables removed from its environment,
 logs to a file (``srv.log``), and is stopped with SIGTERM, then SIGKILL after a timeout.
 """
