@@ -188,6 +188,9 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
     return result
 
 
+MEMORY_HEADROOM = 600 * 2**20  # bytes the serving process may hold beyond its weights and KV budget
+
+
 def memory_report(m: dict[str, float], param_bytes: int | None) -> dict:
     """The serving process's memory from one /metrics scrape, checked against weights + KV + 600 MiB.
 
@@ -208,7 +211,7 @@ def memory_report(m: dict[str, float], param_bytes: int | None) -> dict:
                    checked="cuda_peak_allocated_bytes")
     # the allowance counts the checkpoint's parameters, not the extra prepacked LM head copy
     weights = param_bytes if param_bytes is not None else mem["weights_held_bytes"]
-    mem["allowance_bytes"] = weights + mem["kv_cache_budget_bytes"] + 600 * 2**20
+    mem["allowance_bytes"] = weights + mem["kv_cache_budget_bytes"] + MEMORY_HEADROOM
     mem["within_allowance"] = mem[mem["checked"]] <= mem["allowance_bytes"]
     return mem
 
@@ -241,7 +244,7 @@ def markdown_summary(report: dict) -> str:
     mem = report.get("grpc", {}).get("memory")
     if mem:
         gib = 2**30
-        weights = mem["allowance_bytes"] - mem["kv_cache_budget_bytes"] - 600 * 2**20
+        weights = mem["allowance_bytes"] - mem["kv_cache_budget_bytes"] - MEMORY_HEADROOM
         lines.append("")
         checked = mem.get("checked", "peak_resident_bytes")
         what = "peak GPU memory allocated" if checked == "cuda_peak_allocated_bytes" else "peak resident"

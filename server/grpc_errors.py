@@ -78,11 +78,10 @@ async def _abort(context, exc: Exception) -> None:
     grpc core (logged there as a server error with a traceback). The call is treated as cancelled."""
     if _already_aborted(exc):
         raise exc
-    status = to_status(exc)
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
         raise asyncio.CancelledError("the caller's deadline passed") from exc
-    await context.abort_with_status(status)
+    await context.abort_with_status(to_status(exc))
 
 
 def _already_aborted(exc: BaseException) -> bool:
