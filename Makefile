@@ -25,12 +25,12 @@ test: $(STAMP)
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python -m lmserve.server.bench_engine --out reports/engine_bench.json
+	$(BIN)/python -m lmserve.server.bench.engine_bench --out reports/engine_bench.json
 
 # On a CUDA host (a CUDA build of torch in the environment): the GPU tests, then the benchmark in bfloat16.
 cuda-check: $(STAMP)
 	$(BIN)/pytest -q -s tests/unit/test_cuda_model.py tests/integration/test_cuda_metrics.py
-	$(BIN)/python -m lmserve.server.bench_engine --device cuda --out reports/engine_bench_cuda.json
+	$(BIN)/python -m lmserve.server.bench.engine_bench --device cuda --out reports/engine_bench_cuda.json
 
 clean:
 	rm -rf $(VENV) .cache

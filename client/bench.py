@@ -23,7 +23,7 @@ from typing import Any
 
 from .aio import AsyncClient
 from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
-from .cli import CliUsageError, add_connection_args, client_kwargs
+from .cli_args import CliUsageError, add_connection_args, client_kwargs
 from .errors import LmserveError
 from .types import ChatMessage, ModelInfo, SamplingParams
 

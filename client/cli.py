@@ -15,35 +15,12 @@ import os
 import sys
 from typing import Any, Callable
 
+from .cli_args import CliUsageError, add_connection_args, client_kwargs
 from .errors import InvalidRequestError, LmserveError
 from .types import ChatMessage, SamplingParams
 
-DEFAULT_TARGET = "localhost:50051"
-TARGET_ENV = "LMSERVE_TARGET"
-TOKEN_ENV = "LMSERVE_TOKEN"
 # Packages that contribute subcommands; each exposes add_subcommands(subparsers).
 EXTERNAL_SUBCOMMANDS = ("lmserve.model.cli", "lmserve.model.train_cli", "lmserve.server.cli")
-
-
-class CliUsageError(Exception):
-    """A bad command-line value found after parsing (exit code 2)."""
-
-
-# ---------------------------------------------------------------- shared flags
-
-
-def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    """--target/--tls/--ca-file/--client-cert/--client-key/--token/--timeout."""
-    group = parser.add_argument_group("connection")
-    group.add_argument("-t", "--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
-                       help=f"server address host:port (default: ${TARGET_ENV} or {DEFAULT_TARGET})")
-    group.add_argument("--tls", action="store_true", help="use TLS, verified with the system roots or --ca-file")
-    group.add_argument("--ca-file", help="PEM file of root certificates that sign the server's certificate")
-    group.add_argument("--client-cert", help="PEM client certificate chain for mutual TLS")
-    group.add_argument("--client-key", help="PEM client private key for mutual TLS")
-    group.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                       help=f"bearer token sent as 'authorization' metadata (default: ${TOKEN_ENV})")
-    group.add_argument("--timeout", type=float, default=None, help="seconds allowed per call (default: none)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_new_tokens: int = 0) -> None:
@@ -77,12 +54,6 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-
-
-def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Client constructor keywords from the connection flags."""
-    return dict(tls=args.tls, ca_file=args.ca_file, client_cert=args.client_cert,
-                client_key=args.client_key, token=args.token, timeout=args.timeout)
 
 
 def make_client(args: argparse.Namespace, **overrides: Any):

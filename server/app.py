@@ -97,17 +97,12 @@ class Server:
 
         from .engine import Engine
         from .metrics import Metrics
-        from .settings import EngineSettings
 
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
         loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir)
-        engine = Engine(loaded, EngineSettings(
-            max_batch=s.max_batch, max_queue=s.max_queue, max_model_len=s.max_model_len,
-            kv_cache_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None, token_budget=s.token_budget,
-            max_new_tokens_cap=s.max_new_tokens_cap, default_max_new_tokens=s.default_max_new_tokens,
-            cuda_graphs=s.cuda_graphs))
+        engine = Engine(loaded, s.engine)
         metrics = Metrics(engine, s.model)
         return engine.start(), metrics
 

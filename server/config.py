@@ -1,10 +1,16 @@
-"""Server settings from CLI flags, each defaulting to an LMSERVE_* environment variable. No torch here."""
+"""Server settings from CLI flags, each defaulting to an LMSERVE_* environment variable. No torch here.
+
+`ServerSettings` holds the process's own settings (model, network, TLS, lifecycle) and an
+`EngineSettings` for the engine; both dataclasses' fields become flags of `lmserve serve`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from .engine.settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -17,14 +23,6 @@ class ServerSettings:
     port: int = 50051
     metrics_host: str | None = None  # None: same as host
     metrics_port: int = 9400  # 0 disables the metrics endpoint
-    max_batch: int = 64
-    max_queue: int = 256
-    max_new_tokens_cap: int = 4096
-    default_max_new_tokens: int = 256
-    max_model_len: int | None = None
-    kv_cache_gb: float | None = None
-    token_budget: int = 512
-    cuda_graphs: bool = True  # on CUDA: decode steps replayed from graphs captured at start
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -33,6 +31,7 @@ class ServerSettings:
     grace_period: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     max_receive_message_bytes: int = 4 * 2**20
     log_level: str = "INFO"
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self):
         if not (0 < self.port < 65536) or not (0 <= self.metrics_port < 65536):
@@ -60,6 +59,7 @@ HELP = {
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
     "kv_cache_gb": "KV cache budget in GiB (default: enough for --max-batch full-length requests)",
+    "stuck_after_seconds": "an engine step running longer than this marks the server NOT_SERVING",
     "token_budget": "tokens per engine step; long prompts are prefilled in chunks of this size",
     "cuda_graphs": "on CUDA, replay decode steps from CUDA graphs captured at start-up: true or false",
     "threads": "torch CPU threads (default: torch's choice)",
@@ -77,9 +77,15 @@ def _env_name(name: str) -> str:
     return "LMSERVE_" + name.upper()
 
 
+def _flag_fields():
+    """(owner, field) for every flag: the server's own settings, then the engine's."""
+    own = [(ServerSettings, f) for f in fields(ServerSettings) if f.name != "engine"]
+    return own + [(EngineSettings, f) for f in fields(EngineSettings)]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; the default comes from LMSERVE_<NAME> at parse time, else the dataclass."""
-    for f in fields(ServerSettings):
+    for _, f in _flag_fields():
         flag = "--" + f.name.replace("_", "-")
         parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
                             help=f"{HELP[f.name]} [env {_env_name(f.name)}"
@@ -100,8 +106,8 @@ def _boolean(raw: str) -> bool:
 def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings:
     """Flags win over LMSERVE_* variables, which win over defaults. Values are converted and validated."""
     environ = os.environ if environ is None else environ
-    values = {}
-    for f in fields(ServerSettings):
+    values: dict[type, dict] = {ServerSettings: {}, EngineSettings: {}}
+    for owner, f in _flag_fields():
         raw = getattr(args, f.name, None)
         if raw is None:
             raw = environ.get(_env_name(f.name))
@@ -110,14 +116,19 @@ def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         try:
             if kind == "bool":
-                values[f.name] = _boolean(raw)
+                values[owner][f.name] = _boolean(raw)
             elif kind.startswith("int"):
-                values[f.name] = int(raw)
+                values[owner][f.name] = int(raw)
             elif kind.startswith("float"):
-                values[f.name] = float(raw)
+                values[owner][f.name] = float(raw)
             else:
-                values[f.name] = str(raw)
+                values[owner][f.name] = str(raw)
         except ValueError:
             hint = " (true or false)" if kind == "bool" else ""
             raise ValueError(f"--{f.name.replace('_', '-')} / {_env_name(f.name)}: {raw!r} is not a valid {kind.split()[0]}{hint}")
-    return ServerSettings(**values)
+    try:
+        engine = EngineSettings(**values[EngineSettings])
+    except ValueError as exc:  # name the flag, as for a value that does not parse
+        name = str(exc).split()[0]
+        raise ValueError(f"--{name.replace('_', '-')} / {_env_name(name)}: {exc}") from None
+    return ServerSettings(**values[ServerSettings], engine=engine)

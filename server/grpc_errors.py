@@ -13,8 +13,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from .engine import EngineUnavailableError
-from .request import RequestValidationError
-from .scheduler import QueueFullError
+from .engine.request import RequestValidationError
+from .engine.scheduler import QueueFullError
 
 log = logging.getLogger("lmserve.grpc")
 

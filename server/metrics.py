@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from .request import FinishReason
+from .engine.request import FinishReason
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine

@@ -16,8 +16,8 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 from .engine import Engine
 from .grpc_errors import EdgeError, map_errors
-from .outputs import GenerationChunk, GenerationResult
-from .request import FinishReason, Request, RequestValidationError, SamplingParams
+from .engine.outputs import GenerationChunk, GenerationResult
+from .engine.request import FinishReason, Request, RequestValidationError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_MESSAGES = 256

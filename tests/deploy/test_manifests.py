@@ -175,9 +175,9 @@ def test_cpu_resources_fit_the_model_and_kv_cache(smollm2_gguf_path):
     c = container(deployments()["deployment.yaml"])
     s = settings_from_env(env_of(c))
     assert s.model == "smollm2"
-    max_len = min(s.max_model_len or 4096, cfg.max_position_embeddings)
+    max_len = min(s.engine.max_model_len or 4096, cfg.max_position_embeddings)
     weights = params * 4  # float32 on CPU
-    kv = s.max_batch * max_len * KVCache.bytes_per_token(cfg, torch.float32)
+    kv = s.engine.max_batch * max_len * KVCache.bytes_per_token(cfg, torch.float32)
     limit = memory_bytes(c["resources"]["limits"]["memory"])
     assert weights + kv <= 0.75 * limit, f"weights {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB vs limit {limit / 2**30:.1f} GiB"
     assert memory_bytes(c["resources"]["requests"]["memory"]) >= weights + kv
@@ -304,7 +304,7 @@ def exported_names(trained_model_dir) -> set[str]:
     from lmserve.model.loader import load_model
     from lmserve.server.engine import Engine
     from lmserve.server.metrics import Metrics
-    from lmserve.server.settings import EngineSettings
+    from lmserve.server.engine.settings import EngineSettings
 
     engine = Engine(load_model(trained_model_dir, dtype="float32", device="cpu"), EngineSettings(max_batch=2))
     metrics = Metrics(engine, "trained")

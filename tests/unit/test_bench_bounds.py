@@ -10,7 +10,7 @@ import torch
 
 from lmserve.model.config import ModelConfig
 from lmserve.model.llama import LlamaForCausalLM
-from lmserve.server.bench_bounds import layer_flops_per_token, matmul_bounds
+from lmserve.server.bench.bounds import layer_flops_per_token, matmul_bounds
 
 
 def tiny() -> tuple[ModelConfig, LlamaForCausalLM]:
@@ -40,7 +40,7 @@ def test_bounds_are_consistent_with_their_own_timings():
 
 
 def test_markdown_summary_ratios_come_from_the_report_rows():
-    from lmserve.server.bench_engine import markdown_summary
+    from lmserve.server.bench.engine_bench import markdown_summary
 
     report = {
         "concurrency": [1, 8],
@@ -60,7 +60,7 @@ def scrape(**extra) -> dict[str, float]:
 
 
 def test_memory_is_checked_on_resident_memory_on_cpu_and_on_gpu_memory_on_cuda():
-    from lmserve.server.bench_engine import markdown_summary, memory_report
+    from lmserve.server.bench.engine_bench import markdown_summary, memory_report
 
     allowance = 0.5 * 2**30 + 2.0 * 2**30 + 600 * 2**20  # parameters + KV budget + 600 MiB
     cpu = memory_report(scrape(), param_bytes=2**29)

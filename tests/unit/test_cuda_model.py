@@ -19,8 +19,8 @@ from torch.testing import assert_close
 from lmserve.model.attention import AttentionMetadata, attend_calls, explicit_attention
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import load_model
-from lmserve.server.cuda_graphs import DecodeGraphs
-from lmserve.server.request import FinishReason, Request
+from lmserve.server.engine.cuda_graphs import DecodeGraphs
+from lmserve.server.engine.request import FinishReason, Request
 from fixtures.trained_model import corpus_paragraphs, prompt_continuations
 from test_engine_helpers import corpus_prompt, greedy, results_of, running
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lmserve.server.engine import EngineUnavailableError, Engine
-from lmserve.server.request import FinishReason, Request, RequestValidationError, SamplingParams
-from lmserve.server.settings import EngineSettings
+from lmserve.server.engine.request import FinishReason, Request, RequestValidationError, SamplingParams
+from lmserve.server.engine.settings import EngineSettings
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, corpus_prompt, one_torch_thread, full_forward_logits, greedy, greedy_reference, prompt_continuations, random_prompt,
     random_tiny, results_of, running, trained,
@@ -341,14 +341,14 @@ async def test_kv_budget_limits_the_slots_and_everyone_still_finishes(random_tin
     per_slot = KVCache.bytes_per_token(cfg, random_tiny.dtype) * 64
     rng = random.Random(17)
     prompts = [random_prompt(rng, rng.randint(1, 20), cfg.vocab_size) for _ in range(6)]
-    with running(random_tiny, max_batch=8, max_model_len=64, kv_cache_bytes=2 * per_slot + per_slot // 2) as engine:
+    with running(random_tiny, max_batch=8, max_model_len=64, kv_cache_gb=(2 * per_slot + per_slot // 2) / 2**30) as engine:
         assert engine.stats().slots_capacity == 2
         assert engine.stats().kv_cache_bytes == 2 * per_slot
         results = await results_of(engine, [Request(p, greedy(10, ignore_eos=True)) for p in prompts])
     for res, p in zip(results, prompts):
         assert res.token_ids == greedy_reference(random_tiny.model, p, 10)[0]
     with pytest.raises(ValueError):
-        Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_bytes=per_slot - 1))
+        Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_gb=(per_slot - 1) / 2**30))
 
 
 def test_context_length_is_bounded_by_the_model(random_tiny):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmserve.server.outputs import GenerationResult
-from lmserve.server.request import Request, SamplingParams
+from lmserve.server.engine.outputs import GenerationResult
+from lmserve.server.engine.request import Request, SamplingParams
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, corpus_prompt, greedy, greedy_reference, one_torch_thread, prompt_continuations, random_prompt,
     random_tiny, running, single_torch_thread, trained, wait_idle,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lmserve.server.engine import EngineUnavailableError
-from lmserve.server.request import FinishReason, Request
-from lmserve.server.scheduler import QueueFullError
+from lmserve.server.engine.request import FinishReason, Request
+from lmserve.server.engine.scheduler import QueueFullError
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, greedy, greedy_reference, one_torch_thread, random_prompt, random_tiny, results_of, running,
     tiny_loaded, trained, wait_idle, wait_until, wrap_step,

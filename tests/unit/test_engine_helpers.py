@@ -24,9 +24,9 @@ from lmserve.model.llama import LlamaForCausalLM
 from lmserve.model.loader import LoadedModel, load_model
 from lmserve.model.tokenizer import Tokenizer
 from lmserve.server.engine import Engine
-from lmserve.server.outputs import GenerationChunk, GenerationResult
-from lmserve.server.request import Request, SamplingParams
-from lmserve.server.settings import EngineSettings
+from lmserve.server.engine.outputs import GenerationChunk, GenerationResult
+from lmserve.server.engine.request import Request, SamplingParams
+from lmserve.server.engine.settings import EngineSettings
 
 CPU = torch.device("cpu")
 FIRST_PLAIN_ID = 4  # the trained tokenizer's ids 0..3 are unk, bos, eos, pad

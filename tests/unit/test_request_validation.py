@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lmserve.server.request import (
+from lmserve.server.engine.request import (
     MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Request, RequestValidationError, SamplingParams,
 )
 

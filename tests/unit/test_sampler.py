@@ -2,8 +2,8 @@
 
 import torch
 
-from lmserve.server.request import SamplingParams
-from lmserve.server.sampler import Sampler, filter_logits, make_generator
+from lmserve.server.engine.request import SamplingParams
+from lmserve.server.engine.sampler import Sampler, filter_logits, make_generator
 
 V = 50
 

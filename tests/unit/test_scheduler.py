@@ -2,9 +2,9 @@
 
 import pytest
 
-from lmserve.server.request import FinishReason, Request
-from lmserve.server.scheduler import QueueFullError, Scheduler
-from lmserve.server.sequence import SeqStatus
+from lmserve.server.engine.request import FinishReason, Request
+from lmserve.server.engine.scheduler import QueueFullError, Scheduler
+from lmserve.server.engine.sequence import SeqStatus
 
 
 class Clock:

@@ -17,7 +17,7 @@ def parse(argv, env=None):
 def test_defaults_env_and_flag_precedence():
     assert parse([]) == ServerSettings()
     s = parse([], {"LMSERVE_PORT": "6000", "LMSERVE_MAX_BATCH": "8", "LMSERVE_KV_CACHE_GB": "1.5"})
-    assert (s.port, s.max_batch, s.kv_cache_gb) == (6000, 8, 1.5)
+    assert (s.port, s.engine.max_batch, s.engine.kv_cache_gb) == (6000, 8, 1.5)
     s = parse(["--port", "7000"], {"LMSERVE_PORT": "6000"})
     assert s.port == 7000
 
@@ -31,13 +31,15 @@ def test_bad_values_name_the_flag():
         parse(["--tls-client-ca", "ca.pem"])
     with pytest.raises(ValueError, match="ports"):
         parse(["--port", "70000"])
+    with pytest.raises(ValueError, match="--max-batch / LMSERVE_MAX_BATCH: max_batch must be >= 1"):
+        parse(["--max-batch", "0"])
 
 
 @pytest.mark.parametrize("raw,expected", [("false", False), ("0", False), ("Off", False), ("yes", True), ("1", True)])
 def test_boolean_settings_take_words_and_digits(raw, expected):
-    assert ServerSettings().cuda_graphs is True
-    assert parse(["--cuda-graphs", raw]).cuda_graphs is expected
-    assert parse([], {"LMSERVE_CUDA_GRAPHS": raw}).cuda_graphs is expected
+    assert ServerSettings().engine.cuda_graphs is True
+    assert parse(["--cuda-graphs", raw]).engine.cuda_graphs is expected
+    assert parse([], {"LMSERVE_CUDA_GRAPHS": raw}).engine.cuda_graphs is expected
     with pytest.raises(ValueError, match=r"--cuda-graphs / LMSERVE_CUDA_GRAPHS: 'maybe' is not a valid bool \(true or false\)"):
         parse(["--cuda-graphs", "maybe"])
 

@@ -2,7 +2,7 @@
 
 import random
 
-from lmserve.server.stopping import StopStringMatcher
+from lmserve.server.engine.stopping import StopStringMatcher
 
 
 def run(pieces, stops):

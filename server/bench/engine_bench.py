@@ -1,6 +1,6 @@
 """Throughput benchmark: the offline engine, Hugging Face `generate`, and the gRPC server, side by side.
 
-    python -m lmserve.server.bench_engine --out reports/engine_bench.json
+    python -m lmserve.server.bench.engine_bench --out reports/engine_bench.json
 
 Every section decodes the same chat prompts for the same number of tokens (EOS ignored), so
 output tokens/s compare directly. Results go to a JSON file; a table is printed. This is a
@@ -38,9 +38,7 @@ def prompt_ids(tok, c: int) -> list[list[int]]:
 
 
 def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
-    from .engine import Engine
-    from .request import Request, SamplingParams
-    from .settings import EngineSettings
+    from ..engine import Engine, EngineSettings, Request, SamplingParams
 
     tok = loaded.tokenizer
     engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len)).start()
@@ -282,8 +280,8 @@ def main(argv=None) -> int:
     from lmserve.model.catalog import resolve_model
     from lmserve.model.loader import load_model, resolve_device_dtype
 
-    from .bench_bounds import matmul_bounds
-    from .settings import EngineSettings
+    from ..engine import EngineSettings
+    from .bounds import matmul_bounds
 
     path = resolve_model(args.model, models_dir=args.models_dir)
     device, dtype = resolve_device_dtype(args.device, args.dtype)

@@ -10,12 +10,16 @@ class EngineSettings:
     max_batch: int = 64  # requests decoding at once (KV slots, unless the KV budget allows fewer)
     max_queue: int = 256  # requests waiting for a slot; more are rejected
     max_model_len: int | None = None  # tokens per request (prompt + generated); None = min(model's, 4096)
-    kv_cache_bytes: int | None = None  # KV budget; None = enough for max_batch slots of max_model_len
+    kv_cache_gb: float | None = None  # KV budget in GiB; None = enough for max_batch slots of max_model_len
     token_budget: int = 512  # tokens per engine step (decodes + prefill chunk)
     max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask for
     default_max_new_tokens: int = 256
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck
     cuda_graphs: bool = True  # on CUDA, replay decode steps from graphs captured at start (cuda_graphs.py)
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
 
     def __post_init__(self):
         for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens"):
@@ -25,7 +29,7 @@ class EngineSettings:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.stuck_after_seconds <= 0:
             raise ValueError("stuck_after_seconds must be positive")

@@ -1,0 +1,1 @@
+"""Benchmarks of the server and its engine (not imported by the serving path)."""
