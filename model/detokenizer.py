@@ -84,3 +84,8 @@ class IncrementalDetokenizer:
         while start > lowest and self._decode(ids[start:]).startswith(_REPLACEMENT):
             start -= 1
         return ids[start:]
+
+
+def make_detokenizer(tokenizer: "Tokenizer", prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    """The streaming detokenizer for one generated sequence."""
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)

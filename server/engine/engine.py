@@ -19,17 +19,33 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel
 
 from .outputs import GenerationChunk
-from .processor import OutputProcessor
+from .processor import OutputProcessor, StepOutput
 from .request import FinishReason, Request, RequestValidationError
-from .runner import ModelRunner
-from .sampler import Sampler, make_generator
+from .runner import ModelRunner, RunOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
+from .streams import ChunkStream, hand_off
 
 log = logging.getLogger("lmserve.engine")
 
-Sink = Callable[[GenerationChunk], None]
+Sink = Callable[[GenerationChunk], None]  # called on the engine thread; or a ChunkStream (event-loop side)
+
+
+class PhaseTimes:
+    """Host time per phase of the engine's steps (seconds, cumulative): where a step's time goes."""
+
+    PHASES = ("schedule", "inputs", "model", "sample", "process", "deliver")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
 
 
 class EngineUnavailableError(Exception):
@@ -89,13 +105,14 @@ class Engine:
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, graphs)
-        self.sampler = Sampler()
         self.processor = OutputProcessor(loaded.tokenizer, self.max_model_len)
         self.observers: list[EngineObserver] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._sinks: dict[str, Sink] = {}
+        self._sinks: dict[str, Sink | ChunkStream] = {}
+        self._pending: tuple[ScheduledBatch, RunOutput, float] | None = None  # ran, not yet postprocessed
+        self._times = PhaseTimes()
         self._cancels: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
@@ -147,30 +164,23 @@ class Engine:
     def generate(self, request: Request) -> AsyncIterator[GenerationChunk]:
         """Submit now (errors raise here, before any chunk) and return the chunk stream.
 
+        A reader that falls behind gets its pending chunks merged into one (streams.ChunkStream).
         Leaving the stream early (break, cancellation, error) cancels the request.
         """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[GenerationChunk] = asyncio.Queue()
+        stream = ChunkStream(request.request_id, asyncio.get_running_loop())
+        self.submit(request, stream)
+        return self._stream(stream)
 
-        def sink(chunk: GenerationChunk) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                self.cancel(request.request_id)
-
-        self.submit(request, sink)
-        return self._stream(request.request_id, queue)
-
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
+    async def _stream(self, stream: ChunkStream) -> AsyncIterator[GenerationChunk]:
         done = False
         try:
             while not done:
-                chunk = await queue.get()
+                chunk = await stream.get()
                 done = chunk.finished
                 yield chunk
         finally:
             if not done:
-                self.cancel(request_id)
+                self.cancel(stream.request_id)
 
     def cancel(self, request_id: str) -> None:
         """Ask the loop to cancel; the slot is free by the next step. Unknown ids are ignored."""
@@ -217,30 +227,35 @@ class Engine:
                 seqs = [*self.scheduler.waiting, *self.scheduler.running]
                 for seq in seqs:
                     self.scheduler.finish(seq, FinishReason.SHUTDOWN)
+            self._deliver([(seq.request_id, self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down"))
+                           for seq in seqs])
             for seq in seqs:
-                self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")
+                self._sinks.pop(seq.request_id, None)
 
     def _step_once(self) -> bool:
-        """One engine step; False when there was nothing to do."""
-        with self._lock:
-            cancels, self._cancels = self._cancels, []
-            cancelled = [s for s in cancels if s.status is not SeqStatus.FINISHED]
-            for seq in cancelled:
-                self.scheduler.finish(seq, FinishReason.CANCELLED)
-            batch = self.scheduler.schedule()
-        for seq in cancelled:
-            self._finish(seq, FinishReason.CANCELLED)
-        for seq in batch.dropped:
-            self._finish(seq, seq.finish_reason)
-        if batch.empty:
-            return bool(cancelled or batch.dropped)
+        """One engine step; False when there was nothing to do.
 
-        t0 = time.monotonic()
-        self._step_started = t0
-        sampled = batch.sampled()
+        The heart is three calls: schedule, run (model + sampler), postprocess (record tokens, stop
+        checks, detokenize). The previous step's postprocess and this step's schedule share one
+        acquisition of the lock; its outputs reach the event loops in one hand-off per loop."""
+        t0 = time.perf_counter()
+        with self._lock:
+            outputs = self._postprocess_pending()
+            t_processed = time.perf_counter()
+            retired = self._apply_cancels()
+            batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self._times.add("process", t_processed - t0)
+        self._times.add("schedule", t1 - t_processed)
+        self._deliver_step(outputs, retired + [(s, s.finish_reason) for s in batch.dropped])
+        t2 = time.perf_counter()
+        self._times.add("deliver", t2 - t1)
+        if batch.empty:
+            return bool(outputs or retired or batch.dropped)
+
+        self._step_started = time.monotonic()
         try:
-            logits = self.runner.step(batch)
-            out = self._sample(sampled, logits) if sampled else None
+            run = self.runner.run(batch)
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed; failing its %d request(s)", len(batch.prefill) + len(batch.decode))
             self._step_started = None
@@ -248,50 +263,53 @@ class Engine:
             return True
         self._step_started = None
         self._steps += 1
-        now = time.monotonic()
-
-        with self._lock:
-            ok = {} if out is None else {s: t for s, t, good in zip(sampled, out.token_ids, out.ok) if good}
-            self.scheduler.update(batch, ok)
-            results = []
-            for i, seq in enumerate(sampled):
-                if seq.status is not SeqStatus.RUNNING:
-                    continue  # cancelled while the step ran
-                if not out.ok[i]:
-                    self.scheduler.finish(seq, FinishReason.ERROR)
-                    results.append((seq, None, FinishReason.ERROR))
-                    continue
-                try:
-                    chunk, reason = self.processor.on_token(seq, out.token_ids[i], out.logprobs[i])
-                except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
-                    log.exception("output processing failed for %s", seq.request_id)
-                    self.scheduler.finish(seq, FinishReason.ERROR)
-                    results.append((seq, None, FinishReason.ERROR))
-                    continue
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                results.append((seq, chunk, reason))
-        for obs in self.observers:
-            obs.on_step(now - t0, batch)
-        for seq, chunk, reason in results:
-            if chunk is None:
-                self._finish(seq, reason, error="generation failed for this request")
-                continue
-            last = seq.state.get("last_token_time")
-            seq.state["last_token_time"] = now
-            for obs in self.observers:
-                obs.on_token(seq, None if last is None else now - last)
-            if reason is None:
-                self._deliver(seq.request_id, chunk)
-            else:
-                self._finish(seq, reason, chunk=chunk)
+        t3 = time.perf_counter()
+        self._times.add("inputs", t3 - t2 - run.model_seconds - run.sample_seconds)
+        self._times.add("model", run.model_seconds)
+        self._times.add("sample", run.sample_seconds)
+        self._times.steps += 1
+        self._pending = (batch, run, t3 - t2)
         return True
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor):
-        params = [s.request.params for s in seqs]
-        gens = [s.state.setdefault("generator", make_generator(p.seed, logits.device)) if p.temperature > 0 else None
-                for s, p in zip(seqs, params)]
-        return self.sampler(logits, params, gens, [s.output_ids for s in seqs], [s.request.prompt_ids for s in seqs])
+    def _postprocess_pending(self) -> list[StepOutput]:
+        """The last step's tokens recorded and turned into chunks (under the lock)."""
+        if self._pending is None:
+            return []
+        batch, run, seconds = self._pending
+        self._pending = None
+        for obs in self.observers:
+            obs.on_step(seconds, batch)
+        return self.processor.postprocess(self.scheduler, batch, run.out, run.sampled, time.monotonic())
+
+    def _apply_cancels(self) -> list[tuple[Sequence, FinishReason]]:
+        cancels, self._cancels = self._cancels, []
+        retired = [s for s in cancels if s.status is not SeqStatus.FINISHED]
+        for seq in retired:
+            self.scheduler.finish(seq, FinishReason.CANCELLED)
+        return [(s, FinishReason.CANCELLED) for s in retired]
+
+    def _deliver_step(self, outputs: list[StepOutput], retired: list[tuple[Sequence, FinishReason]]) -> None:
+        """Observers hear of every token and finish; chunks go to their streams in one hand-off."""
+        items: list[tuple[str, GenerationChunk]] = []
+        finished: list[Sequence] = []
+        for o in outputs:
+            if o.chunk is None:
+                items.append((o.seq.request_id, self._finish(o.seq, o.reason, error="generation failed for this request")))
+                finished.append(o.seq)
+                continue
+            for obs in self.observers:
+                obs.on_token(o.seq, o.gap)
+            if o.reason is None:
+                items.append((o.seq.request_id, o.chunk))
+            else:
+                items.append((o.seq.request_id, self._finish(o.seq, o.reason, chunk=o.chunk)))
+                finished.append(o.seq)
+        for seq, reason in retired:
+            items.append((seq.request_id, self._finish(seq, reason)))
+            finished.append(seq)
+        self._deliver(items)
+        for seq in finished:  # counted as running until its outcome is recorded and delivered
+            self._sinks.pop(seq.request_id, None)
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:
         seqs = [c.seq for c in batch.prefill] + list(batch.decode)
@@ -299,11 +317,11 @@ class Engine:
             live = [s for s in seqs if s.status is SeqStatus.RUNNING]
             for seq in live:
                 self.scheduler.finish(seq, FinishReason.ERROR)
-        for seq in live:
-            self._finish(seq, FinishReason.ERROR, error="generation failed on the server")
+        self._deliver_step([StepOutput(s, None, FinishReason.ERROR) for s in live], [])
 
     def _finish(self, seq: Sequence, reason: FinishReason, chunk: GenerationChunk | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None) -> GenerationChunk:
+        """Clear the slot's K/V, tell the observers; returns the final chunk to deliver."""
         if seq.slot is not None:
             # Zero what this request wrote: K/V it left behind may be non-finite (a poisoned prompt
             # cancelled mid-prefill never showed NaN logits), and masked keys still multiply values
@@ -312,14 +330,18 @@ class Engine:
         final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
         for obs in self.observers:
             obs.on_finish(seq, final)
-        self._deliver(seq.request_id, final)
-        with self._lock:
-            self._sinks.pop(seq.request_id, None)
+        return final
 
-    def _deliver(self, request_id: str, chunk: GenerationChunk) -> None:
-        sink = self._sinks.get(request_id)
-        if sink is not None:
-            try:
-                sink(chunk)
-            except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
-                log.exception("delivering to %s failed", request_id)
+    def _deliver(self, items: list[tuple[str, GenerationChunk]]) -> None:
+        streams = []
+        for request_id, chunk in items:
+            sink = self._sinks.get(request_id)
+            if isinstance(sink, ChunkStream):
+                streams.append((sink, chunk))
+            elif sink is not None:
+                try:
+                    sink(chunk)
+                except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
+                    log.exception("delivering to %s failed", request_id)
+        if streams:
+            hand_off(streams, lambda stream: self.cancel(stream.request_id))

@@ -67,3 +67,12 @@ class GenerationResult:
         if chunk.finished:
             self.finish_reason, self.usage, self.timings, self.error, self.matched_stop = (
                 chunk.finish_reason, chunk.usage, chunk.timings, chunk.error, chunk.matched_stop)
+
+
+def merge_chunks(first: GenerationChunk, later: GenerationChunk) -> GenerationChunk:
+    """One chunk carrying both, in order: text and token ids concatenated, logprobs kept per token;
+    the finish fields come from the later one (only a stream's last chunk has them)."""
+    return GenerationChunk(request_id=later.request_id, text=first.text + later.text,
+                           token_ids=first.token_ids + later.token_ids, logprobs=first.logprobs + later.logprobs,
+                           finish_reason=later.finish_reason, usage=later.usage, timings=later.timings,
+                           error=later.error, matched_stop=later.matched_stop)

@@ -1,6 +1,9 @@
-"""Builds a step's tensors from the scheduled batch and runs the model: last-position logits out."""
+"""Builds a step's tensors from the scheduled batch, runs the model and samples: tokens out."""
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -9,7 +12,20 @@ from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 
+from .sampler import SampleOutput, Sampler
 from .scheduler import PrefillChunk, ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class RunOutput:
+    """One step's sampled tokens, for `sampled` (batch.sampled(): prompts completed this step, then
+    decodes); `out` is None when no sequence was due a token (only prompt chunks ran)."""
+
+    sampled: list[Sequence]
+    out: SampleOutput | None
+    model_seconds: float  # of the step, spent in the model's forward (the rest built its inputs)
+    sample_seconds: float
 
 
 class ModelRunner:
@@ -20,6 +36,23 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.graphs = graphs
+        self.sampler = Sampler()
+        self._model_seconds = 0.0
+
+    def run(self, batch: ScheduledBatch) -> RunOutput:
+        """The model over the batch, then one sampled token per sequence due one."""
+        sampled = batch.sampled()
+        self._model_seconds = 0.0
+        logits = self.step(batch)
+        t0 = time.perf_counter()
+        out = self.sampler(logits, sampled) if sampled else None
+        return RunOutput(sampled, out, self._model_seconds, time.perf_counter() - t0)
+
+    def _forward(self, *args, **kwargs) -> Tensor:
+        t0 = time.perf_counter()
+        logits = self.model(*args, **kwargs)
+        self._model_seconds += time.perf_counter() - t0
+        return logits
 
     def _tensor(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -56,7 +89,7 @@ class ModelRunner:
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
         meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length)
         last = self._tensor([c.length - 1] if c.completes_prompt else [])
-        return self.model(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [0 or 1, V]
+        return self._forward(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [0 or 1, V]
 
     def _prefill_packed(self, chunks: list[PrefillChunk]) -> Tensor:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
@@ -65,15 +98,18 @@ class ModelRunner:
         meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]), q_lens)
         ends = torch.cumsum(q_lens, 0) - 1  # [B] last token of each prompt in the row
         last = ends[[i for i, c in enumerate(chunks) if c.completes_prompt]]
-        return self.model(ids[None].to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
+        return self._forward(ids[None].to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
 
     def _decode(self, batch: ScheduledBatch) -> Tensor:
         seqs = batch.decode
-        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
-                                   [s.slot for s in seqs])
+        if self.graphs is not None:
+            t0 = time.perf_counter()
+            logits = self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
+                                     [s.slot for s in seqs])
+            self._model_seconds += time.perf_counter() - t0
+            return logits
         ids = self._tensor([s.token_at(s.num_cached) for s in seqs])[:, None]  # [B, 1]
         starts = self._tensor([s.num_cached for s in seqs])  # [B]
         meta = AttentionMetadata.for_cache(self._tensor([s.slot for s in seqs]), starts,
                                            torch.ones_like(starts), 1)
-        return self.model(ids, starts[:, None], meta, self.cache)[:, 0]  # [B, V]
+        return self._forward(ids, starts[:, None], meta, self.cache)[:, 0]  # [B, V]

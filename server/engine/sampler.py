@@ -1,4 +1,14 @@
-"""Batched sampling with per-request parameters as tensors and one generator per request."""
+"""Batched sampling with per-request parameters and one generator per seeded request.
+
+Work follows what rows ask for. An all-greedy batch costs one `max` over the logits: it gives the
+tokens and the row maxima, and a row whose maximum is not finite (NaN propagates through `max`)
+fails alone. Only rows with a temperature, penalties or logprobs are copied out and worked on;
+only sampled rows with top-k/top-p/min-p pay for a sort. Penalty tallies are kept per request and
+updated with each new token instead of being rebuilt from the history every step.
+
+`general_sample` is the straightforward reference (every row through every stage); the fast path
+returns exactly its tokens, which the tests check row type by row type.
+"""
 
 from __future__ import annotations
 
@@ -26,22 +36,39 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return g
 
 
-def apply_penalties(logits: Tensor, params: list[SamplingParams], histories: list[list[int]],
-                    prompts: list[list[int]]) -> Tensor:
-    """Repetition (prompt + output, HF convention), presence and frequency (output only) penalties."""
-    rows = [i for i, p in enumerate(params)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
-    for i in rows:  # penalties are rare and per-row; a short loop keeps this readable
-        p = params[i]
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+class PenaltyState:
+    """One request's penalty tallies over the vocabulary, kept up to date token by token.
+
+    seen [V] bool: the prompt's and output's tokens (repetition penalty, HF convention);
+    counts [V]: how often each token was generated (presence / frequency penalties, output only).
+    """
+
+    def __init__(self, prompt_ids: list[int], output_ids: list[int], vocab: int, device: torch.device):
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        ids = [t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab]
+        if ids:
+            self.seen[torch.tensor(ids, device=device)] = True
+        for t in output_ids:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        if 0 <= token < self.counts.shape[0]:
+            self.seen[token] = True
+            self.counts[token] += 1
+
+    def apply(self, row: Tensor, p: SamplingParams) -> Tensor:
+        """Penalised copy of one row of logits [V] (float32)."""
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(prompts[i]) | set(histories[i])), dtype=torch.long, device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if histories[i] and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(histories[i], device=logits.device), minlength=logits.shape[1])
-            counts = counts[: logits.shape[1]].to(logits.dtype)  # [V]
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(self.seen, penalised, row)
+        if p.presence_penalty or p.frequency_penalty:
+            row = row - (p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).to(row.dtype))
+        return row
 
 
 def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
@@ -60,43 +87,92 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def _filtered(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _race(probs: Tensor, gen: torch.Generator) -> int:
+    """Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples from p (probs [V])."""
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / noise).argmax())
+
+
+def _penalty_state(seq, vocab: int, device: torch.device) -> PenaltyState:
+    if seq.penalties is None:
+        seq.penalties = PenaltyState(seq.request.prompt_ids, seq.output_ids, vocab, device)
+    return seq.penalties
+
+
+def _generator(seq, device: torch.device) -> torch.Generator:
+    if seq.generator is None:
+        seq.generator = make_generator(seq.request.params.seed, device)
+    return seq.generator
+
+
+def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    chosen = float(lp_row[token])
+    if n == 0:
+        return chosen, ()
+    vals, idx = lp_row.topk(n)
+    return chosen, tuple(zip(idx.tolist(), vals.tolist()))
+
+
 class Sampler:
-    def __call__(self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-                 histories: list[list[int]], prompts: list[list[int]]) -> SampleOutput:
-        """logits [N, V] (any float dtype) -> one token per row."""
-        logits = logits.float()
-        ok = torch.isfinite(logits).all(dim=-1)  # [N]
-        logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
-        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+    def __call__(self, logits: Tensor, seqs: list) -> SampleOutput:
+        """logits [N, V] (any float dtype), one row per sequence -> one token per row.
 
-        logits = apply_penalties(logits, params, histories, prompts)
-        greedy_tok = logits.argmax(dim=-1)  # [N]
-        sample_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        tokens = greedy_tok.clone()
-        if sample_rows:
-            idx = torch.tensor(sample_rows, device=logits.device)
-            dev = logits.device
-            ps = [params[i] for i in sample_rows]
-            filtered = filter_logits(
-                logits[idx],
-                torch.tensor([p.temperature for p in ps], device=dev),
-                torch.tensor([p.top_k for p in ps], device=dev),
-                torch.tensor([p.top_p for p in ps], device=dev),
-                torch.tensor([p.min_p for p in ps], device=dev),
-            )
-            probs = filtered.softmax(dim=-1)  # [n, V]
-            # exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples from p; each row uses its own generator
-            noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in sample_rows])
-            tokens[idx] = (probs / noise).argmax(dim=-1)
-
+        Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
+        generator and penalty tallies, which are updated with the sampled token."""
+        row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
+        ok = torch.isfinite(row_max).tolist()
         token_list = tokens.tolist()
-        lp: list = [None] * len(params)
-        if raw_logprobs is not None:
-            n_top = max(p.logprobs or 0 for p in params)
-            top_vals, top_idx = raw_logprobs.topk(n_top, dim=-1)  # [N, n_top]
-            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    lp[i] = (chosen[i], tuple(zip(top_idx[i][: p.logprobs], top_vals[i][: p.logprobs])))
-        return SampleOutput(token_ids=token_list, ok=ok.tolist(), logprobs=lp)
+        lps: list = [None] * len(seqs)
+        V, dev = logits.shape[1], logits.device
+        for i, seq in enumerate(seqs):
+            p = seq.request.params
+            if not ok[i] or (p.temperature == 0 and p.logprobs is None and not has_penalties(p)):
+                continue  # greedy: the max above is the whole answer
+            raw = logits[i].float()  # [V] a copy only for rows that need one
+            row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
+            if p.temperature > 0:
+                if _filtered(p):
+                    row = filter_logits(row[None], *(torch.tensor([x], device=dev) for x in
+                                                     (p.temperature, p.top_k, p.top_p, p.min_p)))[0]
+                else:
+                    row = row / p.temperature
+                token_list[i] = _race(row.softmax(dim=-1), _generator(seq, dev))
+            elif row is not raw:
+                token_list[i] = int(row.argmax())
+            if p.logprobs is not None:
+                lps[i] = _top_logprobs(raw.log_softmax(dim=-1), token_list[i], p.logprobs)
+        for i, seq in enumerate(seqs):
+            if ok[i] and seq.penalties is not None:
+                seq.penalties.add(token_list[i])
+        return SampleOutput(token_ids=token_list, ok=ok, logprobs=lps)
+
+
+def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                   histories: list[list[int]], prompts: list[list[int]]) -> SampleOutput:
+    """The reference: every row through every stage (validity, logprobs, penalties rebuilt from the
+    whole history, temperature and filters with a full sort, the exponential race). The engine uses
+    `Sampler`; the tests hold it to these tokens."""
+    logits = logits.float()
+    ok = torch.isfinite(logits.max(dim=-1).values)  # [N]
+    logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
+    raw_logprobs = logits.log_softmax(dim=-1)
+    logits = logits.clone()
+    V = logits.shape[1]
+    for i, p in enumerate(params):
+        if has_penalties(p):
+            logits[i] = PenaltyState(prompts[i], histories[i], V, logits.device).apply(logits[i], p)
+    tokens = logits.argmax(dim=-1)  # [N]
+    for i, p in enumerate(params):
+        if p.temperature > 0:
+            dev = logits.device
+            filtered = filter_logits(logits[i: i + 1], *(torch.tensor([x], device=dev) for x in
+                                                         (p.temperature, p.top_k, p.top_p, p.min_p)))
+            tokens[i] = _race(filtered[0].softmax(dim=-1), generators[i])
+    token_list = tokens.tolist()
+    lp = [None if p.logprobs is None else _top_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+          for i, p in enumerate(params)]
+    return SampleOutput(token_ids=token_list, ok=ok.tolist(), logprobs=lp)

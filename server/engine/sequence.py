@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from .stopping import StopStringMatcher
 
 
 class SeqStatus(enum.Enum):
@@ -24,7 +28,14 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
-    state: dict = field(default_factory=dict)  # per-request state owned by the runner/processor (generator, detokenizer)
+    last_token_time: float | None = None  # when the latest token was sampled (inter-token gaps)
+    # sampling state, owned by the sampler: a seeded generator, incremental penalty tallies
+    generator: Any = None  # torch.Generator, made on the first sampled (temperature > 0) step
+    penalties: Any = None  # sampler.PenaltyState, made on the first penalised step
+    # output state, owned by the output processor
+    detokenizer: Any = None  # lmserve.model.detokenizer detokenizer, made on the first token
+    stops: "StopStringMatcher | None" = None
+    matched_stop: str | None = None  # with FinishReason.STOP: the stop string that matched
 
     @property
     def request_id(self) -> str:

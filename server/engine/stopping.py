@@ -12,43 +12,41 @@ class StopStringMatcher:
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.sent = 0  # text[:sent] has been released
+        self.pending = ""  # text received but not released: at most the longest stop string's length
         self.stopped = False
         self.matched: str | None = None  # the stop string that matched
 
     def push(self, delta: str) -> str:
-        """Add a delta; return the text now safe to release. Sets `stopped` on a match."""
+        """Add a delta; return the text now safe to release. Sets `stopped` on a match.
+
+        Work is bounded by the delta plus the longest stop string, however long the stream."""
         if self.stopped:
             return ""
-        self.text += delta
         if not self.stops:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out
-        hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stops) if i >= 0]
+            return delta
+        text = self.pending + delta
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             cut, self.matched = min(hits, key=lambda h: h[0])
-            out, self.sent, self.stopped = self.text[self.sent:cut], cut, True
-            return out
-        keep = self._held_suffix()
-        end = len(self.text) - keep
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
+            self.pending, self.stopped = "", True
+            return text[:cut]
+        keep = self._held_suffix(text)
+        self.pending = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """Release what was held back (the stream ended without a match)."""
         if self.stopped:
             return ""
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.pending = self.pending, ""
         return out
 
-    def _held_suffix(self) -> int:
-        """Length of the longest unreleased suffix that is a proper prefix of some stop string."""
-        tail = self.text[self.sent:]
+    def _held_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         best = 0
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(tail)), best, -1):
-                if tail.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
                     best = k
                     break
         return best

@@ -78,7 +78,9 @@ async def test_streamed_chunks_concatenate_to_the_decoded_text(trained):
         for prompt in prompts:
             res, chunks = await collect(engine, Request(prompt, greedy(100)))
             assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
-            assert all(len(c.token_ids) == 1 for c in chunks)  # one token per chunk, the last included
+            # a reader that keeps up gets a token per chunk; one that falls behind gets them merged
+            assert all(len(c.token_ids) >= 1 for c in chunks)
+            assert sum(len(c.token_ids) for c in chunks) == len(res.token_ids)
             assert "".join(c.text for c in chunks) == res.text
             assert res.text == decoded_suffix(tok, prompt, res.token_ids)
             assert "\ufffd" not in res.text
