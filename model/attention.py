@@ -128,6 +128,29 @@ class AttentionMetadata:
                    write_slot=slots, write_pos=positions, calls=(call,))
 
     @classmethod
+    def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str) -> "AttentionMetadata":
+        """One new token per sequence (b writes slot slots[b] at position starts[b] and attends to
+        keys 0..starts[b]): the same attention as `for_cache(slots, starts, ones, 1)` with every
+        start > 0, built from host lists in a handful of tensor ops (a decode step's input cost
+        is all host time on a fast device)."""
+        B = len(slots)
+        lo, hi = min(slots), max(slots) + 1
+        kv_len = [s + 1 for s in starts]
+        slots_t = torch.tensor(slots, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        row_len = [1] * (hi - lo)  # slots outside the batch: one harmless key, no NaN
+        for s, n in zip(slots, kv_len):
+            row_len[s - lo] = n
+        S = max(kv_len)
+        mask = torch.arange(S, device=device)[None, :] < torch.tensor(row_len, device=device)[:, None]  # [R, S]
+        identity = hi - lo == B and all(s == lo + b for b, s in enumerate(slots))
+        ar = torch.arange(B, device=device)
+        return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
+                   slots=slots_t, starts=starts_t, lo=lo, hi=hi, rows=None if identity else slots_t - lo,
+                   write_b=ar, write_j=torch.zeros_like(ar), write_slot=slots_t, write_pos=starts_t,
+                   calls=cache_calls(slots, kv_len, 1, device))
+
+    @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
 

@@ -14,6 +14,7 @@ settling holds malformed bytes, and is emitted as it decodes (with its U+FFFD) t
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -86,6 +87,38 @@ class IncrementalDetokenizer:
         return ids[start:]
 
 
+class ByteStreamDetokenizer:
+    """For vocabularies whose ids each stand for fixed bytes (`Tokenizer.token_bytes`): each id's
+    bytes go through an incremental UTF-8 decoder, which holds back an unfinished character. Work
+    per id is proportional to its bytes. Same contract as `IncrementalDetokenizer`: the pieces
+    concatenate to `tokenizer.decode(generated_ids, skip_special_tokens)` (the prompt plays no part)."""
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special_tokens: bool = True):
+        self._bytes = tokenizer.token_bytes
+        self._dropped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._dropped or not 0 <= token_id < len(self._bytes):
+            return ""
+        delta = self._utf8.decode(self._bytes[token_id])
+        self._pieces.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        delta = self._utf8.decode(b"", final=True)
+        self._pieces.append(delta)
+        return delta
+
+
 def make_detokenizer(tokenizer: "Tokenizer", prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-    """The streaming detokenizer for one generated sequence."""
+    """The streaming detokenizer for one generated sequence: by fixed token bytes when the
+    vocabulary allows it, else by decoding a short window of ids."""
+    if tokenizer.token_bytes is not None:
+        return ByteStreamDetokenizer(tokenizer, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)

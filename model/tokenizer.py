@@ -101,6 +101,14 @@ class Tokenizer:
         outside the vocabulary (a model's padded embedding rows) decode to nothing."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
+    @cached_property
+    def token_bytes(self) -> tuple[bytes, ...] | None:
+        """The bytes each id contributes to decoded text, when that does not depend on the ids
+        around it (byte-level BPE: `decode(ids)` is the UTF-8 decoding of the concatenated bytes);
+        None for vocabularies whose decoding depends on context (sentencepiece's word-boundary
+        spaces). Lets a stream be detokenized in time proportional to its new bytes."""
+        return self._backend.token_bytes()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry, spelled as the vocabulary spells it (e.g. `<|im_end|>`,
         `Ġthe` in a byte-level vocabulary, `▁the` in a sentencepiece one); None if absent."""
@@ -296,11 +304,41 @@ class _TokenizersBackend:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self) -> tuple[bytes, ...] | None:
+        from tokenizers import decoders
+
+        if not isinstance(self._tk.decoder, decoders.ByteLevel):
+            return None
+        alphabet = _byte_level_alphabet()
+        added = self._tk.get_added_tokens_decoder()
+        table = []
+        for i in range(self.vocab_size):
+            if i in added:  # added tokens decode to their own text
+                table.append(added[i].content.encode("utf-8"))
+                continue
+            piece = self._tk.id_to_token(i)
+            table.append(b"" if piece is None else
+                         b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode("utf-8") for c in piece))
+        return tuple(table)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id) if token_id >= 0 else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), inverted: char -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class _SentencePieceBackend:
@@ -402,6 +440,9 @@ class _SentencePieceBackend:
         if start < len(text):
             ids += self._sp.encode(text[start:])
         return ids
+
+    def token_bytes(self) -> None:
+        return None  # a piece's leading space depends on where it falls
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         parts: list[str] = []

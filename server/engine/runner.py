@@ -108,8 +108,7 @@ class ModelRunner:
                                      [s.slot for s in seqs])
             self._model_seconds += time.perf_counter() - t0
             return logits
-        ids = self._tensor([s.token_at(s.num_cached) for s in seqs])[:, None]  # [B, 1]
-        starts = self._tensor([s.num_cached for s in seqs])  # [B]
-        meta = AttentionMetadata.for_cache(self._tensor([s.slot for s in seqs]), starts,
-                                           torch.ones_like(starts), 1)
-        return self._forward(ids, starts[:, None], meta, self.cache)[:, 0]  # [B, V]
+        starts = [s.num_cached for s in seqs]
+        ids = self._tensor([s.token_at(n) for s, n in zip(seqs, starts)])[:, None]  # [B, 1]
+        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device)
+        return self._forward(ids, meta.starts[:, None], meta, self.cache)[:, 0]  # [B, V]

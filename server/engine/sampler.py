@@ -12,6 +12,7 @@ returns exactly its tokens, which the tests check row type by row type.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +125,7 @@ class Sampler:
         Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
         generator and penalty tallies, which are updated with the sampled token."""
         row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
-        ok = torch.isfinite(row_max).tolist()
+        ok = [math.isfinite(m) for m in row_max.tolist()]
         token_list = tokens.tolist()
         lps: list = [None] * len(seqs)
         V, dev = logits.shape[1], logits.device

@@ -388,3 +388,23 @@ def test_all_masked_row_has_no_defined_attention_so_empty_prompts_are_rejected()
     logits = model(torch.stack([seq, seq]), torch.arange(3).expand(2, 3), meta)
     assert bool(logits[1].isnan().all())
     assert_close(logits[0], run_alone(model, seq), **TIGHT)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_metadata_from_host_lists_equals_the_general_builder(seed):
+    """AttentionMetadata.for_decode (the decode step's fast input path) describes exactly the
+    attention for_cache describes for one token per sequence: masks, views, rows, writes, calls."""
+    import random
+
+    rng = random.Random(seed)
+    slots = rng.sample(range(12), rng.randint(1, 8))
+    starts = [rng.randint(1, 40) for _ in slots]
+    fast = AttentionMetadata.for_decode(slots, starts, "cpu")
+    ref = AttentionMetadata.for_cache(torch.tensor(slots), torch.tensor(starts), torch.ones(len(slots), dtype=torch.long), 1)
+    assert torch.equal(fast.mask, ref.mask)
+    assert (fast.lo, fast.hi, fast.read_cache) == (ref.lo, ref.hi, ref.read_cache)
+    assert (fast.rows is None) == (ref.rows is None) and (fast.rows is None or torch.equal(fast.rows, ref.rows))
+    for name in ("q_lens", "slots", "starts", "write_b", "write_j", "write_slot", "write_pos"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert [(c.lo, c.hi, c.length, c.mask_rows, str(c.batch), None if c.rows is None else c.rows.tolist()) for c in fast.calls] == \
+           [(c.lo, c.hi, c.length, c.mask_rows, str(c.batch), None if c.rows is None else c.rows.tolist()) for c in ref.calls]

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from lmserve.model.detokenizer import IncrementalDetokenizer
+from lmserve.model.detokenizer import ByteStreamDetokenizer, IncrementalDetokenizer, make_detokenizer
 from lmserve.model.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
@@ -181,3 +181,46 @@ def test_unfinished_character_is_held_until_flush(sp):
     assert detok.flush() == sp.decode(ids[:-1])
     detok = IncrementalDetokenizer(sp)
     assert "".join(detok.push(i) for i in ids) + detok.flush() == "未"
+
+
+# ---------------------------------------------------------------------------------------------
+# byte-stream detokenizer (fixed bytes per id)
+
+
+def byte_stream(tokenizer, ids, skip_special_tokens=True) -> list[str]:
+    detok = ByteStreamDetokenizer(tokenizer, skip_special_tokens)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert detok.text == "".join(pieces)
+    return pieces
+
+
+def test_byte_level_vocabularies_get_the_byte_stream_and_sentencepiece_the_window(smol, sp):
+    assert smol.token_bytes is not None and len(smol.token_bytes) == smol.vocab_size
+    assert sp.token_bytes is None
+    assert isinstance(make_detokenizer(smol, [1, 2]), ByteStreamDetokenizer)
+    assert isinstance(make_detokenizer(sp, [1, 2]), IncrementalDetokenizer)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_stream_equals_decode_on_text_random_ids_and_every_single_id(smol, skip):
+    rng = random.Random(5)
+    for text in STREAM_TEXTS + random_texts(6, 40):
+        ids = smol.encode(text)
+        pieces = byte_stream(smol, ids, skip)
+        assert "".join(pieces) == smol.decode(ids, skip_special_tokens=skip)
+        assert all(REPLACEMENT not in p for p in pieces)  # valid UTF-8 never shows a half character
+    for _ in range(200):  # arbitrary ids: malformed bytes, special tokens, everything
+        ids = [rng.randrange(smol.vocab_size) for _ in range(rng.randint(1, 25))]
+        assert "".join(byte_stream(smol, ids, skip)) == smol.decode(ids, skip_special_tokens=skip)
+    wrong = [i for i in range(smol.vocab_size) if "".join(byte_stream(smol, [i], skip)) != smol.decode([i], skip_special_tokens=skip)]
+    assert wrong == []
+
+
+def test_byte_stream_emits_a_character_in_the_step_that_completes_it(smol):
+    ids = smol.encode("😀中")
+    detok = ByteStreamDetokenizer(smol)
+    out = [detok.push(i) for i in ids]
+    text = ""
+    for n, piece in enumerate(out, 1):
+        text += piece
+        assert text == smol.decode(ids[:n]).rstrip(REPLACEMENT)

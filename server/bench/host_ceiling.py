@@ -1,0 +1,263 @@
+"""Host-path ceiling: the real engine, tokenizer, sampler and gRPC edge around a zero-cost model.
+
+    python -m lmserve.server.bench.host_ceiling --out reports/host_ceiling.json
+
+The model's forward is replaced by a stand-in that returns ready-made logits [N, V] (views of a
+bank of rows whose argmax walks through real text, so the detokenizer does real work): what is
+left is everything a GPU does not hide, i.e. scheduling, building the step's inputs, sampling,
+output processing and delivery, then gRPC. Reported per concurrency: tokens/s engine-only (the
+asyncio API) and through gRPC (`lmserve bench`'s client on this machine), the ITL at c=1, and the
+engine's host time per step split by phase. A benchmark, not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+BANK_ROWS = 512
+DEFAULT_CONCURRENCY = (1, 8, 64)
+
+
+class StandInModel:
+    """Callable like LlamaForCausalLM.forward; returns views of a fixed logits bank, no compute.
+
+    Row r of the bank peaks at text_ids[r % len(text_ids)]; successive calls (and successive rows of
+    one call) walk through the bank, so each sequence gets varying, real-text tokens."""
+
+    def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int):
+        gen = torch.Generator().manual_seed(0)
+        self.bank = torch.randn(BANK_ROWS + max_rows, vocab_size, generator=gen)  # [R, V]
+        peaks = torch.tensor([text_ids[r % len(text_ids)] for r in range(self.bank.shape[0])])
+        self.bank[torch.arange(self.bank.shape[0]), peaks] = 30.0
+        self.calls = 0
+
+    def parameters(self):
+        return iter(())
+
+    def weight_bytes(self) -> int:
+        return 0
+
+    def __call__(self, input_ids, positions, meta, cache=None, logits_index=None):
+        self.calls += 1
+        start = (self.calls * 7) % BANK_ROWS
+        if logits_index is not None:
+            return self.bank[start: start + logits_index.shape[0]]  # [n, V]
+        B, L = input_ids.shape
+        return self.bank[start: start + B * L].view(B, L, -1)  # [B, L, V]
+
+
+def stand_in_loaded(model: str, models_dir: str | None, max_rows: int):
+    """A LoadedModel with the checkpoint's config and tokenizer and the stand-in as its model
+    (no weights are read)."""
+    from lmserve.model.catalog import resolve_model
+    from lmserve.model.config import ModelConfig
+    from lmserve.model.gguf_reader import read_directory
+    from lmserve.model.loader import LoadedModel
+    from lmserve.model.tokenizer import Tokenizer
+
+    path = resolve_model(model, models_dir=models_dir)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        meta, _ = read_directory(buf)
+        tok = Tokenizer.from_gguf_fields(meta)
+        cfg = ModelConfig.from_gguf(meta)
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")[:8000]
+    ids = [i for i in tok.encode(text) if i not in tok.special_ids and i not in tok.eos_ids]
+    stand_in = StandInModel(cfg.vocab_size, ids, max_rows)
+    return LoadedModel(model=stand_in, tokenizer=tok, config=cfg, source=path, dtype=torch.float32,
+                       device=torch.device("cpu"))
+
+
+def engine_settings(max_batch: int):
+    from lmserve.server.engine import EngineSettings
+
+    return EngineSettings(max_batch=max_batch, max_model_len=1024)
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    from lmserve.client.bench import synthetic_workload
+
+    items = synthetic_workload()
+    return [tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                                for m in items[i % len(items)].prompt])) for i in range(n)]
+
+
+# ---------------------------------------------------------------- engine alone
+
+
+def bench_engine(loaded, concurrencies, max_new: int) -> list[dict]:
+    from lmserve.server.engine import Engine, Request, SamplingParams
+
+    rows = []
+    engine = Engine(loaded, engine_settings(max(concurrencies))).start()
+    try:
+        for c in concurrencies:
+            ids = prompts(loaded.tokenizer, c)
+
+            async def wave():
+                gaps: list[float] = []
+
+                async def one(p):
+                    n, last = 0, None
+                    async for ch in engine.generate(Request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True))):
+                        now = time.perf_counter()
+                        if last is not None and ch.token_ids:
+                            gaps.append((now - last) / len(ch.token_ids))
+                        last = now
+                        n += len(ch.token_ids)
+                    return n
+
+                t0 = time.perf_counter()
+                counts = await asyncio.gather(*(one(p) for p in ids))
+                return sum(counts), time.perf_counter() - t0, gaps
+
+            asyncio.run(wave())  # warm-up
+            engine._times.__init__()
+            tokens, seconds, gaps = asyncio.run(wave())
+            steps = max(1, engine._times.steps)
+            gaps.sort()
+            rows.append({"concurrency": c, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                         "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
+                         "steps": steps, "host_ms_per_step": engine._times.per_step_ms()})
+            print(f"engine c={c}: {tokens / seconds:,.0f} tok/s, per step "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in engine._times.per_step_ms().items()) + " ms", flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+# ---------------------------------------------------------------- through gRPC
+
+
+def serve_stand_in(args) -> int:
+    """The gRPC server (service, health, metrics) over an engine with the stand-in model."""
+    import logging
+
+    from lmserve.server.app import Server
+    from lmserve.server.config import ServerSettings
+    from lmserve.server.engine import Engine
+    from lmserve.server.metrics import Metrics
+
+    class StandInServer(Server):
+        def _load(self):
+            loaded = stand_in_loaded(args.model, args.models_dir, args.max_batch)
+            engine = Engine(loaded, self.settings.engine)
+            return engine.start(), Metrics(engine, "stand-in")
+
+    logging.basicConfig(level="WARNING")
+    settings = ServerSettings(port=args.port, metrics_port=0, engine=engine_settings(args.max_batch))
+
+    async def main() -> int:
+        return await StandInServer(settings).run_until_signal()
+
+    return asyncio.run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_grpc(args) -> list[dict]:
+    from lmserve.client import Client, UnavailableError
+    from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
+    from lmserve.client.bench_stats import aggregate
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--serve", "--port", str(port),
+           "--max-batch", str(max(args.concurrency)), "--model", args.model]
+    if args.models_dir:
+        cmd += ["--models-dir", args.models_dir]
+    proc = subprocess.Popen(cmd)
+    target = f"127.0.0.1:{port}"
+    rows = []
+    try:
+        with Client(target) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except UnavailableError:  # not listening yet
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the stand-in server did not become ready")
+                time.sleep(0.2)
+        for c in args.concurrency:
+            cfg = BenchConfig(concurrency=c, rate=None, requests=c * args.waves, duration=None, warmup=c,
+                              max_new_tokens=args.max_new_tokens, temperature=0.0, seed=None, ignore_eos=True,
+                              timeout=120)
+            run = asyncio.run(run_bench(target, cfg, synthetic_workload(), progress=False))
+            agg = aggregate(run.records, run.duration)
+            rows.append({"concurrency": c, "completed": agg.completed, "failed": agg.failed,
+                         "tok_per_s": agg.output_token_throughput,
+                         "itl_p50_ms": 1e3 * agg.itl.p50 if agg.itl else None,
+                         "itl_p99_ms": 1e3 * agg.itl.p99 if agg.itl else None})
+            print(f"grpc c={c}: {agg.output_token_throughput:,.0f} tok/s, ITL p50 "
+                  f"{rows[-1]['itl_p50_ms']:.3f} ms", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return rows
+
+
+def cpu_description() -> dict:
+    """The CPU as lscpu names it, with its flags (machines differ from run to run)."""
+    info = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "Flags", "CPU(s)"):
+                info[key.strip()] = value.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="checkpoint whose config and tokenizer are used")
+    ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--waves", type=int, default=2, help="measured requests per concurrency slot through gRPC")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the stand-in does no math)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "grpc"])
+    ap.add_argument("--out", default=None, help="JSON report path")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.serve:
+        return serve_stand_in(args)
+
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_description(),
+              "cpus": os.cpu_count(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
+              "concurrency": args.concurrency, "model_stand_in_for": args.model}
+    if "engine" not in args.skip:
+        loaded = stand_in_loaded(args.model, args.models_dir, max(args.concurrency))
+        report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens)
+    if "grpc" not in args.skip:
+        report["grpc"] = bench_grpc(args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
