@@ -94,8 +94,12 @@ class RequestRecord:
 
     @property
     def itls(self) -> list[float]:
-        times = [t for t, _ in self.events]
-        return [b - a for a, b in zip(times, times[1:])]
+        """Gaps between tokens. A message carrying k tokens (a server merges what a slow reader has
+        not taken) counts as k gaps of 1/k of its wait, so every token after the first is counted."""
+        gaps = []
+        for (a, _), (b, k) in zip(self.events, self.events[1:]):
+            gaps += [(b - a) / k] * k
+        return gaps
 
 
 @dataclass(frozen=True)

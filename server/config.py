@@ -83,6 +83,11 @@ def _flag_fields():
     return own + [(EngineSettings, f) for f in fields(EngineSettings)]
 
 
+def environment_names() -> set[str]:
+    """Every LMSERVE_* variable `lmserve serve` reads."""
+    return {_env_name(f.name) for _, f in _flag_fields()}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; the default comes from LMSERVE_<NAME> at parse time, else the dataclass."""
     for _, f in _flag_fields():

@@ -113,6 +113,7 @@ class Engine:
         self._sinks: dict[str, Sink | ChunkStream] = {}
         self._pending: tuple[ScheduledBatch, RunOutput, float] | None = None  # ran, not yet postprocessed
         self._times = PhaseTimes()
+        self._delivering = 0  # finished requests whose final chunk is being handed off
         self._cancels: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
@@ -205,7 +206,7 @@ class Engine:
         every finished request is already counted by the observers."""
         sch = self.scheduler
         with self._lock:
-            in_flight, waiting = len(self._sinks), len(sch.waiting)
+            in_flight, waiting = len(self._sinks) + self._delivering, len(sch.waiting)
         return EngineStats(
             running=in_flight - waiting, waiting=waiting, slots_used=sch.slots.used,
             slots_capacity=sch.slots.capacity, slots_allocated_total=sch.slots.allocated_total,
@@ -227,10 +228,9 @@ class Engine:
                 seqs = [*self.scheduler.waiting, *self.scheduler.running]
                 for seq in seqs:
                     self.scheduler.finish(seq, FinishReason.SHUTDOWN)
-            self._deliver([(seq.request_id, self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down"))
-                           for seq in seqs])
-            for seq in seqs:
-                self._sinks.pop(seq.request_id, None)
+            finals = [(self._sinks.pop(seq.request_id, None),
+                       self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")) for seq in seqs]
+            self._deliver(finals)
 
     def _step_once(self) -> bool:
         """One engine step; False when there was nothing to do.
@@ -289,7 +289,10 @@ class Engine:
         return [(s, FinishReason.CANCELLED) for s in retired]
 
     def _deliver_step(self, outputs: list[StepOutput], retired: list[tuple[Sequence, FinishReason]]) -> None:
-        """Observers hear of every token and finish; chunks go to their streams in one hand-off."""
+        """Observers hear of every token and finish; chunks go to their streams in one hand-off.
+
+        A finished request's id is released before its final chunk is handed off (a caller that
+        has read it may reuse the id at once); until the hand-off it still counts as running."""
         items: list[tuple[str, GenerationChunk]] = []
         finished: list[Sequence] = []
         for o in outputs:
@@ -307,9 +310,16 @@ class Engine:
         for seq, reason in retired:
             items.append((seq.request_id, self._finish(seq, reason)))
             finished.append(seq)
-        self._deliver(items)
-        for seq in finished:  # counted as running until its outcome is recorded and delivered
-            self._sinks.pop(seq.request_id, None)
+        sinks = [(self._sinks.get(rid), chunk) for rid, chunk in items]
+        if finished:
+            with self._lock:
+                self._delivering += len(finished)
+                for seq in finished:
+                    self._sinks.pop(seq.request_id, None)
+        self._deliver(sinks)
+        if finished:
+            with self._lock:
+                self._delivering -= len(finished)
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:
         seqs = [c.seq for c in batch.prefill] + list(batch.decode)
@@ -332,16 +342,15 @@ class Engine:
             obs.on_finish(seq, final)
         return final
 
-    def _deliver(self, items: list[tuple[str, GenerationChunk]]) -> None:
+    def _deliver(self, items: list[tuple[Sink | ChunkStream | None, GenerationChunk]]) -> None:
         streams = []
-        for request_id, chunk in items:
-            sink = self._sinks.get(request_id)
+        for sink, chunk in items:
             if isinstance(sink, ChunkStream):
                 streams.append((sink, chunk))
             elif sink is not None:
                 try:
                     sink(chunk)
                 except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
-                    log.exception("delivering to %s failed", request_id)
+                    log.exception("delivering to %s failed", chunk.request_id)
         if streams:
             hand_off(streams, lambda stream: self.cancel(stream.request_id))

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from _repo import DEPLOY, REPO_ROOT
 
-from lmserve.server.config import ServerSettings, settings_from_args
+from lmserve.server.config import ServerSettings, environment_names, settings_from_args
 from lmserve.v1 import lmserve_pb2
 
 K8S = DEPLOY / "k8s"
@@ -65,7 +65,7 @@ def env_of(c: dict) -> dict[str, str]:
 
 def settings_from_env(env: dict[str, str]) -> ServerSettings:
     """What `lmserve serve` makes of these variables, by its own parser (raises on a bad value)."""
-    unknown = {k for k in env if k.startswith("LMSERVE_")} - {"LMSERVE_" + f.upper() for f in ServerSettings.__dataclass_fields__}
+    unknown = {k for k in env if k.startswith("LMSERVE_")} - environment_names()
     assert not unknown, f"variables lmserve does not read: {sorted(unknown)}"
     return settings_from_args(argparse.Namespace(), environ=env)
 

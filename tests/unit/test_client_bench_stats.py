@@ -58,7 +58,8 @@ def test_request_metrics_from_chunk_events():
     assert r.output_tokens == 4
     assert r.ttft == 0.5
     assert r.tpot == pytest.approx((1.1 - 0.5) / 3)
-    assert r.itls == pytest.approx([0.2, 0.3])
+    assert r.itls == pytest.approx([0.1, 0.1, 0.3])  # the 2-token message: two gaps of half its wait
+    assert len(r.itls) == r.output_tokens - r.events[0][1]
     one = RequestRecord(start=0.0, e2e=0.4, events=[(0.3, 1)])
     assert one.tpot is None and one.itls == []
     empty = RequestRecord(start=0.0, e2e=0.1)
@@ -79,7 +80,7 @@ def test_aggregate_counts_throughput_and_errors():
     assert agg.output_token_throughput == pytest.approx(2.0)
     assert agg.e2e.mean == pytest.approx(statistics.fmean([1.0, 2.0, 3.0, 4.0]))
     assert agg.ttft.p50 == pytest.approx(statistics.median([0.1, 0.2, 0.3, 0.4]))
-    assert agg.itl.count == 4  # one gap per successful request
+    assert agg.itl.count == 4 * 3  # one gap per token after each request's first message
     with pytest.raises(ValueError):
         aggregate(ok, duration=0)
 
