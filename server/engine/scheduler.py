@@ -138,7 +138,8 @@ class Scheduler:
             batch.dropped.append(seq)
 
         batch.decode = [s for s in self.running if not s.in_prefill]
-        budget = prefill_budget(self.step_budget, batch.decode, self.running, self.token_budget, self.min_prefill_chunk)
+        budget = prefill_budget(self.step_budget, batch.decode, self.running, self.waiting, self.token_budget,
+                                self.min_prefill_chunk)
         for seq in self.running:  # chunked prompts already holding a slot go first
             if seq.in_prefill and budget > 0:
                 n = min(seq.prompt_len - seq.num_cached, budget)

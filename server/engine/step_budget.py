@@ -69,7 +69,9 @@ class StepCostModel:
         self._xx = {k: [[0.0] * _N for _ in range(_N)] for k in KINDS}
         self._xy = {k: [0.0] * _N for k in KINDS}
         self.counts = dict.fromkeys(KINDS, 0)
-        self._coef: list[float] | None = None
+        self._coef: list[float] | None = None  # None: observations since the last solve
+        self._last: list[float] | None = None  # the last solution, possibly a few observations old
+        self._unsolved = 0  # observations since
 
     @property
     def ready(self) -> bool:
@@ -82,7 +84,9 @@ class StepCostModel:
             return
         kind = step_kind(int(x[1]), int(x[4]))
         if self.counts[kind] >= 5:  # a step slowed by something else (another process) must not swing the fit
-            pred = self.predict(x)
+            if self._last is None or self._unsolved >= 32:
+                self.coef  # refit now and then; between refits the last fit serves (a solve costs ~0.2 ms)
+            pred = sum(c * v for c, v in zip(self._last, x))
             if pred > 0:
                 ms = min(max(ms, pred / OUTLIER), pred * OUTLIER)
         xx, xy, f = self._xx[kind], self._xy[kind], self.forget
@@ -93,13 +97,15 @@ class StepCostModel:
                 row[j] = f * row[j] + x[i] * x[j]
         self.counts[kind] += 1
         self._coef = None
+        self._unsolved += 1
 
     @property
     def coef(self) -> list[float]:
         if self._coef is None:
             xx = [[sum(self._xx[k][i][j] for k in KINDS) for j in range(_N)] for i in range(_N)]
             xy = [sum(self._xy[k][i] for k in KINDS) for i in range(_N)]
-            self._coef = _nnls(xx, xy, self.ridge)
+            self._coef = self._last = _nnls(xx, xy, self.ridge)
+            self._unsolved = 0
         return self._coef
 
     def predict(self, x: list[float]) -> float:
@@ -210,11 +216,12 @@ def batch_features(decode: Iterable, prefill: Iterable) -> list[float]:
                     sum(prefill_pairs(c.start, c.length) for c in chunks))
 
 
-def prefill_budget(budget: StepBudget | None, decode: list, running: list, token_budget: int, min_chunk: int) -> int:
+def prefill_budget(budget: StepBudget | None, decode: list, running: list, waiting, token_budget: int,
+                   min_chunk: int) -> int:
     """The scheduler's prefill tokens for a step: the fixed token budget less the decode rows when
     `budget` is None, else what StepBudget allows for these decode rows and the next chunk."""
     cap = max(token_budget - len(decode), min_chunk)
-    if budget is None:
+    if budget is None or not (waiting or any(s.in_prefill for s in running)):  # no prefill work: no fit needed
         return cap
     context = next((s.num_cached for s in running if s.in_prefill), 0)
     return budget.prefill_tokens(len(decode), sum(s.num_cached + 1 for s in decode), context, cap, min_chunk)
