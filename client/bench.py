@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import bench_mixed
 from .aio import AsyncClient
 from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
 from .cli_args import CliUsageError, add_connection_args, client_kwargs
@@ -344,6 +345,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--json-out", help="write the full report as JSON to this file")
     out.add_argument("--plot", help="draw latency CDF and throughput over time to this PNG (needs matplotlib)")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    bench_mixed.add_arguments(p)
     add_connection_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -358,6 +360,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mixed:
+        return bench_mixed.cmd_mixed(args, {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None})
     config = config_from_args(args)
     items = load_prompts(args.prompts) if args.prompts else synthetic_workload()
     options = {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None}

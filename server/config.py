@@ -60,7 +60,10 @@ HELP = {
     "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
     "kv_cache_gb": "KV cache budget in GiB (default: enough for --max-batch full-length requests)",
     "stuck_after_seconds": "an engine step running longer than this marks the server NOT_SERVING",
-    "token_budget": "tokens per engine step; long prompts are prefilled in chunks of this size",
+    "token_budget": "most tokens per engine step (decode rows + prefill chunk); the largest prefill chunk",
+    "max_step_ms": "target engine step time in ms while requests are decoding: a prompt's prefill is cut into "
+                   "chunks that fit it, sized from measured step costs (default: 2.5x the measured decode-only "
+                   "step; 0: off, every chunk is --token-budget)",
     "cuda_graphs": "on CUDA, replay decode steps from CUDA graphs captured at start-up: true or false",
     "threads": "torch CPU threads (default: torch's choice)",
     "tls_cert": "PEM certificate chain: serve TLS",

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from .engine.request import FinishReason
+from .engine.step_budget import KINDS, step_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -49,6 +50,16 @@ class Metrics:
         self.generated_tokens = Counter("lmserve_generated_tokens", "Tokens generated", registry=r)
         for reason in FinishReason:  # every series exists from the start, so rate() counts the first ones
             self.requests.labels(status=request_status(reason), finish_reason=reason.value)
+        # stalls: a long prompt's chunk makes a "mixed" step; its streams wait for all of it
+        self.step_by_kind = Histogram("lmserve_step_duration_seconds", "Duration of one engine step by kind: "
+                                      "decode (decode rows only), mixed (decode rows + prefill), prefill (prefill only)",
+                                      ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.step_prefill = Histogram("lmserve_step_prefill_tokens", "Prompt tokens prefilled by a step that prefills, by kind",
+                                      ["kind"], buckets=TOKEN_BUCKETS, registry=r)
+        for kind in KINDS:
+            self.step_by_kind.labels(kind=kind)
+            if kind != "decode":
+                self.step_prefill.labels(kind=kind)
         r.register(_LiveCollector(self))
         engine.observers.append(self)
 
@@ -56,6 +67,11 @@ class Metrics:
     def on_step(self, seconds, batch) -> None:
         self.step.observe(seconds)
         self._last_batch = len(batch.decode) + len(batch.prefill)
+        prefill = sum(c.length for c in batch.prefill)
+        kind = step_kind(len(batch.decode), prefill)
+        self.step_by_kind.labels(kind=kind).observe(seconds)
+        if prefill:
+            self.step_prefill.labels(kind=kind).observe(prefill)
 
     def on_token(self, seq, gap_seconds) -> None:
         self.generated_tokens.inc()
@@ -104,6 +120,8 @@ class _LiveCollector:
                    eng.cache.bytes_per_token(lm.config, lm.dtype) * st.cached_tokens),
             _gauge("lmserve_batch_size", "Sequences in the last engine step", self.m._last_batch),
             _gauge("lmserve_model_weights_bytes", "Bytes of model parameters", lm.weight_bytes),
+            _gauge("lmserve_step_target_seconds", "Step time the prefill budget aims at while requests decode "
+                   "(NaN: none now: no decode rows, not measured yet, or --max-step-ms 0)", _target_seconds(eng)),
             _gauge("lmserve_process_peak_resident_memory_bytes", "Peak resident set size of the process",
                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         )
@@ -119,6 +137,12 @@ class _LiveCollector:
                              "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
                              "context_length": str(eng.max_model_len)})
         yield info
+
+
+def _target_seconds(engine) -> float:
+    budget = getattr(engine, "step_budget", None)
+    target = None if budget is None else budget.last_target_ms
+    return float("nan") if target is None else target / 1000.0
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -25,6 +25,7 @@ from .runner import ModelRunner, RunOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
+from .step_budget import StepBudget
 from .streams import ChunkStream, hand_off
 
 log = logging.getLogger("lmserve.engine")
@@ -92,9 +93,11 @@ class Engine:
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         budget = s.kv_cache_bytes or KVCache.bytes_per_token(cfg, loaded.dtype) * self.max_model_len * s.max_batch
         self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, s.max_batch, loaded.dtype, loaded.device)
+        # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
+        self.step_budget = None if s.max_step_ms == 0 else StepBudget(s.max_step_ms)
         # a quarter of the context: the prompts that would make short neighbours read many empty keys
         self.scheduler = Scheduler(self.cache.num_slots, s.max_queue, s.token_budget,
-                                   long_prompt=max(2, self.max_model_len // 4))
+                                   long_prompt=max(2, self.max_model_len // 4), step_budget=self.step_budget)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
@@ -106,7 +109,7 @@ class Engine:
                                    "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, graphs)
         self.processor = OutputProcessor(loaded.tokenizer, self.max_model_len)
-        self.observers: list[EngineObserver] = []
+        self.observers: list[EngineObserver] = [self.step_budget] if self.step_budget else []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .request import FinishReason, Request
 from .sequence import Sequence, SeqStatus
+from .step_budget import StepBudget, prefill_budget
 
 
 class QueueFullError(Exception):
@@ -90,10 +91,14 @@ class Scheduler:
     """`long_prompt`: prompts of at least this many tokens take the highest free slot and the others
     the lowest, so neighbouring slots hold requests of similar length and a decode step's attention
     calls over runs of neighbouring slots (model/attention_plan.py) read fewer keys for nothing.
-    None: always the lowest."""
+    None: always the lowest.
+
+    `step_budget`: sizes each step's prefill from measured step costs (step_budget.py) within
+    [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound."""
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
-                 clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None,
+                 step_budget: StepBudget | None = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -102,6 +107,7 @@ class Scheduler:
         self.min_prefill_chunk = min_prefill_chunk
         self.clock = clock
         self.long_prompt = long_prompt
+        self.step_budget = step_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
@@ -132,7 +138,8 @@ class Scheduler:
             batch.dropped.append(seq)
 
         batch.decode = [s for s in self.running if not s.in_prefill]
-        budget = max(self.token_budget - len(batch.decode), self.min_prefill_chunk)
+        budget = prefill_budget(self.step_budget, batch.decode, self.running, self.waiting, self.token_budget,
+                                self.min_prefill_chunk)
         for seq in self.running:  # chunked prompts already holding a slot go first
             if seq.in_prefill and budget > 0:
                 n = min(seq.prompt_len - seq.num_cached, budget)

@@ -11,7 +11,8 @@ class EngineSettings:
     max_queue: int = 256  # requests waiting for a slot; more are rejected
     max_model_len: int | None = None  # tokens per request (prompt + generated); None = min(model's, 4096)
     kv_cache_gb: float | None = None  # KV budget in GiB; None = enough for max_batch slots of max_model_len
-    token_budget: int = 512  # tokens per engine step (decodes + prefill chunk)
+    token_budget: int = 512  # tokens per engine step (decodes + prefill chunk): the upper bound
+    max_step_ms: float | None = None  # target step time while requests decode (step_budget.py); None = auto, 0 = off
     max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask for
     default_max_new_tokens: int = 256
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck
@@ -31,5 +32,7 @@ class EngineSettings:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.max_step_ms is not None and not (self.max_step_ms >= 0 and self.max_step_ms < float("inf")):
+            raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms}")
         if self.stuck_after_seconds <= 0:
             raise ValueError("stuck_after_seconds must be positive")

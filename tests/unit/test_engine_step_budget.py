@@ -1,0 +1,63 @@
+"""A long prompt under continuous decode load, with the step-time budget on: its prefill is cut into
+chunks that ride along with every stream's decode row, always completes, and gives the tokens it
+gives alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from lmserve.server.engine.request import Request
+from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
+    collect, greedy, greedy_reference, one_torch_thread, random_prompt, running, trained, wait_until,
+)
+
+STREAMS = 4
+LONG = 100
+
+
+class StepLog:
+    def __init__(self):
+        self.steps = []  # (decode request ids, [(request id, start, length)])
+
+    def on_step(self, seconds, batch):
+        self.steps.append(({s.request_id for s in batch.decode}, [(c.seq.request_id, c.start, c.length) for c in batch.prefill]))
+
+    def on_token(self, seq, gap):
+        pass
+
+    def on_finish(self, seq, final):
+        pass
+
+
+@pytest.mark.parametrize("max_step_ms", [1e-3, None], ids=["target-below-any-step", "automatic"])
+async def test_long_prompt_completes_its_prefill_while_streams_keep_decoding(trained, max_step_ms):
+    rng = random.Random(3)
+    vocab = trained.config.vocab_size
+    long_prompt = random_prompt(rng, LONG, vocab)
+    expected, _ = greedy_reference(trained.model, long_prompt, 8)
+    with running(trained, max_batch=STREAMS + 1, max_model_len=128, token_budget=64, max_step_ms=max_step_ms) as engine:
+        log = StepLog()
+        engine.observers.append(log)
+        streams = [asyncio.ensure_future(collect(engine, Request(random_prompt(rng, 4, vocab), greedy(120, ignore_eos=True),
+                                                                 request_id=f"s{i}")))
+                   for i in range(STREAMS)]
+        await wait_until(lambda: sum(len(d) == STREAMS for d, _ in log.steps) >= 3, "the streams decoding")
+        # a starved prefill would wait for the streams to end (120 tokens): the check below catches it
+        result, _ = await asyncio.wait_for(collect(engine, Request(long_prompt, greedy(8, ignore_eos=True),
+                                                                   request_id="long")), 120)
+        streaming_at_end = [not s.done() for s in streams]
+        outs = await asyncio.gather(*streams)
+
+    assert result.token_ids == expected  # chunked among decode rows == alone
+    assert all(streaming_at_end), "the decode load must outlast the long prompt's prefill"
+    assert all(len(r.token_ids) == 120 for r, _ in outs)
+    chunks = [(decode, c) for decode, prefill in log.steps for c in prefill if c[0] == "long"]
+    assert sum(c[2] for _, c in chunks) == LONG and chunks[0][1][1] == 0  # contiguous chunks cover the prompt
+    assert all(a[1] + a[2] == b[1] for (_, a), (_, b) in zip(chunks, chunks[1:]))
+    assert all(decode == {f"s{i}" for i in range(STREAMS)} for decode, _ in chunks)  # no decode row dropped
+    assert all(16 <= c[2] <= 64 - STREAMS for _, c in chunks[:-1])  # within [smallest chunk, token budget - rows]
+    if max_step_ms is not None:  # nothing fits 1 us: every chunk is the smallest (16), the last the rest
+        assert [c[2] for _, c in chunks] == [16] * (LONG // 16) + [LONG % 16]
