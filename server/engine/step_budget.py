@@ -26,7 +26,9 @@ token budget applies, as before):
   prefill pass), so a target below the fixed cost of a prefill pass (a GPU running prefill eagerly)
   does not shrink chunks to nothing for no gain;
 - the chunk is the largest n whose predicted step fits, clamped to [min_chunk, token_budget - rows]:
-  a waiting prompt always progresses, and decode rows are never dropped to make room.
+  a waiting prompt always progresses, and decode rows are never dropped to make room;
+- new prompts of at most 4 x min_chunk tokens are not split (whole_short_prompts): the budget
+  stretches to the end of the last one it reaches.
 """
 
 from __future__ import annotations
@@ -223,5 +225,22 @@ def prefill_budget(budget: StepBudget | None, decode: list, running: list, waiti
     cap = max(token_budget - len(decode), min_chunk)
     if budget is None or not (waiting or any(s.in_prefill for s in running)):  # no prefill work: no fit needed
         return cap
-    context = next((s.num_cached for s in running if s.in_prefill), 0)
-    return budget.prefill_tokens(len(decode), sum(s.num_cached + 1 for s in decode), context, cap, min_chunk)
+    context = next((s.num_cached for s in running if s.in_prefill), None)
+    n = budget.prefill_tokens(len(decode), sum(s.num_cached + 1 for s in decode), context or 0, cap, min_chunk)
+    return n if context is not None else whole_short_prompts(n, waiting, cap, WHOLE_PROMPT_CHUNKS * min_chunk)
+
+
+WHOLE_PROMPT_CHUNKS = 4
+
+
+def whole_short_prompts(budget: int, waiting, cap: int, short: int) -> int:
+    """The budget moved to a boundary between the short prompts (<= `short` tokens) at the head of the
+    queue, so none of them is split: splitting a short prompt saves little time, and a prompt prefilled
+    in one pass gives the same tokens alone and among others (a split depends on the load and changes
+    the kernels' reduction order). Only longer prompts are cut to the budget."""
+    total = 0
+    for seq in waiting:
+        if total >= budget or seq.prompt_len > short or total + seq.prompt_len > cap:
+            break
+        total += seq.prompt_len
+    return max(total, budget) if total < budget else total

@@ -15,7 +15,7 @@ from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
 )
 
 STREAMS = 4
-LONG = 100
+LONG = 100  # > 4 x 16: short prompts are not split
 
 
 class StepLog:
@@ -59,5 +59,4 @@ async def test_long_prompt_completes_its_prefill_while_streams_keep_decoding(tra
     assert all(a[1] + a[2] == b[1] for (_, a), (_, b) in zip(chunks, chunks[1:]))
     assert all(decode == {f"s{i}" for i in range(STREAMS)} for decode, _ in chunks)  # no decode row dropped
     assert all(16 <= c[2] <= 64 - STREAMS for _, c in chunks[:-1])  # within [smallest chunk, token budget - rows]
-    if max_step_ms is not None:  # nothing fits 1 us: every chunk is the smallest (16), the last the rest
-        assert [c[2] for _, c in chunks] == [16] * (LONG // 16) + [LONG % 16]
+    assert len(chunks) >= 3  # 100 tokens in steps that stay near a target: not in one or two passes

@@ -177,3 +177,24 @@ def test_settings_validate_max_step_ms():
         EngineSettings(max_step_ms=-1)
     with pytest.raises(ValueError):
         StepBudget(0)
+
+
+def test_short_new_prompts_are_never_split_long_ones_are():
+    budget = StepBudget(1.0)  # nothing fits: the smallest chunk (16) unless a short prompt needs more
+    for n in (30, 60, 100, 200):  # 50 ms per decode pass, 10 ms per prefill pass, 3 ms per token
+        budget.model.observe(features(1, 10, 0, 0), 50.0)
+        budget.model.observe(features(0, 0, n, prefill_pairs(0, n)), 10 + 3.0 * n)
+    s = Scheduler(num_slots=8, max_queue=10, token_budget=512, step_budget=budget)
+    s.add(req(5, "d"))
+    run_one = lambda: (lambda b: (s.update(b, {q: 7 for q in b.sampled()}), b)[1])(s.schedule())  # noqa: E731
+    run_one()  # "d" decodes from now on
+    for rid, n in (("a", 40), ("b", 50), ("c", 30), ("long", 200)):
+        s.add(req(n, rid))
+    b1 = run_one()
+    assert [(c.seq.request_id, c.length) for c in b1.prefill] == [("a", 40)]  # whole, though the budget is 16
+    b2 = run_one()
+    assert [(c.seq.request_id, c.length) for c in b2.prefill] == [("b", 50)]
+    b3 = run_one()
+    assert [(c.seq.request_id, c.length) for c in b3.prefill] == [("c", 30)]
+    b4 = run_one()
+    assert [(c.seq.request_id, c.start, c.length) for c in b4.prefill] == [("long", 0, 16)]  # long ones are cut
