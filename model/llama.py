@@ -8,6 +8,8 @@ AttentionMetadata and whether a KVCache is passed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -90,13 +92,36 @@ class Attention(nn.Module):
             q = Rotary.apply(self.q_proj(x).view(B, L, H, d), *rope)
             k = Rotary.apply(self.k_proj(x).view(B, L, Hkv, d), *rope)
             return q, k, self.v_proj(x).view(B, L, Hkv, d)
-        qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
+        return self._rotate(self.qkv_proj(x).view(B, L, H + 2 * Hkv, d), rope)
+
+    def _rotate(self, qkv: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [B, L, H + 2*Hkv, d] from the fused projection -> rotated q, rotated k, v."""
+        H, Hkv = self.n_heads, self.n_kv
         qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
         return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
-        B, L, _ = x.shape
-        q, k, v = self.project(x, rope)  # [B, L, heads, d]
+        return self.o_proj(self.attend(*self.project(x, rope), meta, cache))
+
+    def forward_segments(self, x: Tensor, ropes: list, metas: list[AttentionMetadata], shapes: list[tuple[int, int]],
+                         cache: KVCache | None) -> Tensor:
+        """x [N, D]: the tokens of several batches back to back (shapes[i] = (B_i, L_i), N = sum B_i*L_i).
+        The projections run once over all N tokens; attention runs per batch with its own metadata."""
+        H, Hkv, d = self.n_heads, self.n_kv, self.d
+        sizes = [B * L for B, L in shapes]
+        if self.qkv_proj is None:
+            parts = [self.project(xi.view(B, L, -1), rope) for xi, (B, L), rope in zip(x.split(sizes), shapes, ropes)]
+        else:
+            qkv = self.qkv_proj(x)  # [N, (H + 2*Hkv) * d]
+            parts = [self._rotate(qi.view(B, L, H + 2 * Hkv, d), rope)
+                     for qi, (B, L), rope in zip(qkv.split(sizes), shapes, ropes)]
+        outs = [self.attend(q, k, v, meta, cache).view(n, H * d) for (q, k, v), meta, n in zip(parts, metas, sizes)]
+        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])  # [N, D]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
+        """Rotated q [B, L, H, d], k and v [B, L, Hkv, d] -> attention output [B, L, H*d] (before o_proj);
+        this batch's k and v are written to the cache first."""
+        B, L = q.shape[:2]
         if cache is not None:
             # only real tokens are written, each at its explicit position
             cache.write(self.layer, meta.write_slot, meta.write_pos,
@@ -104,7 +129,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
         if meta.calls and cache is not None and not self.reference:
             out = attend_calls(q, cache.k[self.layer], cache.v[self.layer], meta)  # [B, H, L, d]
-            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
+            return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
         if meta.read_cache:
             k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
             if meta.rows is not None:
@@ -118,7 +143,7 @@ class Attention(nn.Module):
             out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv, q.dtype))  # [R, H, L, d]
         if meta.read_cache and meta.rows is not None:
             out = out[meta.rows]  # [B, H, L, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
+        return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
 
 
 class MLP(nn.Module):
@@ -153,6 +178,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_segments(self, x, ropes, metas, shapes, cache):
+        """x [N, D]: several batches' tokens back to back (see LlamaForCausalLM.forward_segments)."""
+        x = x + self.self_attn.forward_segments(self.input_layernorm(x), ropes, metas, shapes, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -161,6 +191,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One batch of a multi-batch forward: token ids and explicit positions [B, L], its attention."""
+
+    input_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,6 +247,20 @@ class LlamaForCausalLM(nn.Module):
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
         return self.lm_head(self.model.norm(x))
+
+    def forward_segments(self, segments: list["Segment"], cache: KVCache, logits_index: Tensor) -> Tensor:
+        """Several batches in one pass (a serving step: decodes, continued prompt chunks, new packed
+        prompts): the linear layers run once over all their tokens, so the weights are read once per
+        step; attention runs per batch with its own metadata. Logits [n, V] at flat indices
+        `logits_index` into the concatenated tokens (batch i's tokens, row-major, after batch i-1's)."""
+        shapes = [tuple(s.input_ids.shape) for s in segments]
+        embed = self.model.embed_tokens
+        x = torch.cat([embed(s.input_ids).reshape(-1, embed.embedding_dim) for s in segments])  # [N, D]
+        ropes = [self.model.rotary.tables(s.positions) for s in segments]
+        metas = [s.meta for s in segments]
+        for layer in self.model.layers:
+            x = layer.forward_segments(x, ropes, metas, shapes, cache)
+        return self.lm_head(self.model.norm(x[logits_index]))  # [n, V]
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "LlamaForCausalLM":

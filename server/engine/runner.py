@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.llama import LlamaForCausalLM
+from lmserve.model.llama import LlamaForCausalLM, Segment
 
 from .sampler import SampleOutput, Sampler
 from .scheduler import PrefillChunk, ScheduledBatch
@@ -48,67 +48,63 @@ class ModelRunner:
         out = self.sampler(logits, sampled) if sampled else None
         return RunOutput(sampled, out, self._model_seconds, time.perf_counter() - t0)
 
-    def _forward(self, *args, **kwargs) -> Tensor:
-        t0 = time.perf_counter()
-        logits = self.model(*args, **kwargs)
-        self._model_seconds += time.perf_counter() - t0
-        return logits
-
     def _tensor(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> Tensor:
-        """Logits [N, V] for batch.sampled(): prefill chunks that complete their prompt, then decodes."""
-        parts: list[Tensor] = []
-        if batch.prefill:
-            parts.append(self._prefill(batch))
-        if batch.decode:
-            parts.append(self._decode(batch))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        """Logits [n, V] for batch.sampled(): prefill chunks that complete their prompt, then decodes.
 
-    def _prefill(self, batch: ScheduledBatch) -> Tensor:
-        """New prompts go packed in one forward; a chunk continuing a long prompt runs on its own, so
-        its cache view spans one slot (a shared view would span every slot in between)."""
-        chunks = batch.prefill
-        fresh = [c for c in chunks if c.start == 0]
-        parts = [self._prefill_continued(c) for c in chunks if c.start > 0]
+        The whole step is one forward (LlamaForCausalLM.forward_segments): decodes, each continued
+        prompt chunk and the new prompts packed in one row are batches of their own for attention,
+        while every linear layer runs once over all their tokens, so a step that mixes prefill and
+        decode reads the weights once. A decode-only step on CUDA replays its captured graph."""
+        if not batch.prefill and self.graphs is not None:
+            return self._decode_graph(batch.decode)
+        segments, last, offset = [], {}, 0
+        for c in batch.prefill:
+            if c.start > 0:  # a chunk continuing a long prompt: alone, so its cache view spans one slot
+                segments.append(self._continued(c))
+                last[c] = offset + c.length - 1
+                offset += c.length
+        fresh = [c for c in batch.prefill if c.start == 0]
         if fresh:
-            parts.append(self._prefill_packed(fresh))
-        order = [c for c in chunks if c.start > 0] + fresh  # logits rows follow batch.prefill's order
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if order != chunks:
-            done = [c for c in order if c.completes_prompt]
-            logits = logits[[done.index(c) for c in chunks if c.completes_prompt]]
+            segments.append(self._packed(fresh))
+            for c in fresh:
+                offset += c.length
+                last[c] = offset - 1
+        decode_rows = list(range(offset, offset + len(batch.decode)))
+        if batch.decode:
+            segments.append(self._decode(batch.decode))
+        index = [last[c] for c in batch.prefill if c.completes_prompt] + decode_rows
+        t0 = time.perf_counter()
+        logits = self.model.forward_segments(segments, self.cache, self._tensor(index))  # [n, V]
+        self._model_seconds += time.perf_counter() - t0
         return logits
 
-    def _prefill_continued(self, c: PrefillChunk) -> Tensor:
+    def _continued(self, c: PrefillChunk) -> Segment:
         """The next chunk of a prompt whose beginning is already cached: attends to it in place."""
-        ids = torch.tensor(c.seq.request.prompt_ids[c.start: c.start + c.length], dtype=torch.long)[None]  # [1, L]
+        ids = self._tensor(c.seq.request.prompt_ids[c.start: c.start + c.length])[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
-        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length)
-        last = self._tensor([c.length - 1] if c.completes_prompt else [])
-        return self._forward(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [0 or 1, V]
+        return Segment(ids, positions, AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length))
 
-    def _prefill_packed(self, chunks: list[PrefillChunk]) -> Tensor:
+    def _packed(self, chunks: list[PrefillChunk]) -> Segment:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
-        ids = torch.tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]], dtype=torch.long)
-        q_lens = self._tensor([c.length for c in chunks])  # [B]
-        meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]), q_lens)
-        ends = torch.cumsum(q_lens, 0) - 1  # [B] last token of each prompt in the row
-        last = ends[[i for i, c in enumerate(chunks) if c.completes_prompt]]
-        return self._forward(ids[None].to(self.device), positions, meta, self.cache, logits_index=last)  # [n, V]
+        ids = self._tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]])[None]  # [1, T]
+        meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]),
+                                                   self._tensor([c.length for c in chunks]))
+        return Segment(ids, positions, meta)
 
-    def _decode(self, batch: ScheduledBatch) -> Tensor:
-        seqs = batch.decode
-        if self.graphs is not None:
-            t0 = time.perf_counter()
-            logits = self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
-                                     [s.slot for s in seqs])
-            self._model_seconds += time.perf_counter() - t0
-            return logits
+    def _decode(self, seqs: list[Sequence]) -> Segment:
         starts = [s.num_cached for s in seqs]
         ids = self._tensor([s.token_at(n) for s, n in zip(seqs, starts)])[:, None]  # [B, 1]
         meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device)
-        return self._forward(ids, meta.starts[:, None], meta, self.cache)[:, 0]  # [B, V]
+        return Segment(ids, meta.starts[:, None], meta)
+
+    def _decode_graph(self, seqs: list[Sequence]) -> Tensor:
+        t0 = time.perf_counter()
+        logits = self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
+                                 [s.slot for s in seqs])
+        self._model_seconds += time.perf_counter() - t0
+        return logits

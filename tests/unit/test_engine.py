@@ -176,7 +176,7 @@ async def test_stop_token_id_ends_generation_after_that_token(trained):
     assert res.finish_reason is FinishReason.EOS
     assert res.token_ids == ref[: j + 1]
     assert res.usage.completion_tokens == j + 1
-    assert chunks[-1].text == ""  # the stop token adds no text
+    assert chunks[-1].token_ids[-1] == ref[j]  # the stop token ends the stream and adds no text (below)
     assert res.text == decoded_suffix(tok, prompt, ref[:j])
 
 
