@@ -27,6 +27,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> Tensor:
         """Logits [N, V] for batch.sampled(): prefill chunks that complete their prompt, then decodes."""
+        for src, dst, n in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
+            self.cache.copy_prefix(src, dst, n)
         parts: list[Tensor] = []
         if batch.prefill:
             parts.append(self._prefill(batch))
@@ -50,8 +52,9 @@ class ModelRunner:
         return logits
 
     def _prefill_continued(self, c: PrefillChunk) -> Tensor:
-        """The next chunk of a prompt whose beginning is already cached: attends to it in place."""
-        ids = torch.tensor(c.seq.request.prompt_ids[c.start: c.start + c.length], dtype=torch.long)[None]  # [1, L]
+        """The next chunk of a prompt whose beginning is already cached (an earlier chunk, or a prefix-cache
+        hit copied into the slot): attends to it in place."""
+        ids = torch.tensor(c.seq.tokens(c.start, c.start + c.length), dtype=torch.long)[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
         meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length)
@@ -60,7 +63,7 @@ class ModelRunner:
 
     def _prefill_packed(self, chunks: list[PrefillChunk]) -> Tensor:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
-        ids = torch.tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]], dtype=torch.long)
+        ids = torch.tensor([t for c in chunks for t in c.seq.tokens(0, c.length)], dtype=torch.long)
         q_lens = self._tensor([c.length for c in chunks])  # [B]
         meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]), q_lens)
         ends = torch.cumsum(q_lens, 0) - 1  # [B] last token of each prompt in the row
