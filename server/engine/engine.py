@@ -112,10 +112,14 @@ class Engine:
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         self.kv_budget = budget = s.kv_cache_bytes or default_kv_budget(loaded.device)
         # On CPU slots are virtual (memory is committed per page written): max_batch for running requests
-        # and as many again for prefix-cache entries. Dense (CUDA): the slots the budget holds, shared.
-        slots = s.max_batch * (2 if s.prefix_cache else 1)
+        # and as many again for prefix-cache entries. Dense (CUDA): the slots the budget holds, at most
+        # max_batch, which prefix entries share with running requests (a graph-replayed decode step
+        # attends over every slot, so more slots would cost every step).
+        slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
         self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, loaded.dtype, loaded.device)
         c = self.cache
+        if not c.virtual:  # allocated up front: the budget is what the slots took
+            self.kv_budget = c.nbytes
         kv_blocks = budget // c.bytes_per_block if c.virtual else c.num_slots * c.blocks(c.max_len)
         if kv_blocks < c.blocks(self.max_model_len):
             raise ValueError(f"KV budget of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
@@ -125,6 +129,7 @@ class Engine:
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
                                    max_running=s.max_batch, kv_blocks=kv_blocks, kv_block_tokens=c.block_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release)
+        self.max_batch = self.scheduler.max_running  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
