@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import bench_mixed
+from . import bench_prefix
 from .aio import AsyncClient
 from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
 from .cli_args import CliUsageError, add_connection_args, client_kwargs
@@ -341,6 +342,11 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--seed", type=int, default=None,
                       help="seeds prompt order and arrivals; request i gets sampling seed SEED+i")
     load.add_argument("--max-retries", type=int, default=0, help="SDK retries per request (default 0: count overload)")
+    load.add_argument("--shared-prefix-tokens", type=int, default=0,
+                      help="every request starts with the same system prompt of about this many tokens")
+    load.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
+                      help="run conversations of TURNS turns, each resending the history plus a new message "
+                           "(--requests counts conversations); prints TTFT per turn")
     out = p.add_argument_group("output")
     out.add_argument("--json-out", help="write the full report as JSON to this file")
     out.add_argument("--plot", help="draw latency CDF and throughput over time to this PNG (needs matplotlib)")
@@ -359,19 +365,38 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout)
 
 
+async def _run_multi_turn(args: argparse.Namespace, config: BenchConfig, items: list[WorkItem], options: dict):
+    if args.multi_turn < 1 or config.requests is None:
+        raise CliUsageError("--multi-turn needs TURNS >= 1 and a --requests count (conversations)")
+    async with AsyncClient(args.target, **options) as client:
+        model = await client.model_info(timeout=config.timeout)
+        flatten = None if model.has_chat_template else flatten_chat
+        records, turns, duration = await bench_prefix.run_conversations(
+            client, items, args.multi_turn, config.concurrency or 1, config.requests, config.params,
+            config.timeout, flatten)
+    return BenchRun(records=records, duration=duration, model=model), turns
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.mixed:
         return bench_mixed.cmd_mixed(args, {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None})
     config = config_from_args(args)
     items = load_prompts(args.prompts) if args.prompts else synthetic_workload()
+    if args.shared_prefix_tokens:
+        items = bench_prefix.with_shared_prefix(items, args.shared_prefix_tokens)
     options = {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None}
     try:
-        run = asyncio.run(run_bench(args.target, config, items, client_options=options,
-                                    progress=not args.no_progress))
+        if args.multi_turn:
+            run, turns = asyncio.run(_run_multi_turn(args, config, items, options))
+        else:
+            run = asyncio.run(run_bench(args.target, config, items, client_options=options,
+                                        progress=not args.no_progress))
     except (ValueError, OSError) as e:  # bad TLS flags or certificate files
         raise CliUsageError(str(e)) from e
     agg = aggregate(run.records, run.duration)
     print(format_report(agg))
+    if args.multi_turn:
+        print(bench_prefix.per_turn_table(run.records, turns))
     if args.json_out:
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "token")}
         settings["effective"] = asdict(config)

@@ -84,9 +84,10 @@ class Server:
         await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
-        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, %d slots, metrics %s) ready in %.1fs",
+        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, max batch %d, KV budget %.1f GiB, metrics %s) "
+                 "ready in %.1fs",
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
-                 str(lm.dtype).removeprefix("torch."), self.engine.cache.num_slots,
+                 str(lm.dtype).removeprefix("torch."), s.engine.max_batch, self.engine.kv_budget / 2**30,
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
                  time.monotonic() - t0)
 

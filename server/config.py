@@ -53,12 +53,14 @@ HELP = {
     "port": "gRPC port",
     "metrics_host": "address of the /metrics endpoint (default: --host)",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
-    "max_batch": "most requests decoding at once (KV cache slots)",
-    "max_queue": "most requests waiting for a slot; beyond it calls get RESOURCE_EXHAUSTED",
+    "max_batch": "most requests admitted at once (the KV budget limits the tokens they hold)",
+    "max_queue": "most requests waiting for admission; beyond it calls get RESOURCE_EXHAUSTED",
     "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",
     "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
-    "kv_cache_gb": "KV cache budget in GiB (default: enough for --max-batch full-length requests)",
+    "kv_cache_gb": "KV cache budget in GiB: the most K/V memory held, prefix cache included "
+                   "(default: 20%% of RAM on CPU, 90%% of free memory after weights on CUDA)",
+    "prefix_cache": "reuse cached K/V of earlier requests for prompts sharing a prefix: true or false",
     "stuck_after_seconds": "an engine step running longer than this marks the server NOT_SERVING",
     "token_budget": "most tokens per engine step (decode rows + prefill chunk); the largest prefill chunk",
     "max_step_ms": "target engine step time in ms while requests are decoding: a prompt's prefill is cut into "

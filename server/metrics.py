@@ -7,7 +7,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from .engine.request import FinishReason
 from .engine.step_budget import KINDS, step_kind
@@ -112,12 +112,27 @@ class _LiveCollector:
         lm = eng.loaded
         yield from (
             _gauge("lmserve_running_requests", "Requests admitted and not yet finished", st.running),
-            _gauge("lmserve_waiting_requests", "Requests waiting for a KV slot", st.waiting),
-            _gauge("lmserve_kv_slots_used", "KV cache slots in use", st.slots_used),
-            _gauge("lmserve_kv_slots_capacity", "KV cache slots in total", st.slots_capacity),
-            _gauge("lmserve_kv_cache_bytes", "Bytes reserved for the KV cache", st.kv_cache_bytes),
-            _gauge("lmserve_kv_cache_used_bytes", "KV cache bytes holding live tokens",
+            _gauge("lmserve_waiting_requests", "Requests waiting for admission (or preempted, to be resumed)", st.waiting),
+            _gauge("lmserve_kv_slots_used", "KV cache slots held by running requests", st.slots_used),
+            _gauge("lmserve_kv_slots_capacity", "Requests admitted at once at most (--max-batch)", st.slots_capacity),
+            _gauge("lmserve_kv_cache_bytes", "KV cache budget: the most K/V memory held, prefix cache included",
+                   st.kv_cache_bytes),
+            _gauge("lmserve_kv_cache_used_bytes", "KV cache bytes holding running requests' tokens",
                    eng.cache.bytes_per_token(lm.config, lm.dtype) * st.cached_tokens),
+            _gauge("lmserve_kv_cache_committed_bytes", "KV memory held in blocks: running requests and prefix cache",
+                   st.kv_blocks_used * st.kv_block_bytes),
+            _gauge("lmserve_prefix_cache_bytes", "KV memory held by prefix-cache entries",
+                   st.prefix_cache_blocks * st.kv_block_bytes),
+            _gauge("lmserve_prefix_cache_entries", "Finished requests whose K/V the prefix cache keeps",
+                   st.prefix_cache_entries),
+            _counter("lmserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                     st.prefix_queried_tokens_total),
+            _counter("lmserve_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache",
+                     st.prefix_hit_tokens_total),
+            _counter("lmserve_prefix_cache_evictions", "Prefix-cache entries evicted for memory or slots",
+                     st.prefix_cache_evictions_total),
+            _counter("lmserve_preemptions", "Running requests preempted (to be recomputed) when KV memory ran out",
+                     st.preemptions_total),
             _gauge("lmserve_batch_size", "Sequences in the last engine step", self.m._last_batch),
             _gauge("lmserve_model_weights_bytes", "Bytes of model parameters", lm.weight_bytes),
             _gauge("lmserve_step_target_seconds", "Step time the prefill budget aims at while requests decode "
@@ -147,3 +162,7 @@ def _target_seconds(engine) -> float:
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)  # exposed as name_total

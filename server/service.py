@@ -215,7 +215,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             model_name=self.model_name, architecture=cfg.model_type, context_length=self.engine.max_model_len,
             vocab_size=cfg.vocab_size, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
             eos_token_ids=list(self.tokenizer.eos_ids), max_new_tokens_limit=s.max_new_tokens_cap,
-            max_batch_size=self.engine.cache.num_slots, default_max_new_tokens=s.default_max_new_tokens,
+            max_batch_size=self.engine.max_batch, default_max_new_tokens=s.default_max_new_tokens,
             has_chat_template=bool(self.tokenizer.chat_template),
             num_parameters=sum(p.numel() for p in lm.model.parameters()), server_version=lmserve.__version__)
         if self.tokenizer.bos_id is not None:

@@ -41,7 +41,9 @@ def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
     from ..engine import Engine, EngineSettings, Request, SamplingParams
 
     tok = loaded.tokenizer
-    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len)).start()
+    # no prefix cache: every wave sends the same prompts, and transformers gets no such reuse either
+    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len,
+                                           prefix_cache=False)).start()
 
     async def wave(c: int, n_tokens: int) -> float:
         prompts = prompt_ids(tok, c)
@@ -141,6 +143,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
     port, mport = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
            "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
+           "--prefix-cache", "false",
            "--device", str(device), "--dtype", str(dtype).removeprefix("torch.")]
     if models_dir:
         cmd += ["--models-dir", models_dir]

@@ -19,6 +19,7 @@ from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel
 
 from .outputs import GenerationChunk
+from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
 from .request import FinishReason, Request, RequestValidationError
 from .runner import ModelRunner, RunOutput
@@ -76,13 +77,48 @@ class EngineHealth:
 class EngineStats:
     running: int
     waiting: int
-    slots_used: int
-    slots_capacity: int
-    slots_allocated_total: int
-    slots_freed_total: int
-    kv_cache_bytes: int
-    cached_tokens: int
+    slots_used: int  # slots held by running requests
+    slots_capacity: int  # requests admitted at once (max_batch)
+    slots_allocated_total: int  # slots handed to requests ...
+    slots_freed_total: int  # ... and given back (freed, or kept as a prefix-cache entry)
+    kv_cache_bytes: int  # the KV budget
+    cached_tokens: int  # positions held by running requests
     steps: int
+    kv_blocks_used: int = 0  # running requests' and prefix entries' blocks
+    kv_blocks_capacity: int = 0
+    kv_block_bytes: int = 0
+    kv_blocks_allocated_total: int = 0
+    kv_blocks_freed_total: int = 0
+    prefix_cache_entries: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions_total: int = 0
+    prefix_queried_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    preemptions_total: int = 0
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """The KV budget when --kv-cache-gb is not given: on CPU 20% of the memory this process may use
+    (RAM, or the container's cgroup limit when lower), so two servers and the rest of the machine fit;
+    on CUDA 90% of the device memory still free after the weights (vLLM's choice)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return int(0.2 * usable_memory_bytes())
+
+
+def usable_memory_bytes() -> int:
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = open(path).read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
 
 
 class Engine:
@@ -91,19 +127,35 @@ class Engine:
         self.loaded = loaded
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        budget = s.kv_cache_bytes or KVCache.bytes_per_token(cfg, loaded.dtype) * self.max_model_len * s.max_batch
-        self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, s.max_batch, loaded.dtype, loaded.device)
+        self.kv_budget = budget = s.kv_cache_bytes or default_kv_budget(loaded.device)
+        # On CPU slots are virtual (memory is committed per page written): max_batch for running requests
+        # and as many again for prefix-cache entries. Dense (CUDA): the slots the budget holds, at most
+        # max_batch, which prefix entries share with running requests (a graph-replayed decode step
+        # attends over every slot, so more slots would cost every step).
+        slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
+        self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, loaded.dtype, loaded.device)
+        c = self.cache
+        if not c.virtual:  # allocated up front: the budget is what the slots took
+            self.kv_budget = c.nbytes
+        kv_blocks = budget // c.bytes_per_block if c.virtual else c.num_slots * c.blocks(c.max_len)
+        if kv_blocks < c.blocks(self.max_model_len):
+            raise ValueError(f"KV budget of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
+                             f"({c.blocks(self.max_model_len) * c.bytes_per_block / 2**20:.0f} MiB); raise "
+                             "--kv-cache-gb or lower --max-model-len")
         # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
         self.step_budget = None if s.max_step_ms == 0 else StepBudget(s.max_step_ms)
         # a quarter of the context: the prompts that would make short neighbours read many empty keys
-        self.scheduler = Scheduler(self.cache.num_slots, s.max_queue, s.token_budget,
-                                   long_prompt=max(2, self.max_model_len // 4), step_budget=self.step_budget)
+        self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
+                                   max_running=s.max_batch, kv_blocks=kv_blocks, kv_block_tokens=c.block_tokens,
+                                   prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
+                                   step_budget=self.step_budget)
+        self.max_batch = self.scheduler.max_running  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
 
             try:
-                graphs = DecodeGraphs(loaded.model, self.cache, self.cache.num_slots)
+                graphs = DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots))
             except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
@@ -207,14 +259,25 @@ class Engine:
         """A consistent snapshot. A request counts as running from admission until its outcome is
         recorded and delivered, not only while it holds a slot, so "nothing running" also means
         every finished request is already counted by the observers."""
-        sch = self.scheduler
+        sch, pc = self.scheduler, self.scheduler.prefix_cache
         with self._lock:
             in_flight, waiting = len(self._sinks) + self._delivering, len(sch.waiting)
-        return EngineStats(
-            running=in_flight - waiting, waiting=waiting, slots_used=sch.slots.used,
-            slots_capacity=sch.slots.capacity, slots_allocated_total=sch.slots.allocated_total,
-            slots_freed_total=sch.slots.freed_total, kv_cache_bytes=self.cache.nbytes,
-            cached_tokens=sum(s.num_cached for s in list(sch.running)), steps=self._steps)
+            return EngineStats(
+                running=in_flight - waiting, waiting=waiting, slots_used=len(sch.running),
+                slots_capacity=sch.max_running, slots_allocated_total=sch.request_slots_total,
+                slots_freed_total=sch.request_slots_returned_total, kv_cache_bytes=self.kv_budget,
+                cached_tokens=sum(s.num_cached for s in sch.running), steps=self._steps,
+                kv_blocks_used=sch.blocks_used, kv_blocks_capacity=sch.kv_blocks, kv_block_bytes=self.cache.bytes_per_block,
+                kv_blocks_allocated_total=sch.blocks_allocated_total, kv_blocks_freed_total=sch.blocks_freed_total,
+                prefix_cache_entries=len(pc) if pc else 0, prefix_cache_blocks=pc.blocks_held if pc else 0,
+                prefix_cache_evictions_total=pc.evicted_total if pc else 0,
+                prefix_queried_tokens_total=sch.prefix_queried_tokens_total,
+                prefix_hit_tokens_total=sch.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total)
+
+    def drop_prefix_cache(self) -> int:
+        """Evict every prefix-cache entry (their memory goes back); returns how many."""
+        with self._lock:
+            return self.scheduler.drop_prefix_cache()
 
     # ---- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -334,12 +397,10 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, chunk: GenerationChunk | None = None,
                 error: str | None = None) -> GenerationChunk:
-        """Clear the slot's K/V, tell the observers; returns the final chunk to deliver."""
-        if seq.slot is not None:
-            # Zero what this request wrote: K/V it left behind may be non-finite (a poisoned prompt
-            # cancelled mid-prefill never showed NaN logits), and masked keys still multiply values
-            # (0 * NaN = NaN) for the slot's next owner. Costs one memset of the written positions.
-            self.cache.clear(seq.slot, min(self.cache.max_len, seq.total_len + 1))
+        """Tell the observers; returns the final chunk to deliver. The scheduler already handed the
+        slot's positions back (KVCache.release: they read as zeros again, so non-finite K/V of a
+        poisoned prompt cancelled mid-prefill never reach the next owner), or kept them as a
+        prefix-cache entry after a normal finish."""
         final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
         for obs in self.observers:
             obs.on_finish(seq, final)

@@ -59,6 +59,8 @@ class ModelRunner:
         prompt chunk and the new prompts packed in one row are batches of their own for attention,
         while every linear layer runs once over all their tokens, so a step that mixes prefill and
         decode reads the weights once. A decode-only step on CUDA replays its captured graph."""
+        for src, dst, n in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
+            self.cache.copy_prefix(src, dst, n)
         if not batch.prefill and self.graphs is not None:
             return self._decode_graph(batch.decode)
         segments, last, offset = [], {}, 0
@@ -83,15 +85,17 @@ class ModelRunner:
         return logits
 
     def _continued(self, c: PrefillChunk) -> Segment:
-        """The next chunk of a prompt whose beginning is already cached: attends to it in place."""
-        ids = self._tensor(c.seq.request.prompt_ids[c.start: c.start + c.length])[None]  # [1, L]
+        """The next chunk of a prompt whose beginning is already cached (an earlier chunk, or a prefix-cache
+        hit copied into the slot): attends to it in place."""
+        ids = self._tensor(c.seq.tokens(c.start, c.start + c.length))[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
         return Segment(ids, positions, AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length))
 
     def _packed(self, chunks: list[PrefillChunk]) -> Segment:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
-        ids = self._tensor([t for c in chunks for t in c.seq.request.prompt_ids[: c.length]])[None]  # [1, T]
+        ids = self._tensor([t for c in chunks for t in c.seq.tokens(0, c.length)])[None]  # [1, T] (a resumed
+        # request's prompt and output so far)
         meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]),
                                                    self._tensor([c.length for c in chunks]))
         return Segment(ids, positions, meta)

@@ -2,8 +2,16 @@
 
 Each step runs every running sequence's next decode token, then spends what is left of the
 token budget on prompt prefill: first the unfinished chunked prompts, then new requests in
-arrival order while a KV slot is free. A long prompt is cut into chunks, so running streams
-keep getting a token every step.
+arrival order while the request limit and the KV budget allow. A long prompt is cut into
+chunks, so running streams keep getting a token every step.
+
+KV memory is counted in blocks (`kv_block_tokens` positions of one slot; model/kv_cache.py
+commits memory page by page, and a page holds that many positions of one layer and head).
+Running sequences hold the blocks of the positions they have written or will write this step;
+prefix-cache entries (prefix_cache.py) hold theirs until evicted. When a running sequence needs a
+block and none is free, the least recently used prefix entries go first, then the most recently
+admitted sequences are preempted: their slot and blocks are handed back and they wait at the head
+of the queue, keeping their generated tokens, to be prefilled again (prompt + output) later.
 """
 
 from __future__ import annotations
@@ -14,9 +22,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .prefix_cache import PrefixCache, PrefixEntry
 from .request import FinishReason, Request
 from .sequence import Sequence, SeqStatus
 from .step_budget import StepBudget, prefill_budget
+
+# finishes after which a request's K/V are whole and finite (every written position fed a sampled
+# token's logits), so its slot may become a prefix-cache entry
+CACHEABLE = frozenset({FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH})
 
 
 class QueueFullError(Exception):
@@ -26,12 +39,13 @@ class QueueFullError(Exception):
 @dataclass(frozen=True)
 class PrefillChunk:
     seq: Sequence
-    start: int  # first prompt position in this chunk (== tokens already cached)
+    start: int  # first position in this chunk (== tokens already cached)
     length: int
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.length == self.seq.prompt_len
+        """The chunk ends the sequence's prefill (prompt, or prompt + output after a preemption): it samples."""
+        return self.start + self.length == self.seq.prefill_len
 
 
 @dataclass
@@ -39,6 +53,8 @@ class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
     dropped: list[Sequence] = field(default_factory=list)  # finished without compute (deadline, cancel)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # prefix hits: (src slot, dst slot, tokens), run first
+    preempted: list[Sequence] = field(default_factory=list)  # back to waiting, to be recomputed
 
     @property
     def empty(self) -> bool:
@@ -93,11 +109,17 @@ class Scheduler:
     calls over runs of neighbouring slots (model/attention_plan.py) read fewer keys for nothing.
     None: always the lowest.
 
+    `max_running`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache
+    entries). `kv_blocks`: the KV budget in blocks of `kv_block_tokens` positions (None: unlimited).
+    `release(slot, positions)`: hands a slot's first positions back (the KV cache's `release`).
     `step_budget`: sizes each step's prefill from measured step costs (step_budget.py) within
-    [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound."""
+    [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
+    """
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
                  clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None,
+                 max_running: int | None = None, kv_blocks: int | None = None, kv_block_tokens: int = 1,
+                 prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
                  step_budget: StepBudget | None = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
@@ -107,15 +129,31 @@ class Scheduler:
         self.min_prefill_chunk = min_prefill_chunk
         self.clock = clock
         self.long_prompt = long_prompt
+        self.max_running = min(num_slots, max_running or num_slots)
+        self.kv_blocks = kv_blocks
+        self.kv_block_tokens = kv_block_tokens
+        self.prefix_cache = prefix_cache
+        self._release = release or (lambda slot, positions: None)
         self.step_budget = step_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
+        self._held: dict[Sequence, int] = {}  # KV blocks of each running sequence
+        self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
+        # accounting (tests check that what was handed out came back)
+        self.blocks_used = 0  # running sequences' and prefix entries' blocks
+        self.blocks_allocated_total = 0
+        self.blocks_freed_total = 0
+        self.request_slots_total = 0  # slots handed to requests
+        self.request_slots_returned_total = 0  # ... and given up (freed, or kept as a prefix entry)
+        self.preemptions_total = 0
+        self.prefix_queried_tokens_total = 0
+        self.prefix_hit_tokens_total = 0
 
     # ---- intake ------------------------------------------------------------------
     def add(self, request: Request) -> Sequence:
-        # waiting requests first claim the free slots; only the rest count against the queue bound
-        if len(self.waiting) - self.slots.num_free >= self.max_queue:
+        # waiting requests first claim the free places; only the rest count against the queue bound
+        if len(self.waiting) - (self.max_running - len(self.running)) >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
         seq = Sequence(request)
         self.waiting.append(seq)
@@ -129,37 +167,179 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    # ---- KV blocks -------------------------------------------------------------------
+    def _blocks(self, positions: int) -> int:
+        return -(-positions // self.kv_block_tokens)
+
+    @property
+    def blocks_free(self) -> int | None:
+        return None if self.kv_blocks is None else self.kv_blocks - self.blocks_used
+
+    def _charge(self, seq: Sequence, blocks: int) -> None:
+        self._held[seq] = self._held.get(seq, 0) + blocks
+        self.blocks_used += blocks
+        self.blocks_allocated_total += blocks
+
+    def _uncharge(self, blocks: int) -> None:
+        self.blocks_used -= blocks
+        self.blocks_freed_total += blocks
+
+    def _evict_until_free(self, blocks: int) -> bool:
+        """Evict LRU prefix entries until `blocks` are free; False if that is not possible."""
+        if self.kv_blocks is None:
+            return True
+        while self.blocks_free < blocks:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        entry = self.prefix_cache.evict_lru() if self.prefix_cache is not None else None
+        if entry is None:
+            return False
+        self._drop_entry(entry)
+        return True
+
+    def _drop_entry(self, entry: PrefixEntry) -> None:
+        self._release(entry.slot, entry.blocks * self.kv_block_tokens)
+        self.slots.free(entry.slot)
+        self._uncharge(entry.blocks)
+
+    def _hold(self, seq: Sequence, want: int, least: int) -> int:
+        """Hold blocks for positions [0, want) of a running sequence, or at least [0, least): evicts
+        prefix entries, then preempts the most recently admitted sequences (seq itself last).
+        Returns the positions covered (>= least), or 0 when seq itself had to be preempted."""
+        if self.kv_blocks is None:
+            return want
+        while True:
+            need = self._blocks(want) - self._held.get(seq, 0)
+            if need <= 0:
+                return want
+            self._evict_until_free(need)
+            free = self.blocks_free
+            if free >= need:
+                self._charge(seq, need)
+                return want
+            covered = (self._held.get(seq, 0) + free) * self.kv_block_tokens
+            if covered >= least:
+                self._charge(seq, free)
+                return min(want, covered)
+            victim = self.running[-1]
+            self._preempt(victim)
+            self._batch.preempted.append(victim)
+            if victim is seq:
+                return 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to the head of the queue; prompt + output are prefilled again when it is readmitted."""
+        self.running.remove(seq)
+        self._give_back_slot(seq)
+        seq.resume_len = seq.total_len if seq.output_ids else 0
+        seq.num_cached, seq.slot, seq.status = 0, None, SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions_total += 1
+
+    def _give_back_slot(self, seq: Sequence, keep_as_prefix: bool = False) -> None:
+        blocks = self._held.pop(seq, 0)
+        self.request_slots_returned_total += 1
+        if keep_as_prefix:
+            entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], blocks)
+            for old in dominated:  # a later turn of the same conversation covers these
+                self._drop_entry(old)
+            return
+        self._release(seq.slot, blocks * self.kv_block_tokens if self.kv_blocks is not None else seq.total_len + 1)
+        self.slots.free(seq.slot)
+        self._uncharge(blocks)
+
+    def _take_slot(self, from_top: bool) -> int | None:
+        slot = self.slots.allocate(from_top=from_top)
+        while slot is None and self._evict_one():
+            slot = self.slots.allocate(from_top=from_top)
+        return slot
+
+    def drop_prefix_cache(self) -> int:
+        """Evict every prefix entry (not pinned); returns how many."""
+        n = 0
+        while self._evict_one():
+            n += 1
+        return n
+
     # ---- one step ------------------------------------------------------------------
+    def _prefill_budget(self, decodes: list[Sequence]) -> int:
+        """Prompt tokens this step may prefill after its decode rows (the one place that decides it)."""
+        return prefill_budget(self.step_budget, decodes, self.running, self.waiting, self.token_budget,
+                              self.min_prefill_chunk)
+
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        self._batch = batch = ScheduledBatch()
+        self._unpin()
         now = self.clock()
         for seq in [s for s in (*self.waiting, *self.running) if self._expired(s, now)]:
             self.finish(seq, FinishReason.DEADLINE)
             batch.dropped.append(seq)
 
-        batch.decode = [s for s in self.running if not s.in_prefill]
-        budget = prefill_budget(self.step_budget, batch.decode, self.running, self.waiting, self.token_budget,
-                                self.min_prefill_chunk)
-        for seq in self.running:  # chunked prompts already holding a slot go first
-            if seq.in_prefill and budget > 0:
-                n = min(seq.prompt_len - seq.num_cached, budget)
-                batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
-                budget -= n
-        while self.waiting and budget > 0:
-            slot = self.slots.allocate(from_top=self.long_prompt is not None
-                                       and self.waiting[0].prompt_len >= self.long_prompt)
-            if slot is None:
+        budget = self._prefill_budget([s for s in self.running if not s.in_prefill])
+        for seq in list(self.running):  # oldest first: the newest are preempted when blocks run out
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted in this loop
+            if not seq.in_prefill:
+                if self._hold(seq, seq.num_cached + 1, seq.num_cached + 1):
+                    batch.decode.append(seq)
+            elif budget > 0:  # chunked prompts already holding a slot go before new ones
+                n = min(seq.prefill_len - seq.num_cached, budget)
+                n = self._hold(seq, seq.num_cached + n, seq.num_cached + 1) - seq.num_cached
+                if n > 0:
+                    batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if not self._admit(self.waiting[0], budget, now):
                 break
-            seq = self.waiting.popleft()
-            seq.slot, seq.status, seq.first_scheduled = slot, SeqStatus.RUNNING, now
-            self.running.append(seq)
-            n = min(seq.prompt_len, budget)
-            batch.prefill.append(PrefillChunk(seq, 0, n))
-            budget -= n
+            budget -= batch.prefill[-1].length
         return batch
+
+    def _admit(self, seq: Sequence, budget: int, now: float) -> bool:
+        """Give the head of the queue a slot, its prefix-cache hit and blocks for its first chunk."""
+        batch = self._batch
+        entry, hit = None, 0
+        if self.prefix_cache is not None:
+            entry, hit = self.prefix_cache.match(seq.all_tokens, seq.prefill_len - 1)  # >= 1 token computed
+        n = min(seq.prefill_len - hit, budget)
+        if entry is not None:
+            entry.pinned += 1  # neither evicted nor dominated while this step copies from it
+        need = self._blocks(hit + n)
+        headroom = sum(1 for s in self.running if not s.in_prefill)  # next step's decodes need no preemption
+        ok = self._evict_until_free(need + headroom)
+        slot = self._take_slot(self.long_prompt is not None and seq.prefill_len >= self.long_prompt) if ok else None
+        if slot is None:
+            if entry is not None:
+                entry.pinned -= 1
+            return False
+        self.waiting.popleft()
+        self.request_slots_total += 1
+        seq.slot, seq.status = slot, SeqStatus.RUNNING
+        if seq.first_scheduled is None:
+            seq.first_scheduled = now
+        self.running.append(seq)
+        self._charge(seq, need)
+        if self.prefix_cache is not None:
+            self.prefix_queried_tokens_total += seq.prefill_len
+            self.prefix_hit_tokens_total += hit
+        if entry is not None:
+            self.prefix_cache.touch(entry)
+            self._pinned.append(entry)
+            batch.kv_copies.append((entry.slot, slot, hit))
+            seq.num_cached = hit
+        batch.prefill.append(PrefillChunk(seq, hit, n))
+        return True
+
+    def _unpin(self) -> None:
+        for entry in self._pinned:
+            entry.pinned -= 1
+        self._pinned = []
 
     def update(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
         """Record a step's results: the chunk/decode K/V are cached, sampled tokens appended."""
+        self._unpin()  # the step's prefix copies are done
         for chunk in batch.prefill:
             if chunk.seq.status is SeqStatus.RUNNING:
                 chunk.seq.num_cached = chunk.start + chunk.length
@@ -175,14 +355,17 @@ class Scheduler:
 
     # ---- leaving -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a sequence (any state) and free its slot; idempotent."""
+        """Retire a sequence (any state) and give its slot back, or keep it as a prefix-cache entry
+        when it finished normally; idempotent."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self.slots.free(seq.slot)
+            keep = (self.prefix_cache is not None and reason in CACHEABLE
+                    and seq.num_cached >= self.prefix_cache.block)
+            self._give_back_slot(seq, keep_as_prefix=keep)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self._by_id.pop(seq.request_id, None)
 

@@ -24,6 +24,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens whose K/V are in the cache
+    resume_len: int = 0  # after a preemption: prompt + output tokens to prefill again before sampling
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     first_scheduled: float | None = None
@@ -50,8 +51,24 @@ class Sequence:
         return self.prompt_len + len(self.output_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to cache before the next sample: the prompt, or everything so far after a preemption."""
+        return max(self.prompt_len, self.resume_len)
+
+    @property
     def in_prefill(self) -> bool:
-        return self.num_cached < self.prompt_len
+        return self.num_cached < self.prefill_len
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = self.request.prompt_ids
+        if end <= len(p):
+            return p[start:end]
+        return (p + self.output_ids)[start:end]
 
     def token_at(self, i: int) -> int:
         return self.request.prompt_ids[i] if i < self.prompt_len else self.output_ids[i - self.prompt_len]

@@ -177,7 +177,10 @@ def test_cpu_resources_fit_the_model_and_kv_cache(smollm2_gguf_path):
     assert s.model == "smollm2"
     max_len = min(s.engine.max_model_len or 4096, cfg.max_position_embeddings)
     weights = params * 4  # float32 on CPU
-    kv = s.engine.max_batch * max_len * KVCache.bytes_per_token(cfg, torch.float32)
+    kv = s.engine.kv_cache_bytes  # KV memory is held per token, up to this budget, whatever max_batch is
+    assert kv is not None, "set LMSERVE_KV_CACHE_GB: the default share of RAM does not know the pod's other needs"
+    assert kv >= max_len * KVCache.bytes_per_token(cfg, torch.float32)  # one full-length request fits
+    assert s.engine.max_batch >= 64  # no slot-count workaround: concurrency is limited by tokens held
     limit = memory_bytes(c["resources"]["limits"]["memory"])
     assert weights + kv <= 0.75 * limit, f"weights {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB vs limit {limit / 2**30:.1f} GiB"
     assert memory_bytes(c["resources"]["requests"]["memory"]) >= weights + kv
@@ -357,9 +360,13 @@ def test_dashboard_has_the_required_panels():
             assert re.search(rf"histogram_quantile\({q}, sum by \(le\) \(rate\({metric}_bucket\{{", exprs), (metric, q)
     assert re.search(r"rate\(lmserve_generated_tokens_total\{", exprs)
     assert re.search(r"sum by \(status\) \(rate\(lmserve_requests_total\{", exprs)
+    # the prefix cache's hit rate: reused over looked-up prompt tokens
+    assert re.search(r"sum\(rate\(lmserve_prefix_cache_hit_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\) / "
+                     r"sum\(rate\(lmserve_prefix_cache_queried_tokens_total\{", exprs)
     for gauge in ("lmserve_waiting_requests", "lmserve_running_requests", "lmserve_batch_size",
                   "lmserve_kv_slots_used", "lmserve_kv_slots_capacity", "lmserve_kv_cache_bytes",
-                  "lmserve_kv_cache_used_bytes", "process_resident_memory_bytes",
+                  "lmserve_kv_cache_used_bytes", "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes",
+                  "process_resident_memory_bytes",
                   "lmserve_cuda_memory_allocated_bytes", "lmserve_cuda_memory_reserved_bytes"):
         assert gauge + "{" in exprs, gauge
 

@@ -13,9 +13,12 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 HISTOGRAMS = ("lmserve_time_to_first_token_seconds", "lmserve_inter_token_latency_seconds",
               "lmserve_request_duration_seconds", "lmserve_queue_time_seconds", "lmserve_request_prompt_tokens",
               "lmserve_request_generated_tokens", "lmserve_engine_step_duration_seconds")
-COUNTERS = ("lmserve_requests", "lmserve_prompt_tokens", "lmserve_generated_tokens")  # samples end in _total
+COUNTERS = ("lmserve_requests", "lmserve_prompt_tokens", "lmserve_generated_tokens",  # samples end in _total
+            "lmserve_prefix_cache_queried_tokens", "lmserve_prefix_cache_hit_tokens", "lmserve_prefix_cache_evictions",
+            "lmserve_preemptions")
 GAUGES = ("lmserve_running_requests", "lmserve_waiting_requests", "lmserve_kv_slots_used",
-          "lmserve_kv_slots_capacity", "lmserve_kv_cache_bytes", "lmserve_batch_size", "process_resident_memory_bytes")
+          "lmserve_kv_slots_capacity", "lmserve_kv_cache_bytes", "lmserve_batch_size", "process_resident_memory_bytes",
+          "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes", "lmserve_prefix_cache_entries")
 PER_REQUEST = ("lmserve_time_to_first_token_seconds", "lmserve_request_duration_seconds",
                "lmserve_queue_time_seconds", "lmserve_request_prompt_tokens", "lmserve_request_generated_tokens")
 
@@ -42,7 +45,7 @@ def test_every_metric_is_exported_with_its_type(server):
     # an info metric is a gauge of value 1 named *_info in the Prometheus text format
     assert m.families["lmserve_model_info"].type == "gauge" and m.get("lmserve_model_info", **m.labels(
         "lmserve_model_info")[0]) == 1
-    assert m.get("process_resident_memory_bytes") > m.get("lmserve_kv_cache_bytes") > 0
+    assert m.get("lmserve_kv_cache_bytes") > m.get("lmserve_kv_cache_committed_bytes") >= m.get("lmserve_prefix_cache_bytes") >= 0
 
 
 def test_static_values_follow_the_checkpoint_and_flags(server, trained_model_dir, trained_server_flags):
@@ -50,8 +53,10 @@ def test_static_values_follow_the_checkpoint_and_flags(server, trained_model_dir
     m = server.metrics()
     slots, ctx = trained_server_flags["max_batch"], cfg["max_position_embeddings"]
     assert m.get("lmserve_kv_slots_capacity") == slots
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # K and V, float32
-    assert m.get("lmserve_kv_cache_bytes") == per_token * ctx * slots
+    # the KV budget: 20% of this machine's memory (or its cgroup limit), whatever --max-batch says
+    from lmserve.server.engine.engine import usable_memory_bytes
+
+    assert m.get("lmserve_kv_cache_bytes") == int(0.2 * usable_memory_bytes())
     (info,) = m.labels("lmserve_model_info")
     assert info["architecture"] == "llama" and info["dtype"] == "float32" and info["device"] == "cpu"
     assert info["context_length"] == str(ctx) and info["model"]
@@ -118,3 +123,18 @@ def test_cancelled_stream_is_counted_as_cancelled(server, stub):
     generated = delta(after, before, "lmserve_generated_tokens_total")
     assert len(streamed) <= generated < 100
     assert delta(after, before, "lmserve_request_generated_tokens_sum") == generated
+
+
+def test_prefix_cache_counters_move_by_the_tokens_looked_up_and_reused(server, stub):
+    """The same prompt twice: the second reuses all but its last token (at least one is computed)."""
+    before = server.wait_idle()
+    req = pb.GenerateRequest(prompt="Zebra quartz violin umbrella " * 5,
+                             params=pb.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    first, second = stub.Generate(req, timeout=60), stub.Generate(req, timeout=60)
+    after = server.wait_idle()
+    n = first.usage.prompt_tokens
+    assert n > 16 and second.text == first.text
+    assert delta(after, before, "lmserve_prefix_cache_queried_tokens_total") == 2 * n
+    assert delta(after, before, "lmserve_prefix_cache_hit_tokens_total") == n - 1
+    assert after.get("lmserve_prefix_cache_bytes") > 0 and after.get("lmserve_prefix_cache_entries") >= 1
+    assert after.get("lmserve_kv_cache_committed_bytes") == after.get("lmserve_prefix_cache_bytes")  # idle

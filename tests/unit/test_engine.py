@@ -336,20 +336,26 @@ async def test_penalties_see_the_prompt_and_the_tokens_generated_so_far(random_t
     assert results[2].token_ids != refs[0]  # the penalties changed the choice somewhere
 
 
-async def test_kv_budget_limits_the_slots_and_everyone_still_finishes(random_tiny):
+async def test_kv_budget_limits_the_blocks_held_not_the_slots_and_everyone_still_finishes(random_tiny):
+    """A budget of 2.5 full-length requests: all eight requests may be admitted (max_batch), but only the
+    blocks of two at a time are held (the tiny model's page holds 64 positions: one block per request);
+    the others wait or are preempted, and every result is still the reference's."""
     from lmserve.model.kv_cache import KVCache
 
     cfg = random_tiny.config
     per_slot = KVCache.bytes_per_token(cfg, random_tiny.dtype) * 64
+    budget = 2 * per_slot + per_slot // 2
     rng = random.Random(17)
     prompts = [random_prompt(rng, rng.randint(1, 20), cfg.vocab_size) for _ in range(6)]
-    with running(random_tiny, max_batch=8, max_model_len=64, kv_cache_gb=(2 * per_slot + per_slot // 2) / 2**30) as engine:
-        assert engine.stats().slots_capacity == 2
-        assert engine.stats().kv_cache_bytes == 2 * per_slot
+    with running(random_tiny, max_batch=8, max_model_len=64, prefix_cache=False, kv_cache_gb=budget / 2**30) as engine:
+        st = engine.stats()
+        assert (st.slots_capacity, st.kv_blocks_capacity, st.kv_cache_bytes) == (8, 2, budget)
         results = await results_of(engine, [Request(p, greedy(10, ignore_eos=True)) for p in prompts])
+        st = engine.stats()
     for res, p in zip(results, prompts):
         assert res.token_ids == greedy_reference(random_tiny.model, p, 10)[0]
-    with pytest.raises(ValueError):
+    assert st.kv_blocks_used == 0 and st.kv_blocks_allocated_total == st.kv_blocks_freed_total > 0
+    with pytest.raises(ValueError, match="holds no request of 64 tokens"):
         Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_gb=(per_slot - 1) / 2**30))
 
 

@@ -118,12 +118,27 @@ def greedy_reference(model: LlamaForCausalLM, prompt: list[int], max_new: int,
 
 @contextmanager
 def running(loaded: LoadedModel, **settings) -> Iterator[Engine]:
-    """A started engine, shut down on exit."""
+    """A started engine, shut down on exit; then its slot and KV block accounting must balance."""
     engine = Engine(loaded, EngineSettings(**settings)).start()
     try:
         yield engine
-    finally:
+    except BaseException:
         engine.shutdown()
+        raise
+    engine.shutdown()
+    assert_kv_returned(engine)
+
+
+def assert_kv_returned(engine: Engine) -> None:
+    """Every slot handed to a request came back, the blocks still held are exactly the prefix cache's,
+    and once the cache is dropped every block allocated was freed."""
+    s = engine.stats()
+    assert s.slots_used == 0 and s.slots_allocated_total == s.slots_freed_total
+    assert s.kv_blocks_used == s.prefix_cache_blocks == s.kv_blocks_allocated_total - s.kv_blocks_freed_total
+    engine.scheduler.drop_prefix_cache()
+    s = engine.stats()
+    assert s.kv_blocks_used == 0 and s.kv_blocks_allocated_total == s.kv_blocks_freed_total
+    assert s.prefix_cache_entries == 0 and engine.scheduler.slots.used == 0
 
 
 async def collect(engine: Engine, request: Request) -> tuple[GenerationResult, list[GenerationChunk]]:
@@ -157,6 +172,7 @@ async def wait_idle(engine: Engine) -> None:
     await wait_until(idle, "the engine to go idle")
     s = engine.stats()
     assert s.slots_allocated_total == s.slots_freed_total
+    assert s.kv_blocks_used == s.prefix_cache_blocks == s.kv_blocks_allocated_total - s.kv_blocks_freed_total
 
 
 def wrap_step(engine: Engine, after: Callable | None = None, before: Callable | None = None) -> list:

@@ -1,0 +1,152 @@
+"""Scheduler with a KV block budget and a prefix cache: plain Python, fake token outputs, no model."""
+
+from lmserve.server.engine.prefix_cache import PrefixCache
+from lmserve.server.engine.request import FinishReason, Request
+from lmserve.server.engine.scheduler import Scheduler
+from lmserve.server.engine.sequence import SeqStatus
+
+
+class Released:
+    """Records the scheduler's release(slot, positions) calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, slot, positions):
+        self.calls.append((slot, positions))
+
+
+def req(tokens, rid, max_new=100):
+    r = Request(prompt_ids=list(tokens), request_id=rid)
+    return r
+
+
+def run_step(s, outputs, token_of=lambda seq: 7):
+    """One step; every sampled sequence gets a token, recorded per request id in `outputs`."""
+    batch = s.schedule()
+    toks = {seq: token_of(seq) for seq in batch.sampled()}
+    s.update(batch, toks)
+    for seq, t in toks.items():
+        outputs.setdefault(seq.request_id, []).append(t)
+    return batch
+
+
+def balanced(s):
+    """Blocks in use are exactly the running sequences' plus the prefix entries', and allocated - freed."""
+    entries = s.prefix_cache.blocks_held if s.prefix_cache else 0
+    running = sum(s._blocks(max(q.num_cached, 1)) <= s._held[q] for q in s.running) == len(s.running)
+    return running and s.blocks_used == sum(s._held.values()) + entries == s.blocks_allocated_total - s.blocks_freed_total
+
+
+def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
+    """Budget 6 blocks of 4 positions; three requests of 4-token prompts grow until one must go."""
+    rel = Released()
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1,
+                  kv_blocks=6, kv_block_tokens=4, release=rel)
+    seqs = [s.add(req(range(10 * i + 1, 10 * i + 5), f"r{i}")) for i in range(3)]
+    outputs, preempted = {}, []
+    counter = iter(range(1000))
+    for _ in range(60):
+        b = run_step(s, outputs, token_of=lambda seq: 100 + next(counter))
+        preempted += b.preempted
+        assert s.blocks_used <= 6 and balanced(s)
+        for seq in b.sampled():
+            if len(seq.output_ids) == 6:
+                s.finish(seq, FinishReason.LENGTH)
+        if not s.num_unfinished:
+            break
+    assert preempted, "the budget never ran out"
+    victim = preempted[0]
+    assert victim is seqs[2]  # the most recently admitted goes first
+    for seq in seqs:
+        assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 6
+        assert outputs[seq.request_id] == seq.output_ids  # each token sampled once: none lost or repeated
+    assert s.blocks_used == 0 and s.blocks_allocated_total == s.blocks_freed_total
+    assert s.request_slots_total == s.request_slots_returned_total == 3 + len(preempted)
+    assert s.slots.used == 0 and s.preemptions_total == len(preempted)
+
+
+def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samples():
+    s = Scheduler(num_slots=2, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_blocks=3, kv_block_tokens=4)
+    a, b = s.add(req([1, 2, 3, 4], "a")), s.add(req([5, 6, 7], "b"))
+    out = {}
+    run_step(s, out)  # both prefilled: a holds 1 block, b 1
+    for _ in range(8):
+        batch = run_step(s, out)
+        if batch.preempted:
+            break
+    assert batch.preempted == [b] and b.status is SeqStatus.WAITING and s.waiting[0] is b
+    assert b.num_cached == 0 and b.resume_len == b.total_len and b.output_ids
+    s.finish(a, FinishReason.LENGTH)
+    n_out = len(b.output_ids)
+    batch = run_step(s, out)
+    (chunk,) = batch.prefill
+    assert (chunk.seq, chunk.start, chunk.length) == (b, 0, b.prompt_len + n_out) and chunk.completes_prompt
+    assert len(b.output_ids) == n_out + 1 and not b.in_prefill  # sampled the next token, then decodes
+    assert run_step(s, out).decode == [b]
+
+
+def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=2,
+                  kv_blocks=100, kv_block_tokens=4, prefix_cache=PrefixCache(block=4))
+    system = list(range(1, 21))
+    first = s.add(req(system + [30, 31], "first"))
+    out = {}
+    run_step(s, out)
+    run_step(s, out)
+    s.finish(first, FinishReason.EOS)  # 23 positions cached: prompt + first output
+    assert len(s.prefix_cache) == 1 and s.request_slots_returned_total == 1 and s.slots.used == 1
+    second = s.add(req(system + [40, 41, 42], "second"))
+    batch = s.schedule()
+    (chunk,) = batch.prefill
+    assert batch.kv_copies == [(first.slot, second.slot, 20)] and second.slot != first.slot
+    assert (chunk.start, chunk.length) == (20, 3) and second.num_cached == 20
+    assert s.prefix_hit_tokens_total == 20 and s.prefix_queried_tokens_total == 22 + 23
+    s.update(batch, {second: 9})
+    # the whole prompt cached: at least one token is still computed, so the hit stops one short
+    third = s.add(req(system + [40, 41, 42], "third"))
+    s.finish(second, FinishReason.LENGTH)  # 23 positions, a longer entry for the same 20 + [40, 41, 42]
+    batch = s.schedule()
+    assert batch.kv_copies[0][2] == 22 and batch.prefill[0].start == 22 and batch.prefill[0].length == 1
+    s.update(batch, {third: 9})
+    s.finish(third, FinishReason.CANCELLED)  # not kept: a cancelled request's K/V may be incomplete
+    assert len(s.prefix_cache) == 2 and balanced(s)
+    assert s.drop_prefix_cache() == 2 and s.blocks_used == 0 and s.slots.used == 0
+
+
+def test_entries_are_evicted_lru_when_admission_needs_their_blocks_or_slots():
+    rel = Released()
+    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=1,
+                  kv_blocks=8, kv_block_tokens=4, prefix_cache=PrefixCache(block=4), release=rel)
+    out = {}
+    done = []
+    for i in range(3):  # three finished requests of 11 tokens (3 blocks each) -> entries, LRU order
+        seq = s.add(req(range(100 * i + 1, 100 * i + 12), f"e{i}"))
+        run_step(s, out)
+        s.finish(seq, FinishReason.EOS)
+        done.append(seq)
+    # 8 blocks: the third entry already needed the first one's blocks
+    assert [e.slot for e in s.prefix_cache.entries()] == [done[1].slot, done[2].slot]
+    assert rel.calls[-1] == (done[0].slot, 12)
+    s.prefix_cache.touch(s.prefix_cache.entries()[0])  # e1 used again: e2 is now the oldest
+    big = s.add(req(range(500, 520), "big"))  # 5 blocks: one entry must go
+    run_step(s, out)
+    assert big.status is SeqStatus.RUNNING
+    assert [e.tokens[0] for e in s.prefix_cache.entries()] == [101]
+    assert balanced(s) and s.blocks_used <= 8
+
+
+def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
+    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=2,
+                  kv_blocks=7, kv_block_tokens=4, prefix_cache=PrefixCache(block=4))
+    out = {}
+    seq = s.add(req(range(1, 12), "src"))
+    run_step(s, out)
+    s.finish(seq, FinishReason.EOS)  # entry: 3 blocks
+    a = s.add(req(list(range(1, 9)) + [50], "a"))  # hits 8 positions: 3 blocks of its own
+    b = s.add(req(range(200, 212), "b"))  # would need the entry's blocks
+    batch = s.schedule()
+    assert [c.seq for c in batch.prefill] == [a] and batch.kv_copies and b.status is SeqStatus.WAITING
+    s.update(batch, {a: 1})
+    batch = s.schedule()  # the copy has run: now the entry may go
+    assert [c.seq for c in batch.prefill] == [b] and len(s.prefix_cache) == 0
