@@ -138,6 +138,8 @@ class Engine:
         if not self._accepting or not self.health().alive:
             raise EngineUnavailableError("the engine is not accepting requests")
         with self._lock:
+            if not self._accepting:
+                raise EngineUnavailableError("the engine is not accepting requests")
             if request.request_id in self._sinks:
                 raise RequestValidationError([("request_id", f"{request.request_id!r} is already in flight")])
             self.scheduler.add(request)  # may raise QueueFullError
@@ -214,11 +216,23 @@ class Engine:
             raise
         finally:
             with self._lock:
+                self._accepting = False  # checked under the lock in submit: no request can slip in now
                 seqs = [*self.scheduler.waiting, *self.scheduler.running]
                 for seq in seqs:
                     self.scheduler.finish(seq, FinishReason.SHUTDOWN)
             for seq in seqs:
-                self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")
+                try:  # one failing finish (say, clearing its slot) must not leave the others without an end
+                    self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")
+                except Exception:  # noqa: BLE001
+                    log.exception("finishing %s at shutdown failed", seq.request_id)
+            with self._lock:  # whoever is still registered (a sequence lost on the way) gets a final chunk
+                orphans, self._sinks = self._sinks, {}
+            for request_id, sink in orphans.items():
+                try:
+                    sink(GenerationChunk(request_id=request_id, finish_reason=FinishReason.SHUTDOWN,
+                                         error="the server is shutting down"))
+                except Exception:  # noqa: BLE001
+                    log.exception("delivering the final chunk of %s failed", request_id)
 
     def _step_once(self) -> bool:
         """One engine step; False when there was nothing to do."""
@@ -304,17 +318,19 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, chunk: GenerationChunk | None = None,
                 error: str | None = None) -> None:
-        if seq.slot is not None:
-            # Zero what this request wrote: K/V it left behind may be non-finite (a poisoned prompt
-            # cancelled mid-prefill never showed NaN logits), and masked keys still multiply values
-            # (0 * NaN = NaN) for the slot's next owner. Costs one memset of the written positions.
-            self.cache.clear(seq.slot, min(self.cache.max_len, seq.total_len + 1))
-        final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
-        for obs in self.observers:
-            obs.on_finish(seq, final)
-        self._deliver(seq.request_id, final)
-        with self._lock:
-            self._sinks.pop(seq.request_id, None)
+        try:
+            if seq.slot is not None:
+                # Zero what this request wrote: K/V it left behind may be non-finite (a poisoned prompt
+                # cancelled mid-prefill never showed NaN logits), and masked keys still multiply values
+                # (0 * NaN = NaN) for the slot's next owner. Costs one memset of the written positions.
+                self.cache.clear(seq.slot, min(self.cache.max_len, seq.total_len + 1))
+        finally:  # the request gets its final chunk even when clearing fails (which then stops the loop)
+            final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
+            for obs in self.observers:
+                obs.on_finish(seq, final)
+            self._deliver(seq.request_id, final)
+            with self._lock:
+                self._sinks.pop(seq.request_id, None)
 
     def _deliver(self, request_id: str, chunk: GenerationChunk) -> None:
         sink = self._sinks.get(request_id)

@@ -548,3 +548,30 @@ async def test_stop_accepting_drains_requests_in_flight(random_tiny):
         tokens = [t async for c in stream for t in c.token_ids]
         assert engine.health().ok
     assert tokens == greedy_reference(random_tiny.model, prompt, 12)[0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies, by design
+@pytest.mark.parametrize("victims", [1, 3], ids=["clear-fails-once", "clear-always-fails"])
+async def test_a_dying_loop_ends_every_request_in_flight(random_tiny, victims):
+    """cache.clear raising while two requests are in flight kills the loop (the cache is suspect);
+    each request still gets a final chunk, at once, and new ones are refused."""
+    with running(random_tiny, max_batch=4) as engine:
+        real_clear, calls = engine.cache.clear, []
+
+        def failing_clear(slot, n):
+            calls.append(slot)
+            if len(calls) <= victims:
+                raise RuntimeError("injected: clearing a KV slot failed")
+            return real_clear(slot, n)
+
+        engine.cache.clear = failing_clear
+        short = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(2, ignore_eos=True), request_id="a")))
+        long_ = asyncio.ensure_future(collect(engine, Request([8, 9], greedy(100, ignore_eos=True), request_id="b")))
+        (res_a, _), (res_b, chunks_b) = await asyncio.wait_for(asyncio.gather(short, long_), 30)
+        await wait_until(lambda: not engine.health().alive, "the loop to be reported dead")
+        with pytest.raises(EngineUnavailableError):
+            engine.generate(Request([5, 6], greedy(2)))
+    assert res_a.finish_reason is FinishReason.LENGTH  # its finish was delivered before the loop stopped
+    assert res_b.finish_reason is FinishReason.SHUTDOWN and "shutting down" in res_b.error
+    assert len(res_b.token_ids) < 100
+    assert [c.finished for c in chunks_b].count(True) == 1
