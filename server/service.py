@@ -145,8 +145,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                 await self._write(context, msg, rid)
 
     async def _write(self, context, msg: pb.GenerateStreamResponse, rid: str) -> None:
-        """Send one message; a reader that takes none for stream_idle_timeout seconds loses the stream
-        (ending the handler cancelled ends the call and, through _chunks, the engine request)."""
+        """Send one message; a reader that takes none for stream_idle_timeout seconds loses the stream.
+
+        The handler then ends (closing _chunks cancels the engine request and frees its slot). The
+        CANCELLED status is queued behind the unread messages, so a reader that comes back reads them
+        and then learns why the stream ended; gRPC cannot reset the stream from here, so one that never
+        comes back holds only its transport buffers, until it disconnects, its deadline passes or its
+        connection reaches --max-connection-age."""
         timeout = self.settings.stream_idle_timeout
         key = id(context)
         self._writing[key] = time.monotonic()
@@ -157,6 +162,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             if self.on_stream_idle_timeout is not None:
                 self.on_stream_idle_timeout()
             log.warning("cancelling stream %s: its reader took no message for %gs", rid, timeout)
+            with contextlib.suppress(TimeoutError):  # completes (raising AbortError) only if the reader is back
+                await asyncio.wait_for(context.abort(
+                    grpc.StatusCode.CANCELLED, f"stream cancelled: the reader took no message for {timeout:g}s "
+                                               "(--stream-idle-timeout)"), STALLED_WRITE_SECONDS)
             raise asyncio.CancelledError("stream idle timeout") from None
         finally:
             self._writing.pop(key, None)
