@@ -193,6 +193,7 @@ class Server:
             await self.service.wait_idle(5.0)  # let the handlers send those statuses
         await self.health.enter_graceful_shutdown()  # ends open Watch streams with NOT_SERVING
         await self.grpc.stop(grace=1.0)
+        await self.service.wait_idle(2.0, stalled_too=True)  # handlers of calls stop() cancelled unwind
         self.service.close()
         if self._metrics_http is not None:
             self._metrics_http[0].shutdown()

@@ -167,6 +167,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
                     grpc.StatusCode.CANCELLED, f"stream cancelled: the reader took no message for {timeout:g}s "
                                                "(--stream-idle-timeout)"), STALLED_WRITE_SECONDS)
             raise asyncio.CancelledError("stream idle timeout") from None
+        except Exception as exc:  # noqa: BLE001 - a failed write means the call is over (cancelled, server stopping)
+            raise asyncio.CancelledError("the call ended before this message could be sent") from exc
         finally:
             self._writing.pop(key, None)
 
@@ -212,9 +214,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         now = time.monotonic()
         return self.in_flight - sum(1 for t in list(self._writing.values()) if now - t > STALLED_WRITE_SECONDS)
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Generate call is in flight but stalled streams; False if the timeout passed first."""
+    async def wait_idle(self, timeout: float, stalled_too: bool = False) -> bool:
+        """Wait until no Generate call is in flight but stalled streams (or none at all: `stalled_too`);
+        False if the timeout passed first."""
+        def busy() -> int:
+            return self.in_flight if stalled_too else self.busy()
+
         end = time.monotonic() + timeout
-        while self.busy() > 0 and time.monotonic() < end:
+        while busy() > 0 and time.monotonic() < end:
             await asyncio.sleep(0.05)
-        return self.busy() <= 0
+        return busy() <= 0
