@@ -20,8 +20,8 @@ from .service import TextGenerationService
 
 log = logging.getLogger("lmserve.server")
 SERVICE_NAME = lmserve_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-# A health service name for liveness probes: SERVING while the process and its engine loop are alive,
-# draining included (a drain only turns "" and SERVICE_NAME, the readiness names, NOT_SERVING).
+# A health service name for liveness probes: SERVING while the process and its engine loop are alive
+# and no step is stuck, draining included (a drain only turns "" and SERVICE_NAME NOT_SERVING).
 LIVENESS_SERVICE = "liveness"
 HEALTH_CHECK_INTERVAL = 0.5
 # Exit status when the engine loop died: an orchestrator restarts the process.
@@ -160,6 +160,7 @@ class Server:
         while True:
             h = self.engine.health()
             await self._set_health(h.ok and not self.service.draining)
+            await self._set_liveness(h.ok)  # a step stuck for minutes is worth a restart; a drain is not
             if not h.ok:
                 log.error("engine unhealthy: %s", h.detail)
             if not h.alive:
