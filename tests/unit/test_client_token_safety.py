@@ -42,8 +42,15 @@ def test_plaintext_to_another_host_warns_once_per_target():
         Client("10.11.12.15:50051", token=SECRET, tls=True).close()  # encrypted
         Client("localhost:50051", token=SECRET).close()  # this machine
     with pytest.warns(PlaintextTokenWarning) as record:
-        AsyncClient("llm.example.com:80", token=SECRET)
+        Connection(target="llm.example.com:80", token=SECRET)  # what both clients build first
     assert SECRET not in str(record[0].message)
+
+
+async def test_the_async_client_warns_too():
+    with pytest.warns(PlaintextTokenWarning):
+        client = AsyncClient("llm2.example.com:80", token=SECRET)
+    assert SECRET not in repr(client)
+    await client.close()
 
 
 def test_token_file_feeds_the_bearer_token(tmp_path, capsys, monkeypatch):
