@@ -53,6 +53,15 @@ def test_every_limit_is_advertised(limits, trained_server_flags):
     assert limits.stream_idle_timeout_seconds == 60.0
 
 
+def test_the_sdk_reports_the_limits(server, limits):
+    from lmserve.client import Client
+
+    with Client(server.target, timeout=30) as client:
+        info = client.model_info()
+    assert info.limits["max_input_chars"] == limits.max_input_chars
+    assert info.limits["max_request_id_chars"] == 128 and len(info.limits) == len(limits.DESCRIPTOR.fields)
+
+
 @pytest.mark.parametrize("rid,why", [("x" * 129, "at most 128"), ("a\nb", "printable"), ("tab\there", "printable"),
                                      ("café", "printable"), ("\x1b[31mred", "printable")])
 def test_bad_request_ids_are_refused(stub, rid, why):
