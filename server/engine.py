@@ -328,9 +328,13 @@ class Engine:
             final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
             for obs in self.observers:
                 obs.on_finish(seq, final)
-            self._deliver(seq.request_id, final)
-            with self._lock:
-                self._sinks.pop(seq.request_id, None)
+            with self._lock:  # unregister before delivering: once a caller has the final chunk, its id is free
+                sink = self._sinks.pop(seq.request_id, None)
+            if sink is not None:
+                try:
+                    sink(final)
+                except Exception:  # noqa: BLE001 - a broken consumer must not stop the loop
+                    log.exception("delivering to %s failed", seq.request_id)
 
     def _deliver(self, request_id: str, chunk: GenerationChunk) -> None:
         sink = self._sinks.get(request_id)
