@@ -21,6 +21,7 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from ._channel import PlaintextTokenWarning
 from ._retry import RetryPolicy
 from .sync import Client
 from .types import (
@@ -40,6 +41,7 @@ __all__ = [
     "Client",
     "AsyncClient",
     "RetryPolicy",
+    "PlaintextTokenWarning",
     "errors",
     "types",
     "LmserveError",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import threading
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -17,6 +20,14 @@ KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
+class PlaintextTokenWarning(UserWarning):
+    """A bearer token is about to travel unencrypted to a host other than this machine."""
+
+
+_warned_targets: set[str] = set()
+_warned_lock = threading.Lock()
+
+
 @dataclass(frozen=True)
 class Connection:
     """Where and how to connect.
@@ -24,7 +35,9 @@ class Connection:
     TLS is used when ``tls`` is true or any certificate file is given. Without
     ``ca_file`` the system's root certificates verify the server. ``client_cert`` and
     ``client_key`` (PEM files) enable mutual TLS and must be given together. ``token``
-    is sent as ``authorization: Bearer <token>`` metadata on every call.
+    is sent as ``authorization: Bearer <token>`` metadata on every call; it never
+    appears in the repr, and sending it without TLS to a host other than this machine
+    raises a :class:`PlaintextTokenWarning` (once per target).
     """
 
     target: str = "localhost:50051"
@@ -32,11 +45,18 @@ class Connection:
     ca_file: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.client_cert is None) != (self.client_key is None):
             raise ValueError("client_cert and client_key must be given together")
+        if self.token and not self.uses_tls and not is_loopback_target(self.target):
+            with _warned_lock:
+                first = self.target not in _warned_targets
+                _warned_targets.add(self.target)
+            if first:
+                warnings.warn(f"the bearer token is sent without TLS to {self.target}: anyone on the path can read "
+                              "it; use tls=True or ca_file", PlaintextTokenWarning, stacklevel=4)
 
     @property
     def uses_tls(self) -> bool:
@@ -57,6 +77,37 @@ class Connection:
         if not self.token:
             return ()
         return ((AUTH_METADATA_KEY, f"Bearer {self.token}"),)
+
+
+def is_loopback_target(target: str) -> bool:
+    """Whether a gRPC target names only this machine (localhost, 127.0.0.0/8, ::1 or a unix socket)."""
+    t = target.strip()
+    if t.startswith(("unix:", "unix-abstract:")):
+        return True
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if t.startswith(prefix):
+            t = t[len(prefix):]
+            break
+    hosts = []
+    for address in t.split(","):  # ipv4:/ipv6: targets may list several addresses
+        address = address.strip()
+        if address.startswith("["):
+            hosts.append(address[1:address.find("]")] if "]" in address else address[1:])
+        elif address.count(":") == 1:
+            hosts.append(address.rsplit(":", 1)[0])
+        else:
+            hosts.append(address)  # no port, or a bare IPv6 address
+    return bool(hosts) and all(_is_loopback_host(h) for h in hosts)
+
+
+def _is_loopback_host(host: str) -> bool:
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def channel_options() -> list[tuple[str, object]]:

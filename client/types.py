@@ -188,6 +188,9 @@ class ModelInfo:
     has_chat_template: bool
     num_parameters: int
     server_version: str
+    # Every limit the server applies (GetModelInfoResponse.limits), by its proto field name,
+    # e.g. {"max_input_chars": 131072, "max_request_id_chars": 128, ...}; empty from older servers.
+    limits: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

@@ -29,6 +29,11 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+# Private-use characters that bracket each message's content in a second rendering, so the content's
+# place in the output is known (see `render_with_spans`); a pair absent from the input is chosen.
+_MARKERS = tuple((chr(0xF0000 + 2 * i), chr(0xF0001 + 2 * i)) for i in range(64))
+
+
 class ChatTemplateError(ValueError):
     """The template failed to compile, or refused the messages (e.g. via `raise_exception`)."""
 
@@ -97,3 +102,63 @@ class ChatTemplate:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+
+    def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = True,
+                          **variables: Any) -> tuple[str, list[tuple[int, int]] | None]:
+        """`render`'s text and the (start, end) spans of it that came from message contents.
+
+        The conversation is rendered a second time with each content bracketed by two private-use
+        characters (absent from the input); when removing them gives back exactly the first
+        rendering, the brackets mark where every content went. Templates that `trim` contents are
+        matched by bracketing the stripped content inside its whitespace. None when neither
+        rendering lines up (the template changes its output for bracketed contents)."""
+        text = self.render(messages, add_generation_prompt, **variables)
+        marker = self._free_markers(messages)
+        if marker is None:
+            return text, None
+        op, cl = marker
+        for wrap in (_wrap_whole, _wrap_stripped):
+            marked = [dict(m, content=wrap(m["content"], op, cl)) if isinstance(m.get("content"), str) else m
+                      for m in messages]
+            try:
+                rendered = self.render(marked, add_generation_prompt, **variables)
+            except ChatTemplateError:
+                continue
+            spans = _spans(rendered, op, cl)
+            if spans is not None and rendered.replace(op, "").replace(cl, "") == text:
+                return text, spans
+        return text, None
+
+    def _free_markers(self, messages: list[dict]) -> tuple[str, str] | None:
+        used = "".join(m["content"] for m in messages if isinstance(m.get("content"), str)) + self.source
+        return next(((op, cl) for op, cl in _MARKERS if op not in used and cl not in used), None)
+
+
+def _wrap_whole(content: str, op: str, cl: str) -> str:
+    return op + content + cl
+
+
+def _wrap_stripped(content: str, op: str, cl: str) -> str:
+    core = content.strip()
+    if not core:
+        return content
+    lead = content[: len(content) - len(content.lstrip())]
+    return lead + op + core + cl + content[len(lead) + len(core):]
+
+
+def _spans(rendered: str, op: str, cl: str) -> list[tuple[int, int]] | None:
+    """Spans between matched markers, in coordinates of the text without markers; None if unbalanced."""
+    spans, removed, start = [], 0, None
+    for i, ch in enumerate(rendered):
+        if ch == op:
+            if start is not None:
+                return None
+            start = i - removed
+            removed += 1
+        elif ch == cl:
+            if start is None:
+                return None
+            spans.append((start, i - removed))
+            start = None
+            removed += 1
+    return None if start is not None else spans

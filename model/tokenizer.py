@@ -10,6 +10,9 @@
 
 Special tokens (control, user-defined, and the ones `tokenizer_config.json` adds) are matched
 whole in the text passed to `encode`, so a rendered chat prompt keeps `<|im_start|>` as one id.
+`encode(text, parse_special=False)` reads the text of special tokens as ordinary characters
+instead, and `encode_chat` gives special ids only to the markup a chat template writes itself,
+never to text inside a message's content (which would let a user forge turns).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lmserve.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from lmserve.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectureError
 
 # Token types shared by GGUF (llama.cpp) and sentencepiece's ModelProto.
@@ -85,15 +88,51 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text become their single ids.
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`.
 
+        With `parse_special` (the default), special tokens written in the text (`<|im_end|>`,
+        `</s>`) become their single ids; without it their text is encoded like any other, so
+        untrusted text can never produce a control token. Vocabulary entries that are not
+        special (sentencepiece user-defined pieces, non-special added tokens) match either way.
         With `add_special_tokens`, `bos_id` is prepended when the model wants one
-        (`add_bos_token`) and the text does not already start with it.
+        (`add_bos_token`) and the ids do not already start with it.
         """
-        ids = self._backend.encode(text)
+        ids = self._backend.encode(text, parse_special)
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
+        return ids
+
+    def encode_marked(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Token ids of the concatenated text of `(text, trusted)` segments, where only trusted
+        segments may yield special tokens.
+
+        The text is cut at the special tokens found in trusted segments, and each stretch between
+        them (which may join trusted and untrusted text) is encoded with `parse_special=False`, so
+        merges across segment borders are the ones encoding the whole text would make.
+        """
+        specials = self._backend.special_text
+        pattern = self._special_pattern
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            if run:
+                ids.extend(self._backend.encode("".join(run), False))
+                run.clear()
+
+        for text, trusted in segments:
+            if not trusted or pattern is None:
+                run.append(text)
+                continue
+            start = 0
+            for match in pattern.finditer(text):
+                run.append(text[start:match.start()])
+                flush()
+                ids.append(specials[match.group()])
+                start = match.end()
+            run.append(text[start:])
+        flush()
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -125,6 +164,35 @@ class Tokenizer:
         sandbox. Raises `lmserve.model.chat_template.ChatTemplateError` on a bad template or
         messages the template refuses."""
         return self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **variables: Any) -> tuple[list[int], str]:
+        """Token ids and text of a rendered conversation in which only the template's own markup
+        yields special tokens: special-token text inside a message's content stays plain text.
+
+        When the template transforms contents so that they cannot be located in its output, a
+        content holding special-token text is refused (ChatTemplateError) rather than trusted.
+        """
+        template = self._compiled_template
+        text, spans = template.render_with_spans(messages, add_generation_prompt=add_generation_prompt, **variables)
+        if spans is None:
+            pattern = self._special_pattern
+            for i, m in enumerate(messages):
+                content = m.get("content")
+                if pattern is not None and isinstance(content, str) and pattern.search(content):
+                    raise ChatTemplateError(f"message {i} holds special-token text, which this model's chat "
+                                            "template cannot carry as plain text")
+            return self.encode(text, parse_special=True), text
+        segments, at = [], 0
+        for start, end in spans:
+            segments += [(text[at:start], True), (text[start:end], False)]
+            at = end
+        segments.append((text[at:], True))
+        return self.encode_marked(segments), text
+
+    @cached_property
+    def _special_pattern(self) -> "re.Pattern[str] | None":
+        return _alternation(self._backend.special_text)
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
@@ -242,6 +310,8 @@ class _TokenizersBackend:
         self._tk = tk
         added = tk.get_added_tokens_decoder()  # {id: AddedToken}
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.special_text = {token.content: i for i, token in added.items() if token.special and token.content}
+        self._plain = None  # a copy that reads special-token text as ordinary text, made on first use
         self.vocab_size = max([tk.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
         self.default_bos_id = None
         self.default_eos_id = None
@@ -298,8 +368,16 @@ class _TokenizersBackend:
         with_special = self._tk.encode("", add_special_tokens=True).ids
         return bool(with_special) and with_special[0] == bos_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        if parse_special:
+            return self._tk.encode(text, add_special_tokens=False).ids
+        if self._plain is None:
+            import tokenizers
+
+            plain = tokenizers.Tokenizer.from_str(self._tk.to_str())
+            plain.encode_special_tokens = True  # special tokens are split like any other text
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -371,12 +449,14 @@ class _SentencePieceBackend:
                 self._extra[index] = content
             matched.setdefault(content, index)
         self._matched = matched
-        self._split = re.compile("|".join(re.escape(p) for p in sorted(matched, key=len, reverse=True))) if matched else None
+        self._split = _alternation(matched)
         # Rendered apart from sentencepiece's decoder: control, unknown and added tokens.
         self._rendered_apart = frozenset(i for i, (_, t) in enumerate(pieces) if t in (_CONTROL, _UNKNOWN)) | set(self._extra)
         self.special_ids = frozenset(i for i, (_, t) in enumerate(pieces) if t in (_CONTROL, _UNKNOWN)) | frozenset(
             set(added_special) | set(self._extra))
         self.vocab_size = max([self._n_pieces, *(i + 1 for i in self._extra)])
+        self.special_text = {p: i for p, i in matched.items() if i in self.special_ids}
+        self._split_plain = _alternation([p for p in matched if p not in self.special_text])
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         self.default_bos_id = bos if bos >= 0 else None
         self.default_eos_id = eos if eos >= 0 else None
@@ -427,12 +507,13 @@ class _SentencePieceBackend:
     def adds_bos_by_default(self, bos_id: int | None) -> bool:
         return bos_id is not None
 
-    def encode(self, text: str) -> list[int]:
-        if self._split is None:
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        split = self._split if parse_special else self._split_plain
+        if split is None:
             return list(self._sp.encode(text))
         ids: list[int] = []
         start = 0
-        for match in self._split.finditer(text):
+        for match in split.finditer(text):
             if match.start() > start:
                 ids += self._sp.encode(text[start:match.start()])
             ids.append(self._matched[match.group()])
@@ -482,6 +563,12 @@ class _SentencePieceBackend:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _alternation(strings) -> "re.Pattern[str] | None":
+    """One regex matching any of `strings`, longest first (so `<|im_end|>` wins over `<|im`)."""
+    strings = sorted(strings, key=len, reverse=True)
+    return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
 
 
 def _template_end_markers(backend, chat_template: str | None, eos: tuple[int, ...]) -> tuple[int, ...]:

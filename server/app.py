@@ -20,11 +20,16 @@ from .service import TextGenerationService
 
 log = logging.getLogger("lmserve.server")
 SERVICE_NAME = lmserve_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+# A health service name for liveness probes: SERVING while the process and its engine loop are alive
+# and no step is stuck, draining included (a drain only turns "" and SERVICE_NAME NOT_SERVING).
+LIVENESS_SERVICE = "liveness"
 HEALTH_CHECK_INTERVAL = 0.5
+# Exit status when the engine loop died: an orchestrator restarts the process.
+EXIT_ENGINE_DIED = 3
 
 
 def grpc_options(s: ServerSettings) -> list[tuple[str, int]]:
-    return [
+    opts = [
         ("grpc.max_receive_message_length", s.max_receive_message_bytes),
         ("grpc.max_send_message_length", 64 * 2**20),
         # keepalive for long streams behind load balancers: ping idle connections, accept client pings
@@ -34,7 +39,35 @@ def grpc_options(s: ServerSettings) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", s.max_concurrent_streams),
     ]
+    # connection lifetimes: an aged connection gets GOAWAY, so the client reconnects (and resolves or
+    # is balanced anew, reaching replicas added since); its calls get the grace period to finish
+    if s.max_connection_age:
+        opts += [("grpc.max_connection_age_ms", int(s.max_connection_age * 1000)),
+                 ("grpc.max_connection_age_grace_ms", int(s.max_connection_age_grace * 1000))]
+    if s.max_connection_idle:
+        opts.append(("grpc.max_connection_idle_ms", int(s.max_connection_idle * 1000)))
+    return opts
+
+
+class BoundedHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with a cap on concurrent Watch calls (each holds a stream open indefinitely)."""
+
+    def __init__(self, max_watchers: int):
+        super().__init__()
+        self.max_watchers = max_watchers
+        self.watchers = 0
+
+    async def Watch(self, request, context):
+        if self.watchers >= self.max_watchers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many health watchers (at most {self.max_watchers}); use Check or retry later")
+        self.watchers += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watchers -= 1
 
 
 def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
@@ -50,15 +83,18 @@ class Server:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.service = TextGenerationService()
-        self.health = health.aio.HealthServicer()  # the blocking one would pin a Watch thread at exit
+        self.service = TextGenerationService(settings)
+        self.health = BoundedHealthServicer(settings.max_health_watchers)  # aio: the blocking one pins threads
         self.engine = None
         self.metrics = None
+        self.exit_code = 0
         self._metrics_http = None
         self._stop = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
         interceptors = [BearerAuthInterceptor(read_tokens(settings.auth_tokens_file))] if settings.auth_tokens_file else []
-        self.grpc = grpc.aio.server(options=grpc_options(settings), interceptors=interceptors)
+        # calls beyond maximum_concurrent_rpcs are answered RESOURCE_EXHAUSTED by grpc itself
+        self.grpc = grpc.aio.server(options=grpc_options(settings), interceptors=interceptors,
+                                    maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
         lmserve_pb2_grpc.add_TextGenerationServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -71,14 +107,20 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
+    async def _set_liveness(self, alive: bool) -> None:
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING if alive
+                              else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def start(self) -> None:
-        """Listen at once (health says NOT_SERVING), then load the model off the event loop."""
+        """Listen at once (health says NOT_SERVING, liveness SERVING), then load the model off the event loop."""
         await self._set_health(False)
+        await self._set_liveness(True)
         await self.grpc.start()
         t0 = time.monotonic()
         self.engine, self.metrics = await asyncio.to_thread(self._load)
         s = self.settings
         self.service.attach(self.engine, self.engine.loaded.config.name if s.model.endswith((".gguf", "/")) else s.model)
+        self.service.on_stream_idle_timeout = self.metrics.stream_idle_timeouts.inc
         if s.metrics_port:
             self._metrics_http = self.metrics.serve(s.metrics_port, s.metrics_host or s.host)
         await self._set_health(True)
@@ -108,12 +150,22 @@ class Server:
         return engine.start(), metrics
 
     async def _watch_engine(self) -> None:
-        """Health follows the engine: NOT_SERVING when its loop is dead or stuck, or while draining."""
+        """Health follows the engine: NOT_SERVING when its loop is dead or stuck, or while draining.
+        A dead loop (its requests have already ended UNAVAILABLE) stops the server with a non-zero exit
+        status, so that an orchestrator restarts it."""
         while True:
             h = self.engine.health()
             await self._set_health(h.ok and not self.service.draining)
+            await self._set_liveness(h.ok)  # a step stuck for minutes is worth a restart; a drain is not
             if not h.ok:
                 log.error("engine unhealthy: %s", h.detail)
+            if not h.alive:
+                await self._set_liveness(False)
+                log.critical("the engine loop is dead; stopping (exit status %d) so the process is restarted",
+                             EXIT_ENGINE_DIED)
+                self.exit_code = EXIT_ENGINE_DIED
+                self.request_stop()
+                return
             await asyncio.sleep(HEALTH_CHECK_INTERVAL)
 
     def request_stop(self) -> None:
@@ -138,6 +190,8 @@ class Server:
             await self.service.wait_idle(5.0)  # let the handlers send those statuses
         await self.health.enter_graceful_shutdown()  # ends open Watch streams with NOT_SERVING
         await self.grpc.stop(grace=1.0)
+        await self.service.wait_idle(2.0, stalled_too=True)  # handlers of calls stop() cancelled unwind
+        self.service.close()
         if self._metrics_http is not None:
             self._metrics_http[0].shutdown()
         log.info("stopped")
@@ -149,7 +203,7 @@ class Server:
         await self.start()
         await self._stop.wait()
         await self.drain_and_stop()
-        return 0
+        return self.exit_code
 
 
 def serve(settings: ServerSettings) -> int:

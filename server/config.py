@@ -30,6 +30,15 @@ class ServerSettings:
     auth_tokens_file: str | None = None
     grace_period: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     max_receive_message_bytes: int = 4 * 2**20
+    max_input_chars: int | None = None  # None: 32 characters per token of context
+    input_workers: int = 2  # threads that tokenize, render and validate inputs off the event loop
+    stream_idle_timeout: float = 60.0  # seconds a write to a stream may wait for its reader; 0 = no limit
+    max_concurrent_rpcs: int = 1024  # calls in progress at once; beyond: RESOURCE_EXHAUSTED
+    max_concurrent_streams: int = 256  # calls at once on one HTTP/2 connection
+    max_connection_age: float = 1800.0  # seconds before a connection is asked to go (GOAWAY); 0 = never
+    max_connection_age_grace: float = 600.0  # seconds its calls then get to finish
+    max_connection_idle: float = 900.0  # seconds a connection without calls is kept; 0 = forever
+    max_health_watchers: int = 64  # concurrent grpc.health.v1 Watch calls
     log_level: str = "INFO"
     engine: EngineSettings = field(default_factory=EngineSettings)
 
@@ -42,6 +51,14 @@ class ServerSettings:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.grace_period < 0:
             raise ValueError("--grace-period must be >= 0")
+        for name in ("stream_idle_timeout", "max_connection_age", "max_connection_age_grace", "max_connection_idle"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (seconds)")
+        for name in ("input_workers", "max_concurrent_rpcs", "max_concurrent_streams", "max_health_watchers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_input_chars is not None and self.max_input_chars < 1:
+            raise ValueError("--max-input-chars must be >= 1")
 
 
 HELP = {
@@ -74,6 +91,18 @@ HELP = {
     "auth_tokens_file": "file with one bearer token per line; every RPC but health must carry one",
     "grace_period": "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     "max_receive_message_bytes": "largest request message accepted",
+    "max_input_chars": "longest prompt, Tokenize text or message content in characters, and most characters of "
+                       "all contents of one request (default: 32 per token of context)",
+    "input_workers": "threads that tokenize, render chat templates and validate inputs off the gRPC event loop",
+    "stream_idle_timeout": "seconds a stream's next message may wait for its reader before the stream is cancelled "
+                           "and its slot freed (0: no limit)",
+    "max_concurrent_rpcs": "calls in progress at once on this server; more get RESOURCE_EXHAUSTED",
+    "max_concurrent_streams": "calls at once on one HTTP/2 connection",
+    "max_connection_age": "seconds after which a client connection is asked to reconnect (GOAWAY), so long-lived "
+                          "channels reach replicas added later (0: never)",
+    "max_connection_age_grace": "seconds the calls of a connection past its age get to finish",
+    "max_connection_idle": "seconds a connection without calls is kept open (0: forever)",
+    "max_health_watchers": "concurrent grpc.health.v1 Watch calls; more get RESOURCE_EXHAUSTED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 

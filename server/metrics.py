@@ -48,6 +48,9 @@ class Metrics:
                                 ["status", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("lmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("lmserve_generated_tokens", "Tokens generated", registry=r)
+        self.stream_idle_timeouts = Counter(
+            "lmserve_stream_idle_timeouts", "Streams cancelled because their reader took no message for "
+            "--stream-idle-timeout seconds", registry=r)
         for reason in FinishReason:  # every series exists from the start, so rate() counts the first ones
             self.requests.labels(status=request_status(reason), finish_reason=reason.value)
         # stalls: a long prompt's chunk makes a "mixed" step; its streams wait for all of it

@@ -1,12 +1,21 @@
-"""The TextGeneration servicer: validate, convert proto <-> engine, stream. Thin by design."""
+"""The TextGeneration servicer: check sizes, convert proto <-> engine off the loop, stream. Thin by design.
+
+The event loop does no work whose size a client chooses: after the O(1) size checks of inputs.py,
+tokenizing, chat rendering, id validation and id decoding run on a small pool of worker threads.
+A stream whose reader stops taking messages is cancelled after `stream_idle_timeout` seconds.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
+import logging
 import time
 import uuid
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -14,13 +23,17 @@ import lmserve
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
+from .engine import request as limits
+from .config import ServerSettings
 from .engine import Engine
 from .grpc_errors import EdgeError, map_errors
+from .inputs import InputConverter, InputLimits, precheck_generate, precheck_tokenize
 from .engine.outputs import GenerationChunk, GenerationResult
-from .engine.request import FinishReason, Request, RequestValidationError, SamplingParams
+from .engine.request import FinishReason
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-MAX_MESSAGES = 256
+log = logging.getLogger("lmserve.service")
+# While draining, a stream whose write has waited this long for its reader is not waited for.
+STALLED_WRITE_SECONDS = 1.0
 
 FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -39,110 +52,38 @@ def new_request_id() -> str:
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
-    def __init__(self, engine: Engine | None = None, model_name: str = ""):
+    def __init__(self, settings: ServerSettings | None = None):
+        self.settings = settings or ServerSettings()
         self.draining = False
         self.in_flight = 0
+        self.stream_idle_timeouts = 0
+        self.on_stream_idle_timeout: Callable[[], None] | None = None  # set to count them in /metrics
         self._ids = itertools.count(1)
+        self._writing: dict[int, float] = {}  # stream -> when its pending write started
+        self._pool = ThreadPoolExecutor(self.settings.input_workers, thread_name_prefix="lmserve-input")
         self.engine: Engine | None = None
-        if engine is not None:
-            self.attach(engine, model_name)
 
     def attach(self, engine: Engine, model_name: str) -> None:
         """Start answering with this engine (until then every RPC is UNAVAILABLE: the model is loading)."""
         self.tokenizer = engine.loaded.tokenizer
         self.model_name = model_name
+        self.limits = InputLimits.for_context(engine.max_model_len, self.settings.max_input_chars)
+        self.inputs = InputConverter(self.tokenizer, engine)
         self.engine = engine
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _check_ready(self) -> None:
         if self.engine is None:
             raise EdgeError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
 
-    # ---- proto -> engine ------------------------------------------------------------
-    def _messages(self, msgs: pb.ChatMessages, field: str) -> list[dict]:
-        v = []
-        if not msgs.messages:
-            v.append((field, "must hold at least one message"))
-        elif len(msgs.messages) > MAX_MESSAGES:
-            v.append((field, f"at most {MAX_MESSAGES} messages"))
-        for i, m in enumerate(msgs.messages):
-            if m.role not in CHAT_ROLES:
-                v.append((f"{field}[{i}].role", f"must be one of {sorted(CHAT_ROLES)}, got {m.role!r}"))
-        if v:
-            raise RequestValidationError(v)
-        return [{"role": m.role, "content": m.content} for m in msgs.messages]
+    async def _offload(self, fn, *args):
+        """Run client-sized work on the worker threads, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    def _render_chat(self, msgs: pb.ChatMessages, field: str, add_generation_prompt: bool = True) -> list[int]:
-        messages = self._messages(msgs, field)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # the checkpoint's template rejected the conversation (raise_exception)
-            raise RequestValidationError([(field, f"the model's chat template rejected these messages: {exc}")]) from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _prompt_ids(self, req: pb.GenerateRequest) -> tuple[list[int], str]:
-        kind = req.WhichOneof("input")
-        if kind == "prompt":
-            if not req.prompt:
-                raise RequestValidationError([("prompt", "must not be empty")])
-            return self.tokenizer.encode(req.prompt, add_special_tokens=True), "prompt"
-        if kind == "token_ids":
-            return list(req.token_ids.ids), "token_ids"
-        if kind == "messages":
-            return self._render_chat(req.messages, "messages"), "messages"
-        raise RequestValidationError([("input", "set one of prompt, token_ids or messages")])
-
-    def _params(self, p: pb.SamplingParams, prompt_len: int) -> SamplingParams:
-        s = self.engine.settings
-        # unset max_new_tokens: the server default, shortened to what the cap and the context leave
-        default = max(1, min(s.default_max_new_tokens, s.max_new_tokens_cap, self.engine.max_model_len - prompt_len))
-        return SamplingParams(
-            max_new_tokens=p.max_new_tokens or default,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p if p.top_p != 0 else 1.0,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            seed=p.seed if p.HasField("seed") else None,
-            stop=tuple(p.stop),
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-        )
-
-    def _request(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext, rid: str) -> Request:
-        self._check_ready()
-        if self.draining:
-            raise EdgeError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
-        ids, field = self._prompt_ids(req)
-        remaining = context.time_remaining()
-        request = Request(
-            prompt_ids=ids,
-            params=self._params(req.params, len(ids)),
-            request_id=f"{rid}#{next(self._ids)}",  # unique inside the engine even if callers reuse ids
-            deadline=None if remaining is None else time.monotonic() + remaining,
-        )
-        try:
-            self.engine.validate(request)
-        except RequestValidationError as exc:  # name fields as the proto does
-            raise RequestValidationError([(self._field_path(f, field), d) for f, d in exc.violations]) from None
-        return request
-
-    @staticmethod
-    def _field_path(name: str, input_field: str) -> str:
-        if name in ("prompt", "token_ids"):
-            return input_field
-        if name == "request_id":
-            return name
-        return f"params.{name}"
-
-    # ---- engine -> proto ------------------------------------------------------------
-    def _logprobs(self, chunk_lps) -> list[pb.TokenLogprob]:
-        dec = self.tokenizer.decode
-        return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, text=dec([lp.token_id]),
-                                top=[pb.TopLogprob(token_id=t, logprob=v, text=dec([t])) for t, v in lp.top])
-                for lp in chunk_lps]
+    async def _logprobs(self, chunk_lps) -> list[pb.TokenLogprob]:
+        return await self._offload(self.inputs.logprobs, chunk_lps) if chunk_lps else []
 
     @staticmethod
     def _final_fields(c: GenerationChunk | GenerationResult) -> dict:
@@ -156,7 +97,14 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return out
 
     async def _chunks(self, req: pb.GenerateRequest, context, rid: str) -> AsyncIterator[GenerationChunk]:
-        request = self._request(req, context, rid)
+        self._check_ready()
+        if self.draining:
+            raise EdgeError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+        precheck_generate(req, self.limits)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        # the engine id is unique even if callers reuse theirs
+        request = await self._offload(self.inputs.generate_request, req, f"{rid}#{next(self._ids)}", deadline)
         stream = self.engine.generate(request)  # admission errors raise here, before any response
         self.in_flight += 1
         try:
@@ -179,33 +127,56 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         rid = request.request_id or new_request_id()
         result = GenerationResult(request_id=rid)
-        async for chunk in self._chunks(request, context, rid):
-            result.add(chunk)
+        async with contextlib.aclosing(self._chunks(request, context, rid)) as chunks:
+            async for chunk in chunks:
+                result.add(chunk)
         return pb.GenerateResponse(request_id=rid, text=result.text, token_ids=result.token_ids,
-                                   logprobs=self._logprobs(result.logprobs), **self._final_fields(result))
+                                   logprobs=await self._logprobs(result.logprobs), **self._final_fields(result))
 
     @map_errors
-    async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
         rid = request.request_id or new_request_id()
-        async for chunk in self._chunks(request, context, rid):
-            msg = pb.GenerateStreamResponse(request_id=rid, text=chunk.text, token_ids=chunk.token_ids,
-                                            logprobs=self._logprobs(chunk.logprobs))
-            if chunk.finished:
-                msg.MergeFrom(pb.GenerateStreamResponse(**self._final_fields(chunk)))
-            yield msg
+        async with contextlib.aclosing(self._chunks(request, context, rid)) as chunks:
+            async for chunk in chunks:
+                msg = pb.GenerateStreamResponse(request_id=rid, text=chunk.text, token_ids=chunk.token_ids,
+                                                logprobs=await self._logprobs(chunk.logprobs))
+                if chunk.finished:
+                    msg.MergeFrom(pb.GenerateStreamResponse(**self._final_fields(chunk)))
+                await self._write(context, msg, rid)
+
+    async def _write(self, context, msg: pb.GenerateStreamResponse, rid: str) -> None:
+        """Send one message; a reader that takes none for stream_idle_timeout seconds loses the stream.
+
+        The handler then ends (closing _chunks cancels the engine request and frees its slot). The
+        CANCELLED status is queued behind the unread messages, so a reader that comes back reads them
+        and then learns why the stream ended; gRPC cannot reset the stream from here, so one that never
+        comes back holds only its transport buffers, until it disconnects, its deadline passes or its
+        connection reaches --max-connection-age."""
+        timeout = self.settings.stream_idle_timeout
+        key = id(context)
+        self._writing[key] = time.monotonic()
+        try:
+            await asyncio.wait_for(context.write(msg), timeout or None)
+        except TimeoutError:
+            self.stream_idle_timeouts += 1
+            if self.on_stream_idle_timeout is not None:
+                self.on_stream_idle_timeout()
+            log.warning("cancelling stream %s: its reader took no message for %gs", rid, timeout)
+            with contextlib.suppress(TimeoutError):  # completes (raising AbortError) only if the reader is back
+                await asyncio.wait_for(context.abort(
+                    grpc.StatusCode.CANCELLED, f"stream cancelled: the reader took no message for {timeout:g}s "
+                                               "(--stream-idle-timeout)"), STALLED_WRITE_SECONDS)
+            raise asyncio.CancelledError("stream idle timeout") from None
+        except Exception as exc:  # noqa: BLE001 - a failed write means the call is over (cancelled, server stopping)
+            raise asyncio.CancelledError("the call ended before this message could be sent") from exc
+        finally:
+            self._writing.pop(key, None)
 
     @map_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self._check_ready()
-        kind = request.WhichOneof("input")
-        if kind == "messages":
-            ids = self._render_chat(request.messages, "messages", request.add_generation_prompt)
-        elif kind == "text":
-            ids = self.tokenizer.encode(request.text, add_special_tokens=True)
-        else:
-            raise RequestValidationError([("input", "set one of text or messages")])
-        tokens = [self.tokenizer.id_to_token(i) or "" for i in ids]
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokens, text=self.tokenizer.decode(ids))
+        precheck_tokenize(request, self.limits)
+        return await self._offload(self.inputs.tokenize, request)
 
     @map_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
@@ -217,14 +188,39 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             eos_token_ids=list(self.tokenizer.eos_ids), max_new_tokens_limit=s.max_new_tokens_cap,
             max_batch_size=self.engine.max_batch, default_max_new_tokens=s.default_max_new_tokens,
             has_chat_template=bool(self.tokenizer.chat_template),
-            num_parameters=sum(p.numel() for p in lm.model.parameters()), server_version=lmserve.__version__)
+            num_parameters=sum(p.numel() for p in lm.model.parameters()), server_version=lmserve.__version__,
+            limits=self._server_limits())
         if self.tokenizer.bos_id is not None:
             info.bos_token_id = self.tokenizer.bos_id
         return info
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Generate call is in flight; False if the timeout passed first."""
+    def _server_limits(self) -> pb.ServerLimits:
+        s, lim = self.settings, self.limits
+        return pb.ServerLimits(
+            max_request_id_chars=lim.max_request_id_chars, max_input_chars=lim.max_input_chars,
+            max_messages=lim.max_messages, max_prompt_tokens=lim.max_prompt_tokens,
+            max_stop_strings=limits.MAX_STOP_STRINGS, max_stop_string_chars=limits.MAX_STOP_STRING_CHARS,
+            max_stop_token_ids=limits.MAX_STOP_TOKEN_IDS, max_logprobs=limits.MAX_LOGPROBS,
+            greedy_temperature_below=limits.GREEDY_TEMPERATURE,
+            min_repetition_penalty=limits.REPETITION_PENALTY_RANGE[0],
+            max_repetition_penalty=limits.REPETITION_PENALTY_RANGE[1],
+            max_abs_additive_penalty=limits.MAX_ABS_ADDITIVE_PENALTY, max_queue=self.engine.settings.max_queue,
+            max_concurrent_rpcs=s.max_concurrent_rpcs, max_concurrent_streams=s.max_concurrent_streams,
+            stream_idle_timeout_seconds=s.stream_idle_timeout, max_receive_message_bytes=s.max_receive_message_bytes,
+            max_health_watchers=s.max_health_watchers)
+
+    def busy(self) -> int:
+        """Calls a drain waits for: those in flight, less streams stuck on a reader that stopped reading."""
+        now = time.monotonic()
+        return self.in_flight - sum(1 for t in list(self._writing.values()) if now - t > STALLED_WRITE_SECONDS)
+
+    async def wait_idle(self, timeout: float, stalled_too: bool = False) -> bool:
+        """Wait until no Generate call is in flight but stalled streams (or none at all: `stalled_too`);
+        False if the timeout passed first."""
+        def busy() -> int:
+            return self.in_flight if stalled_too else self.busy()
+
         end = time.monotonic() + timeout
-        while self.in_flight and time.monotonic() < end:
+        while busy() > 0 and time.monotonic() < end:
             await asyncio.sleep(0.05)
-        return self.in_flight == 0
+        return busy() <= 0

@@ -211,6 +211,8 @@ class Engine:
         if not self._accepting or not self.health().alive:
             raise EngineUnavailableError("the engine is not accepting requests")
         with self._lock:
+            if not self._accepting:
+                raise EngineUnavailableError("the engine is not accepting requests")
             if request.request_id in self._sinks:
                 raise RequestValidationError([("request_id", f"{request.request_id!r} is already in flight")])
             self.scheduler.add(request)  # may raise QueueFullError
@@ -290,13 +292,30 @@ class Engine:
             log.exception("engine loop died")
             raise
         finally:
-            with self._lock:
-                seqs = [*self.scheduler.waiting, *self.scheduler.running]
-                for seq in seqs:
+            self._end_all("the server is shutting down")
+
+    def _end_all(self, error: str) -> None:
+        """The loop is ending: every request still registered gets a final SHUTDOWN chunk, even when
+        retiring one of them fails (say, handing its KV pages back); no new request gets in."""
+        with self._lock:
+            self._accepting = False  # checked under the lock in submit: no request can slip in now
+            seqs = [*self.scheduler.waiting, *self.scheduler.running]
+            for seq in seqs:
+                try:
                     self.scheduler.finish(seq, FinishReason.SHUTDOWN)
-            finals = [(self._sinks.pop(seq.request_id, None),
-                       self._finish(seq, FinishReason.SHUTDOWN, error="the server is shutting down")) for seq in seqs]
-            self._deliver(finals)
+                except Exception:  # noqa: BLE001 - the others must still get their end
+                    log.exception("retiring %s at shutdown failed", seq.request_id)
+            sinks, self._sinks = self._sinks, {}
+        finals = []
+        for seq in seqs:
+            try:
+                finals.append((sinks.pop(seq.request_id, None), self._finish(seq, FinishReason.SHUTDOWN, error=error)))
+            except Exception:  # noqa: BLE001 - an observer failing must not cost the request its end
+                log.exception("finishing %s at shutdown failed", seq.request_id)
+        # whoever is still registered (a sequence lost on the way) gets a bare final chunk
+        finals += [(sink, GenerationChunk(request_id=rid, finish_reason=FinishReason.SHUTDOWN, error=error))
+                   for rid, sink in sinks.items()]
+        self._deliver(finals)
 
     def _step_once(self) -> bool:
         """One engine step; False when there was nothing to do.

@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Temperatures in (0, GREEDY_TEMPERATURE) decode greedily: dividing logits by less can overflow to
+# inf and turn the softmax into NaN. Repetition penalties are clamped to REPETITION_PENALTY_RANGE
+# for the same reason. Both are normalized when SamplingParams is built, so nothing downstream
+# ever sees the extreme value.
+GREEDY_TEMPERATURE = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_ABS_ADDITIVE_PENALTY = 2.0
 
 _ids = itertools.count(1)
 
@@ -48,9 +56,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # any iterable is accepted and held as a set
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)
+
+    def __post_init__(self):
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        lo, hi = REPETITION_PENALTY_RANGE
+        if math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0:
+            object.__setattr__(self, "repetition_penalty", min(max(self.repetition_penalty, lo), hi))
+        if not isinstance(self.stop_token_ids, frozenset):
+            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
         v: list[tuple[str, str]] = []
@@ -74,8 +91,8 @@ class SamplingParams:
             bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             val = getattr(self, name)
-            if not (-2 <= val <= 2):
-                bad(name, f"must be in [-2, 2], got {val}")
+            if not (-MAX_ABS_ADDITIVE_PENALTY <= val <= MAX_ABS_ADDITIVE_PENALTY):
+                bad(name, f"must be in [-{MAX_ABS_ADDITIVE_PENALTY:g}, {MAX_ABS_ADDITIVE_PENALTY:g}], got {val}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -85,9 +102,12 @@ class SamplingParams:
                 bad(f"stop[{i}]", "must not be empty")
             elif len(s) > MAX_STOP_STRING_CHARS:
                 bad(f"stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
-        for i, t in enumerate(self.stop_token_ids):
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad(f"stop_token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} distinct ids, got {len(self.stop_token_ids)}")
+        else:
+            outside = sorted(t for t in self.stop_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size))
+            if outside:
+                bad("stop_token_ids", f"{len(outside)} id(s) outside the vocabulary [0, {vocab_size}), e.g. {outside[0]}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return v

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from _repo import DEPLOY, REPO_ROOT
 
+from lmserve.server.app import LIVENESS_SERVICE
 from lmserve.server.config import ServerSettings, environment_names, settings_from_args
 from lmserve.v1 import lmserve_pb2
 
@@ -114,7 +115,8 @@ def test_probes_are_grpc_health_checks_on_the_served_port(name):
         assert c[probe]["grpc"]["port"] == settings.port, probe
     # Readiness asks for the API service by its name in the proto; the others for the whole server.
     assert c["readinessProbe"]["grpc"]["service"] == API_SERVICE
-    assert c["livenessProbe"]["grpc"].get("service", "") == ""
+    # Liveness asks for the name a drain leaves SERVING: a long drain must not be cut short by a restart.
+    assert c["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
     assert c["startupProbe"]["grpc"].get("service", "") == ""
     # The startup probe outlasts a slow model load; liveness tolerates a few slow answers.
     startup = c["startupProbe"]
@@ -286,7 +288,7 @@ def test_prometheus_scrapes_every_compose_replica():
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     (ds,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
     services = compose()["services"]
-    assert ds["url"] == "http://prometheus:9090" and "9090:9090" in services["prometheus"]["ports"]
+    assert ds["url"] == "http://prometheus:9090" and "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
     (provider,) = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/lmserve.yml").read_text())["providers"]
     mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"] if v.startswith("../"))
     assert mounts["../grafana/dashboards"] == provider["options"]["path"]
@@ -295,6 +297,23 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     uids = {p["datasource"]["uid"] for p in dash["panels"] if "datasource" in p}
     uids |= {t["datasource"]["uid"] for p in dash["panels"] for t in p.get("targets", [])}
     assert uids == {ds["uid"]}
+
+
+def test_compose_ships_no_default_credentials_and_no_admin_apis():
+    services = compose()["services"]
+    raw = COMPOSE.read_text()
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    # required from the environment: "${VAR:?message}" makes compose refuse to start without it
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), password
+    assert "admin}" not in password and ":-" not in password
+    assert not any(k.startswith("GF_SECURITY_ADMIN_USER") or k == "GF_AUTH_DISABLE_LOGIN_FORM"
+                   for k in services["grafana"]["environment"])
+    assert services["grafana"]["environment"].get("GF_AUTH_ANONYMOUS_ORG_ROLE", "Viewer") == "Viewer"
+    prom_flags = services["prometheus"]["command"]
+    assert not any(f.startswith(("--web.enable-lifecycle", "--web.enable-admin-api")) for f in prom_flags)
+    assert "--web.enable-lifecycle" not in re.sub(r"#.*", "", raw)
+    # Prometheus has no login: published on the host's loopback only
+    assert all(str(p).startswith("127.0.0.1:") for p in services["prometheus"]["ports"])
 
 
 # ---------------------------------------------------------------- metric names

@@ -41,8 +41,10 @@ async def test_sigterm_drains_in_flight_streams(start_server, trained_model_dir)
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
         states.append(await asyncio.to_thread(server.health, "lmserve.v1.TextGeneration"))
+        liveness = await asyncio.to_thread(server.health, "liveness")  # a drain is no reason to restart it
         results = await asyncio.gather(*(read_stream(c) for c in calls))
     assert states == ["NOT_SERVING", "NOT_SERVING"], "health while draining"
+    assert liveness == "SERVING"
 
     outputs = []
     for i, (rest, err) in enumerate(results):
@@ -91,6 +93,26 @@ async def test_calls_left_when_the_grace_period_ends_fail_retryably(start_server
         assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs)
     over = re.search(r"grace period over with (\d+) call\(s\) still in flight", server.log)
     assert cut <= (int(over.group(1)) if over else 0), server.log_tail()
+    assert "Traceback" not in server.log
+
+
+async def test_a_stream_whose_reader_stopped_does_not_hold_up_the_drain(start_server, trained_model_dir):
+    """Its writes wait on the reader, not on the engine: the drain ends without waiting the grace period."""
+    server = start_server(trained_model_dir, threads=1, max_batch=2, grace_period=GRACE, stream_idle_timeout=600)
+    small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    bulky = pb.SamplingParams(max_new_tokens=120, ignore_eos=True, logprobs=20)
+    async with server.aio_channel(options=small_window) as slow:
+        stalled = pb_grpc.TextGenerationStub(slow).GenerateStream(pb.GenerateRequest(prompt="The baker", params=bulky),
+                                                                   timeout=300)
+        assert (await stalled.read()) is not grpc.aio.EOF  # running; nobody reads it from here on
+        await asyncio.sleep(2)  # its writes are now waiting on the reader
+        t0 = asyncio.get_running_loop().time()
+        server.signal(signal.SIGTERM)
+        code = await asyncio.to_thread(server.wait, GRACE)
+        took = asyncio.get_running_loop().time() - t0
+        stalled.cancel()
+    assert code == 0
+    assert took < GRACE / 2, f"the drain waited {took:.0f}s for a reader that stopped reading"
     assert "Traceback" not in server.log
 
 

@@ -80,7 +80,7 @@ CASES = {
     "token id equal to the vocab size": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, VOCAB])), "token_ids"),
     "huge token id": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**32 - 1])), "token_ids"),
     "stop token id outside the vocab": (pb.GenerateRequest(prompt="Hi", params=P(stop_token_ids=[VOCAB + 7])),
-                                        "params.stop_token_ids[0]"),
+                                        "params.stop_token_ids"),
     "unknown chat role": (pb.GenerateRequest(messages=chat(("user", "hi"), ("wizard", "boo"))), "messages[1].role"),
     "empty chat role": (pb.GenerateRequest(messages=chat(("", "hi"))), "messages[0].role"),
     "no chat messages": (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),

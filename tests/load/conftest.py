@@ -13,7 +13,8 @@ import pytest
 from integration._server import ServerProcess
 
 # Context length of the trained model is 128 tokens: a short prompt plus 120 new tokens fits.
-COMMON_FLAGS = dict(threads=1, max_new_tokens_cap=120, grace_period=5)
+# the stalled-reader test holds unread streams open on purpose: they must outlive it, not be timed out
+COMMON_FLAGS = dict(threads=1, max_new_tokens_cap=120, grace_period=5, stream_idle_timeout=600)
 SERVER_FLAGS = {
     "busy": dict(COMMON_FLAGS, max_batch=16, max_queue=64),
     "small": dict(COMMON_FLAGS, max_batch=2, max_queue=3),

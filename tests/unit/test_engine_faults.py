@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from lmserve.server.engine import EngineUnavailableError
+from lmserve.server.engine import Engine, EngineSettings, EngineUnavailableError
 from lmserve.server.engine.request import FinishReason, Request
 from lmserve.server.engine.scheduler import QueueFullError
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
@@ -548,3 +548,33 @@ async def test_stop_accepting_drains_requests_in_flight(random_tiny):
         tokens = [t async for c in stream for t in c.token_ids]
         assert engine.health().ok
     assert tokens == greedy_reference(random_tiny.model, prompt, 12)[0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies, by design
+@pytest.mark.parametrize("victims", [1, 3], ids=["release-fails-once", "release-always-fails"])
+async def test_a_dying_loop_ends_every_request_in_flight(random_tiny, victims):
+    """Handing a KV slot back raising while two requests are in flight kills the loop (the cache is
+    suspect); each request still gets exactly one final chunk, at once, and new ones are refused.
+    (No block accounting check afterwards: the failed hand-back is lost by design.)"""
+    with Engine(random_tiny, EngineSettings(max_batch=4, prefix_cache=False)) as engine:
+        real_release, calls = engine.scheduler._release, []
+
+        def failing_release(slot, n):
+            calls.append(slot)
+            if len(calls) <= victims:
+                raise RuntimeError("injected: handing a KV slot back failed")
+            return real_release(slot, n)
+
+        engine.scheduler._release = failing_release
+        short = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(2, ignore_eos=True), request_id="a")))
+        long_ = asyncio.ensure_future(collect(engine, Request([8, 9], greedy(100, ignore_eos=True), request_id="b")))
+        (res_a, chunks_a), (res_b, chunks_b) = await asyncio.wait_for(asyncio.gather(short, long_), 30)
+        await wait_until(lambda: not engine.health().alive, "the loop to be reported dead")
+        with pytest.raises(EngineUnavailableError):
+            engine.generate(Request([5, 6], greedy(2)))
+        engine.scheduler._release = real_release
+    # "a" reached its length as the loop died: its end is either that or the shutdown
+    assert res_a.finish_reason in (FinishReason.LENGTH, FinishReason.SHUTDOWN)
+    assert res_b.finish_reason is FinishReason.SHUTDOWN and "shutting down" in res_b.error
+    assert len(res_b.token_ids) < 100
+    assert [c.finished for c in chunks_a].count(True) == [c.finished for c in chunks_b].count(True) == 1

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from lmserve.server.engine.request import (
-    MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Request, RequestValidationError, SamplingParams,
+    GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    REPETITION_PENALTY_RANGE, Request, RequestValidationError, SamplingParams,
 )
 
 VOCAB = 100
@@ -60,8 +61,9 @@ BAD_PARAMS = [
     (dict(stop=tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))), "stop"),
     (dict(stop=("ok", "")), "stop[1]"),
     (dict(stop=("x" * (MAX_STOP_STRING_CHARS + 1),)), "stop[0]"),
-    (dict(stop_token_ids=(3, -1)), "stop_token_ids[1]"),
-    (dict(stop_token_ids=(VOCAB,)), "stop_token_ids[0]"),
+    (dict(stop_token_ids=(3, -1)), "stop_token_ids"),
+    (dict(stop_token_ids=(VOCAB,)), "stop_token_ids"),
+    (dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
 ]
@@ -116,7 +118,7 @@ def test_every_bad_field_is_reported_at_once():
     got = fields_of([5, VOCAB + 7], **params)
     assert sorted(got) == sorted([
         "token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-        "presence_penalty", "frequency_penalty", "seed", "stop[1]", "stop[2]", "stop_token_ids[0]", "logprobs",
+        "presence_penalty", "frequency_penalty", "seed", "stop[1]", "stop[2]", "stop_token_ids", "logprobs",
     ])
 
 
@@ -133,8 +135,8 @@ def test_over_the_cap_and_over_the_context_both_reported():
 def test_sampling_params_alone_without_a_vocabulary():
     """Without a vocabulary only negative stop ids are wrong; without a cap any length >= 1 is fine."""
     assert SamplingParams(stop_token_ids=(10**9,), max_new_tokens=10**6).violations() == []
-    assert [f for f, _ in SamplingParams(stop_token_ids=(-1,)).violations()] == ["stop_token_ids[0]"]
-    assert [f for f, _ in SamplingParams(stop_token_ids=(10,)).violations(vocab_size=10)] == ["stop_token_ids[0]"]
+    assert [f for f, _ in SamplingParams(stop_token_ids=(-1,)).violations()] == ["stop_token_ids"]
+    assert [f for f, _ in SamplingParams(stop_token_ids=(10,)).violations(vocab_size=10)] == ["stop_token_ids"]
 
 
 def test_descriptions_name_the_offending_value():
@@ -147,3 +149,60 @@ def test_descriptions_name_the_offending_value():
 def test_error_message_joins_all_violations():
     err = RequestValidationError([("a", "first"), ("b", "second")])
     assert str(err) == "a: first; b: second" and err.violations == [("a", "first"), ("b", "second")]
+
+
+# ---- values that would overflow are normalized when the parameters are built ----------------------
+
+def test_tiny_temperatures_are_greedy():
+    for t in (1e-40, 1e-30, GREEDY_TEMPERATURE / 2):
+        assert SamplingParams(temperature=t).temperature == 0.0
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE).temperature == GREEDY_TEMPERATURE
+    assert [f for f, _ in SamplingParams(temperature=-1e-40).violations()] == ["temperature"]  # still rejected
+
+
+def test_extreme_repetition_penalties_are_clamped():
+    lo, hi = REPETITION_PENALTY_RANGE
+    assert SamplingParams(repetition_penalty=1e-40).repetition_penalty == lo
+    assert SamplingParams(repetition_penalty=1e38).repetition_penalty == hi
+    assert SamplingParams(repetition_penalty=1.3).repetition_penalty == 1.3
+    for bad in (0.0, -1.0, math.nan, math.inf):  # not clamped: still reported
+        assert [f for f, _ in SamplingParams(repetition_penalty=bad).violations()] == ["repetition_penalty"]
+
+
+def test_stop_token_ids_are_held_as_a_set():
+    p = SamplingParams(stop_token_ids=[5, 5, 7])
+    assert p.stop_token_ids == frozenset({5, 7})
+    assert p.violations() == []
+    assert [f for f, _ in SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS + 1)).violations()] == ["stop_token_ids"]
+    assert SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS)).violations() == []
+
+
+@pytest.mark.parametrize("params,same_as", [
+    (dict(temperature=1e-40), dict(temperature=0.0)),
+    (dict(temperature=0.8, repetition_penalty=1e-40, seed=3), dict(temperature=0.8, repetition_penalty=0.01, seed=3)),
+    (dict(temperature=1e-40, repetition_penalty=1e30), dict(temperature=0.0, repetition_penalty=100.0)),
+])
+def test_overflowing_values_sample_like_their_limit(params, same_as):
+    """Through the real sampler: never a NaN row silently turned into token 0."""
+    import torch
+
+    from lmserve.server.engine.request import Request
+    from lmserve.server.engine.sampler import Sampler
+    from lmserve.server.engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 30  # [N, V]: large logits, as a confident model gives
+    logits[:, 0] = -50.0  # token 0 is never the right answer here
+    history = [[1, 2, 3, int(logits[i].argmax())] for i in range(4)]
+
+    def run(kw):
+        seqs = []
+        for i in range(4):
+            seq = Sequence(Request([4], SamplingParams(**kw)))
+            seq.output_ids = list(history[i])
+            seqs.append(seq)
+        return Sampler()(logits.clone(), seqs).token_ids
+
+    got = run(params)
+    assert got == run(same_as)
+    assert 0 not in got

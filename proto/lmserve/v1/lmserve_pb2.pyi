@@ -77,18 +77,20 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "params")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "params", "parse_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
     messages: ChatMessages
     params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    parse_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -171,14 +173,16 @@ class GenerateStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages", "add_generation_prompt")
+    __slots__ = ("text", "messages", "add_generation_prompt", "parse_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     add_generation_prompt: bool
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    parse_special_tokens: bool
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., parse_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "tokens", "text")
@@ -195,7 +199,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version")
+    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version", "limits")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +214,7 @@ class GetModelInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     context_length: int
@@ -224,4 +229,45 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: bool
     num_parameters: int
     server_version: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    limits: ServerLimits
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ...) -> None: ...
+
+class ServerLimits(_message.Message):
+    __slots__ = ("max_request_id_chars", "max_input_chars", "max_messages", "max_prompt_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logprobs", "greedy_temperature_below", "min_repetition_penalty", "max_repetition_penalty", "max_abs_additive_penalty", "max_queue", "max_concurrent_rpcs", "max_concurrent_streams", "stream_idle_timeout_seconds", "max_receive_message_bytes", "max_health_watchers")
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRING_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_TEMPERATURE_BELOW_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_ADDITIVE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_RPCS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_HEALTH_WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    max_request_id_chars: int
+    max_input_chars: int
+    max_messages: int
+    max_prompt_tokens: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_stop_token_ids: int
+    max_logprobs: int
+    greedy_temperature_below: float
+    min_repetition_penalty: float
+    max_repetition_penalty: float
+    max_abs_additive_penalty: float
+    max_queue: int
+    max_concurrent_rpcs: int
+    max_concurrent_streams: int
+    stream_idle_timeout_seconds: float
+    max_receive_message_bytes: int
+    max_health_watchers: int
+    def __init__(self, max_request_id_chars: _Optional[int] = ..., max_input_chars: _Optional[int] = ..., max_messages: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., greedy_temperature_below: _Optional[float] = ..., min_repetition_penalty: _Optional[float] = ..., max_repetition_penalty: _Optional[float] = ..., max_abs_additive_penalty: _Optional[float] = ..., max_queue: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., stream_idle_timeout_seconds: _Optional[float] = ..., max_receive_message_bytes: _Optional[int] = ..., max_health_watchers: _Optional[int] = ...) -> None: ...
