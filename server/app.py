@@ -181,8 +181,8 @@ class Server:
         if self.engine is not None:
             self.engine.stop_accepting()
         log.info("draining: %d call(s) in flight, grace period %.0fs", self.service.in_flight, s.grace_period)
-        idle = await self.service.wait_idle(s.grace_period)
-        if not idle:
+        await self.service.wait_idle(s.grace_period)
+        if self.service.in_flight:  # unfinished, or streams whose reader stopped reading (not waited for)
             log.warning("grace period over with %d call(s) still in flight", self.service.in_flight)
         if self.engine is not None:
             # what is still running ends with UNAVAILABLE (retryable before its first token)

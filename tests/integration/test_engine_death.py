@@ -1,7 +1,7 @@
 """A server whose engine loop dies: the calls in flight end at once with UNAVAILABLE (retryable), new
 calls are refused, and the process exits non-zero so an orchestrator
 restarts it. The server runs in this process (real gRPC on loopback, the trained model), so the
-test can make the engine's KV-slot clearing fail, the way a broken device would."""
+test can make the engine's scheduling fail mid-generation, the way a bug or a broken device would."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmserve.server.app import EXIT_ENGINE_DIED, Server
 from lmserve.server.config import ServerSettings
+from lmserve.server.engine import EngineSettings
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
@@ -21,7 +22,7 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies, by design
 async def test_a_dead_engine_loop_fails_calls_unavailable_and_exits_non_zero(trained_model_dir):
     settings = ServerSettings(model=str(trained_model_dir), host=HOST, port=free_port(), metrics_port=0,
-                              device="cpu", max_batch=4, grace_period=30)
+                              device="cpu", grace_period=30, engine=EngineSettings(max_batch=4))
     server = Server(settings)
     run = asyncio.create_task(server.run_until_signal())
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as ch:
@@ -33,10 +34,16 @@ async def test_a_dead_engine_loop_fails_calls_unavailable_and_exits_non_zero(tra
             await asyncio.sleep(0.05)
         engine = server.engine
 
-        def broken_clear(slot, n):
-            raise RuntimeError("injected: the device failed while clearing a KV slot")
+        real_schedule = engine.scheduler.schedule
 
-        engine.cache.clear = broken_clear
+        def broken_schedule():  # once only the long request is left, a few tokens in, the loop breaks
+            running = engine.scheduler.running
+            if not engine.scheduler.waiting and len(running) == 1 and len(running[0].output_ids) >= 3 \
+                    and running[0].request.params.max_new_tokens == 100:
+                raise RuntimeError("injected: the engine failed while scheduling")
+            return real_schedule()
+
+        engine.scheduler.schedule = broken_schedule
         short = stub.GenerateStream(pb.GenerateRequest(prompt="The baker", params=pb.SamplingParams(
             max_new_tokens=2, ignore_eos=True)), timeout=60)
         long = stub.GenerateStream(pb.GenerateRequest(prompt="A red fox", params=pb.SamplingParams(
