@@ -59,7 +59,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         self.stream_idle_timeouts = 0
         self.on_stream_idle_timeout: Callable[[], None] | None = None  # set to count them in /metrics
         self._ids = itertools.count(1)
-        self._writing: dict[int, float] = {}  # stream -> when its pending write started
+        self._writing: dict[int, tuple[float, asyncio.Task]] = {}  # stream -> (when its pending write started, handler)
+        self._idle_expired: set[int] = set()  # streams the idle watch cancelled
+        self._idle_watch: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(self.settings.input_workers, thread_name_prefix="lmserve-input")
         self.engine: Engine | None = None
 
@@ -73,6 +75,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
 
     def _check_ready(self) -> None:
         if self.engine is None:
@@ -154,10 +158,16 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         connection reaches --max-connection-age."""
         timeout = self.settings.stream_idle_timeout
         key = id(context)
-        self._writing[key] = time.monotonic()
+        self._writing[key] = (time.monotonic(), asyncio.current_task())
+        if timeout and self._idle_watch is None:
+            self._idle_watch = asyncio.get_running_loop().create_task(self._watch_idle(timeout))
         try:
-            await asyncio.wait_for(context.write(msg), timeout or None)
-        except TimeoutError:
+            await context.write(msg)
+        except asyncio.CancelledError:
+            if key not in self._idle_expired:
+                raise
+            self._idle_expired.discard(key)
+            asyncio.current_task().uncancel()
             self.stream_idle_timeouts += 1
             if self.on_stream_idle_timeout is not None:
                 self.on_stream_idle_timeout()
@@ -171,6 +181,18 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             raise asyncio.CancelledError("the call ended before this message could be sent") from exc
         finally:
             self._writing.pop(key, None)
+
+    async def _watch_idle(self, timeout: float) -> None:
+        """One watch for every stream (a timer per message would cost each write a task): a write
+        pending for longer than the idle timeout has its handler cancelled, which _write turns into
+        the stream's end."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for key, (started, task) in list(self._writing.items()):
+                if now - started > timeout and key not in self._idle_expired:
+                    self._idle_expired.add(key)
+                    task.cancel()
 
     @map_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -212,7 +234,7 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     def busy(self) -> int:
         """Calls a drain waits for: those in flight, less streams stuck on a reader that stopped reading."""
         now = time.monotonic()
-        return self.in_flight - sum(1 for t in list(self._writing.values()) if now - t > STALLED_WRITE_SECONDS)
+        return self.in_flight - sum(1 for t, _ in list(self._writing.values()) if now - t > STALLED_WRITE_SECONDS)
 
     async def wait_idle(self, timeout: float, stalled_too: bool = False) -> bool:
         """Wait until no Generate call is in flight but stalled streams (or none at all: `stalled_too`);
