@@ -233,6 +233,8 @@ def parse_model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
         has_chat_template=msg.has_chat_template,
         num_parameters=msg.num_parameters,
         server_version=msg.server_version,
+        quantization=msg.quantization,
+        kernels=msg.kernels,
     )
 
 

@@ -188,6 +188,8 @@ class ModelInfo:
     has_chat_template: bool
     num_parameters: int
     server_version: str
+    quantization: str = ""
+    kernels: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

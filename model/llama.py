@@ -77,9 +77,9 @@ class Attention(nn.Module):
         self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
         self.last_weights: Tensor | None = None
 
-    def fuse_projections(self) -> None:
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.o_proj = fuse_linears(self.o_proj)
+    def fuse_projections(self, make=fuse_linears) -> None:
+        self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = make("o", self.o_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,9 +129,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate|up in one GEMM, set by fuse_projections()
 
-    def fuse_projections(self) -> None:
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        self.down_proj = fuse_linears(self.down_proj)
+    def fuse_projections(self, make=fuse_linears) -> None:
+        self.gate_up_proj = make("gate_up", self.gate_proj, self.up_proj)
+        self.down_proj = make("down", self.down_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
@@ -176,16 +176,18 @@ class LlamaForCausalLM(nn.Module):
             self.model.rotary.build(self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype)
 
     @torch.no_grad()
-    def prepare_for_inference(self) -> "LlamaForCausalLM":
-        """Fuse same-input projections and prepack weights for the device (see inference_linear).
+    def prepare_for_inference(self, make=fuse_linears) -> "LlamaForCausalLM":
+        """Fuse same-input projections and rebuild every linear for serving (see inference_linear).
 
+        make(role, *linears) -> module computing the linears' concatenated outputs; role is one of
+        kernels.ROLES. The default keeps the dtype and prepacks float32 on CPU for oneDNN.
         One-way: the result serves forward passes only (no training, no HF-named state_dict).
         """
         if not self.prepared:
             for layer in self.model.layers:
-                layer.self_attn.fuse_projections()
-                layer.mlp.fuse_projections()
-            self.lm_head = fuse_linears(self.lm_head)
+                layer.self_attn.fuse_projections(make)
+                layer.mlp.fuse_projections(make)
+            self.lm_head = make("head", self.lm_head)
             self.prepared = True
         return self
 
