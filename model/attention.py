@@ -128,8 +128,13 @@ class AttentionMetadata:
                    write_slot=slots, write_pos=positions, calls=(call,))
 
     @classmethod
-    def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
+    def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,
+                  call_cost: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
+
+        call_cost: attention_plan's fixed cost of a call (None: the device's). 0 gives every
+        sequence its own call over exactly its own keys: SDPA on CPU rounds differently when a
+        row's keys are padded with masked ones, so batch-invariant serving needs that.
 
         When every sequence starts at 0 the keys are the chunk itself (fresh layout); otherwise
         they are read back from the cache view covering the slots involved.
@@ -160,7 +165,7 @@ class AttentionMetadata:
         mask[rows] = seq_mask
         identity = (hi - lo == B) and bool((rows == torch.arange(B, device=device)).all())
         return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows,
-                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device), **common)
+                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device, call_cost), **common)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -8,7 +8,8 @@ are measured here, on the model's real shapes, at load:
 - dense:  F.linear on a plain weight (torch's BLAS path)
 - onednn: the weight reordered once into oneDNN's blocked layout (float32, bfloat16; float16
           only where the CPU has native float16 arithmetic); onednn-m2 runs a lone row as two,
-          for builds whose one-row path rounds differently from the rest
+          onednn-c16 also splits calls into chunks of 16 rows, for builds whose one-row or
+          large-M paths round differently from the rest
 - int8:   torch's weight-only int8 kernel, one scale per output row, bfloat16/float16 activations
 - int4:   torch's weight-only int4 kernel, groups of 32 along K with a scale and a zero each
           (GGUF Q4_1 maps onto it as it is; see quant.py), bfloat16 activations
@@ -32,7 +33,8 @@ from .quant import GROUP, Q41Blocks, int4_pack, int8_per_channel, quantize_q41
 
 ROLES = ("qkv", "o", "gate_up", "down", "head")
 DECODE_BUCKETS = (1, 8, 32)  # batch sizes the choice is timed at
-INVARIANCE_ROWS = (1, 2, 7, 32, 100)  # row counts whose outputs must agree bitwise
+INVARIANCE_ROWS = (*range(2, 18), 31, 32, 33, 64, 100, 256)  # calls whose rows must equal each row alone
+INVARIANCE_ALONE = 64  # rows computed alone for the comparison (rounding differences are data-dependent: many rows)
 
 
 class ServingLinear(nn.Module):
@@ -88,13 +90,51 @@ class OneDNNLinearM2(OneDNNLinear):
     on an AVX-512 EPYC and on an AMX Xeon). Padding costs one extra row at batch 1 only."""
 
     kernel = "onednn-m2"
+    chunk = 0  # > 0: rows go through in chunks of at most this many (OneDNNLinearChunked)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows != 1:
+        if rows == 1:
+            x2 = x.reshape(1, -1).expand(2, -1)  # [2, K]
+            return super().forward(x2)[:1].reshape(*x.shape[:-1], self.out_features)
+        if not self.chunk or rows <= self.chunk:
             return super().forward(x)
-        x2 = x.reshape(1, -1).expand(2, -1)  # [2, K]
-        return super().forward(x2)[:1].reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(rows, -1)
+        parts = [super(OneDNNLinearM2, self).forward(flat[i: i + self.chunk]) for i in range(0, rows, self.chunk)]
+        if parts[-1].shape[0] == 1:  # a lone last row: the two-row path too
+            parts[-1] = self.forward(flat[-1:])
+        return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
+
+
+class OneDNNLinearChunked(OneDNNLinearM2):
+    """oneDNN over chunks of at most 16 rows (a lone row run as two): for builds that switch to a
+    differently rounding blocking at larger M (measured: bfloat16 at K=1536 from M=31 on an
+    AVX-512 EPYC). Costs prefill speed on the layers that need it; decode batches are small."""
+
+    kernel = "onednn-c16"
+    chunk = 16
+
+
+# The weight-only kernels as opaque custom ops: a compiled step (compile.py) then calls them as they
+# are instead of letting the compiler decompose them into a dequantize + matmul.
+@torch.library.custom_op("lmserve::int8_mm", mutates_args=())
+def int8_mm(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
+
+
+@int8_mm.register_fake
+def _(x, qweight, scale):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.custom_op("lmserve::int4_mm", mutates_args=())
+def int4_mm(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP, scale_zero)
+
+
+@int4_mm.register_fake
+def _(x, packed, scale_zero):
+    return x.new_empty(x.shape[0], scale_zero.shape[1])
 
 
 class Int8Linear(ServingLinear):
@@ -108,7 +148,7 @@ class Int8Linear(ServingLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)  # [M, N]
+        y = int8_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)  # [M, N]
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -124,7 +164,7 @@ class Int4Linear(ServingLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, GROUP, self.scale_zero)
+        y = int4_mm(x.reshape(-1, shape[-1]), self.packed, self.scale_zero)  # [M, N]
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -155,6 +195,8 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
         return OneDNNLinear(src.weight.to(dtype), bias)
     if kernel == "onednn-m2":
         return OneDNNLinearM2(src.weight.to(dtype), bias)
+    if kernel == "onednn-c16":
+        return OneDNNLinearChunked(src.weight.to(dtype), bias)
     if kernel == "int8":
         return Int8Linear(src.weight, bias, dtype)
     if kernel == "int4":
@@ -184,18 +226,17 @@ def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.d
         return ["int4"]
     if device.type != "cpu":
         return ["dense"]
-    return ["dense", "onednn", "onednn-m2"] if onednn_supports(dtype) else ["dense"]
+    return ["dense", "onednn", "onednn-m2", "onednn-c16"] if onednn_supports(dtype) else ["dense"]
 
 
 # ---- measurement ------------------------------------------------------------------------------
 def rows_invariant(layer: nn.Module, in_features: int, dtype: torch.dtype, seed: int = 0) -> bool:
-    """True when each output row is bitwise the same for 1, a few, or many rows in the call."""
+    """True when each output row is bitwise the same computed alone and among 2..256 rows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(max(INVARIANCE_ROWS), in_features, generator=g).to(dtype)
     with torch.inference_mode():
-        full = layer(x)
-        return all(torch.equal(layer(x[:m]), full[:m]) for m in INVARIANCE_ROWS[:-1]) and \
-            torch.equal(layer(x[5:6]), full[5:6])
+        alone = torch.cat([layer(x[i: i + 1]) for i in range(INVARIANCE_ALONE)])  # [64, N]
+        return all(torch.equal(layer(x[:m])[:INVARIANCE_ALONE], alone[:m]) for m in INVARIANCE_ROWS)
 
 
 def time_layers(layers: list[nn.Module], rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
@@ -231,24 +272,32 @@ def time_candidates(sets: dict[str, list[nn.Module]], buckets, dtype: torch.dtyp
 class RoleMeasurement:
     kernel: str
     seconds: dict[int, float]  # per decode bucket, summed over the timed layers of this role
-    invariant: bool
+    invariant: bool | None  # None: not checked (a faster kernel was chosen first)
 
 
-def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype,
-                 buckets=DECODE_BUCKETS) -> list[RoleMeasurement]:
-    """Time each candidate kernel on these weights (one per layer) at every bucket; check invariance."""
-    sets, invariant = {}, {}
+def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype, batch_invariant: bool = True,
+                 buckets=DECODE_BUCKETS) -> tuple[list[RoleMeasurement], RoleMeasurement | None]:
+    """Time each candidate kernel on these weights (one per layer) at every bucket, then take the
+    fastest (pick) whose rows are batch-invariant when that is required; invariance is checked in
+    that order only as far as needed. Returns (all measurements, the choice or None)."""
+    sets = {}
     for kernel in kernels:
         try:
             sets[kernel] = [build(kernel, s, dtype) for s in sources]
         except (RuntimeError, ValueError):  # the kernel does not take this shape or dtype here
             continue
-        invariant[kernel] = rows_invariant(sets[kernel][0], sets[kernel][0].in_features, dtype)
-    if len(sets) == 1:  # nothing to choose between: one short timing for the report
-        times = time_candidates(sets, buckets, dtype, repeats=2)
-    else:
-        times = time_candidates(sets, buckets, dtype)
-    return [RoleMeasurement(k, times[k], invariant[k]) for k in sets]
+    times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3)
+    measured = [RoleMeasurement(k, times[k], None) for k in sets]
+    remaining = list(measured)
+    while remaining:
+        best = pick(remaining, batch_invariant=False)
+        if not batch_invariant:
+            return measured, best
+        best.invariant = rows_invariant(sets[best.kernel][0], sets[best.kernel][0].in_features, dtype)
+        if best.invariant:
+            return measured, best
+        remaining.remove(best)
+    return measured, None
 
 
 def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurement | None:
@@ -261,6 +310,6 @@ def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurem
     return min(allowed, key=lambda m: sum(m.seconds[b] / best[b] for b in best))
 
 
-__all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "Int8Linear", "Int4Linear",
+__all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "OneDNNLinearChunked", "Int8Linear", "Int4Linear",
            "WeightSource", "build", "candidates", "onednn_supports", "rows_invariant", "time_layers", "time_candidates",
            "measure_role", "pick", "RoleMeasurement"]

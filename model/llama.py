@@ -95,8 +95,11 @@ class Attention(nn.Module):
         return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
-        B, L, _ = x.shape
-        q, k, v = self.project(x, rope)  # [B, L, heads, d]
+        return self.o_proj(self.attend(*self.project(x, rope), meta, cache))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
+        """Cache write + attention for rotated q [B, L, H, d], k, v [B, L, Hkv, d]: [B, L, H*d] before o_proj."""
+        B, L = q.shape[:2]
         if cache is not None:
             # only real tokens are written, each at its explicit position
             cache.write(self.layer, meta.write_slot, meta.write_pos,
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
         if meta.calls and cache is not None and not self.reference:
             out = attend_calls(q, cache.k[self.layer], cache.v[self.layer], meta)  # [B, H, L, d]
-            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
+            return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
         if meta.read_cache:
             k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
             if meta.rows is not None:
@@ -118,7 +121,7 @@ class Attention(nn.Module):
             out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv, q.dtype))  # [R, H, L, d]
         if meta.read_cache and meta.rows is not None:
             out = out[meta.rows]  # [B, H, L, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.d))
+        return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
 
 
 class MLP(nn.Module):
@@ -150,7 +153,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+        q, k, v = self.enter(x, *rope)
+        return self.exit(x, self.self_attn.attend(q, k, v, meta, cache))
+
+    # The work between attentions, as two functions of tensors only: what compile.py compiles
+    # (the cache write and SDPA stay eager between them).
+    def enter(self, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """RMSNorm, q|k|v projection and RoPE: rotated q [B, L, H, d], k, v [B, L, Hkv, d]."""
+        return self.self_attn.project(self.input_layernorm(x), (cos, sin_signed))
+
+    def exit(self, x: Tensor, attn: Tensor) -> Tensor:
+        """o_proj and residual, then RMSNorm, SwiGLU MLP and residual: the layer's output [B, L, D]."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
+        self.batch_invariant = False  # set by the loader: serve so that rows never depend on the batch
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -13,10 +14,13 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
+from .compile import CompileResult, compile_model
 from .inference_linear import fuse_linears, planned_linears
 from .llama import LlamaForCausalLM
 from .precision import DTYPES, Plan, default_cache_dir, parse_dtype, resolve_plan
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("lmserve.model")
 
 
 @dataclass
@@ -28,6 +32,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     plan: Plan | None = None  # the precision mode and per-role kernels served (precision.py)
+    compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -47,7 +52,8 @@ class LoadedModel:
     @property
     def kernels(self) -> str:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
-        return self.plan.describe() if self.plan else "default"
+        text = self.plan.describe() if self.plan else "default"
+        return text + (", compiled" if self.compiled is not None and self.compiled.compiled else "")
 
 
 def _glibc():
@@ -192,12 +198,14 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                models_dir: str | Path | None = None, quantization: str | None = None, batch_invariant: bool = True,
-               cache_dir: str | Path | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, compile: str = "false") -> LoadedModel:
     """Load a catalog name (pulled if missing), a .gguf file, or a Hugging Face directory.
 
     dtype / quantization: None or "auto" let precision.py measure this machine (cached under
     cache_dir, default $XDG_CACHE_HOME/lmserve); an impossible combination raises PrecisionError
     before anything is read. batch_invariant: only kernels whose rows do not depend on the batch.
+    compile: "true", "false" or "auto" (measured, cached): compile the decoder layers' non-attention
+    work (compile.py); the default here is eager, the server's default is auto.
     """
     from .catalog import resolve_model
     from .precision import candidate_modes
@@ -205,6 +213,8 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     bound_native_caches()
     device = torch.device(device) if device is not None else default_device()
     candidate_modes(device, dtype, quantization)  # refuse an impossible mode before reading anything
+    if compile not in ("true", "false", "auto"):
+        raise ValueError(f"compile must be true, false or auto, got {compile!r}")
     path = resolve_model(str(spec), models_dir=models_dir)
     q41: dict = {}
     if path.is_file() and path.suffix == ".gguf":
@@ -223,11 +233,17 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41)
 
     probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41)  # shares the tensors
-    plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant,
-                        Path(cache_dir) if cache_dir is not None else default_cache_dir(), build)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)
     del probe
     model = build(plan)
+    model.batch_invariant = batch_invariant
     del tensors, q41
     release_freed_memory()
+    key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
+    compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
+    if compiled.compiled or compiled.timings:
+        log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
+                 compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
-                       device=device, plan=plan)
+                       device=device, plan=plan, compiled=compiled)

@@ -30,7 +30,7 @@ log = logging.getLogger("lmserve.model")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4")
-TIMED_LAYERS = 8  # decoder layers timed per role: enough weights to miss the last-level cache on small models
+TIMED_LAYERS = 4  # decoder layers timed per role: enough weights to miss the last-level cache on small models
 
 
 class PrecisionError(ModelLoadError):
@@ -160,8 +160,8 @@ def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
     chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
     detail = {}
     for role in K.ROLES:
-        ms = K.measure_role(K.candidates(mode.quantization, mode.dtype, role, device), sources[role], mode.dtype)
-        best = K.pick(ms, batch_invariant)
+        ms, best = K.measure_role(K.candidates(mode.quantization, mode.dtype, role, device), sources[role],
+                                  mode.dtype, batch_invariant)
         detail[role] = {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
                                    "batch_invariant": m.invariant} for m in ms}
         if best is None:
@@ -171,6 +171,48 @@ def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
         for b in step:
             step[b] += best.seconds[b] * scale
     return {"kernels": chosen, "step_ms": {b: round(s * 1e3, 3) for b, s in step.items()}, "detail": detail}
+
+
+@torch.inference_mode()
+def model_batch_invariant(model, ids: list[int], device: torch.device | str = "cpu") -> bool:
+    """End to end at the model's real shapes: prompts prefilled alone and packed together, then one
+    decode step alone and as a batch, give bitwise the same logits (every kernel, norm and RoPE).
+
+    Decode uses prompts of one length so that every sequence attends over the same number of keys
+    alone and batched: how attention calls group sequences of different lengths is the attention
+    plan's business (its own tests), not the precision mode's."""
+    from .attention import AttentionMetadata
+    from .kv_cache import KVCache
+
+    dtype = model.model.norm.weight.dtype
+
+    def prefill(cache, prompts, slots):
+        q_lens = torch.tensor([len(p) for p in prompts])
+        meta, pos = AttentionMetadata.packed(torch.tensor(slots), q_lens)
+        flat = torch.tensor([t for p in prompts for t in p])[None]
+        return model(flat.to(device), pos.to(device), meta, cache, logits_index=torch.cumsum(q_lens, 0) - 1)
+
+    def decode(cache, prompts, slots, tokens):
+        starts = torch.tensor([len(p) for p in prompts])
+        meta = AttentionMetadata.for_cache(torch.tensor(slots), starts, torch.ones_like(starts), 1)
+        return model(tokens[:, None].to(device), starts[:, None].to(device), meta, cache)[:, 0]
+
+    for lengths, steps in (((7, 29, 45), False), ((29, 29, 29, 29, 29), True)):
+        prompts = [ids[i * 50: i * 50 + n] for i, n in enumerate(lengths)]
+        n = len(prompts)
+        alone_p, alone_d = [], []
+        for i in range(n):
+            cache = KVCache(model.config, n, 64, dtype, device)
+            alone_p.append(prefill(cache, prompts[i: i + 1], [i]))
+            if steps:
+                alone_d.append(decode(cache, prompts[i: i + 1], [i], alone_p[-1].argmax(-1)))
+        cache = KVCache(model.config, n, 64, dtype, device)
+        together = prefill(cache, prompts, list(range(n)))
+        if not torch.equal(torch.cat(alone_p), together):
+            return False
+        if steps and not torch.equal(torch.cat(alone_d), decode(cache, prompts, list(range(n)), together.argmax(-1))):
+            return False
+    return True
 
 
 def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device,
@@ -197,21 +239,33 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     ranked = sorted(measured, key=lambda md: sum(measured[md]["step_ms"][b] / best_at[b] for b in best_at))
     report = {"modes": {md.name: measured[md] for md in ranked}}
     chosen = None
-    if len(ranked) > 1:
-        ids = Qm.text_ids(tokenizer, 256)
-        ref_plan = Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})
-        ref = Qm.logits_of(build_mode(ref_plan), ids)
-        for md in ranked:
-            if md.dtype == torch.float32 and md.quantization == "none":
-                chosen = md
-                break
-            q = Qm.compare(ref, Qm.logits_of(build_mode(Plan(md, measured[md]["kernels"])), ids), ids)
-            report["modes"][md.name]["quality"] = q.as_dict()
-            if q.within_bounds():
-                chosen = md
-                break
-        del ref
-    chosen = chosen or ranked[0]
+    ids = Qm.text_ids(tokenizer, 256)
+    ref = None
+    for md in ranked:
+        reference = md.dtype == torch.float32 and md.quantization == "none"
+        if len(ranked) == 1 and not batch_invariant:
+            chosen = md
+            break
+        candidate = build_mode(Plan(md, measured[md]["kernels"]))
+        if batch_invariant:
+            ok = model_batch_invariant(candidate, ids)
+            report["modes"][md.name]["model_batch_invariant"] = ok
+            if not ok:
+                continue
+        if reference or len(ranked) == 1:
+            chosen = md
+            break
+        if ref is None:
+            ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids)
+        q = Qm.compare(ref, Qm.logits_of(candidate, ids), ids)
+        report["modes"][md.name]["quality"] = q.as_dict()
+        if q.within_bounds():
+            chosen = md
+            break
+    del ref
+    if chosen is None:
+        raise PrecisionError("no requested mode is batch-invariant end to end on this machine "
+                             f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
     dt = time.perf_counter() - t0
     report["seconds"] = round(dt, 2)
     return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report)

@@ -102,7 +102,8 @@ class Server:
         if s.threads:
             torch.set_num_threads(s.threads)
         loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir,
-                            quantization=s.quantization, batch_invariant=s.batch_invariant, cache_dir=s.cache_dir)
+                            quantization=s.quantization, batch_invariant=s.batch_invariant, cache_dir=s.cache_dir,
+                            compile=s.compile)
         engine = Engine(loaded, s.engine)
         metrics = Metrics(engine, s.model)
         return engine.start(), metrics

@@ -20,6 +20,8 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.graphs = graphs
+        # batch-invariant serving: each sequence attends over exactly its own keys (attention.for_cache)
+        self._call_cost = 0 if getattr(model, "batch_invariant", False) else None
 
     def _tensor(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -54,7 +56,7 @@ class ModelRunner:
         ids = torch.tensor(c.seq.request.prompt_ids[c.start: c.start + c.length], dtype=torch.long)[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
-        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length)
+        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length, call_cost=self._call_cost)
         last = self._tensor([c.length - 1] if c.completes_prompt else [])
         return self.model(ids.to(self.device), positions, meta, self.cache, logits_index=last)  # [0 or 1, V]
 
@@ -75,5 +77,5 @@ class ModelRunner:
         ids = self._tensor([s.token_at(s.num_cached) for s in seqs])[:, None]  # [B, 1]
         starts = self._tensor([s.num_cached for s in seqs])  # [B]
         meta = AttentionMetadata.for_cache(self._tensor([s.slot for s in seqs]), starts,
-                                           torch.ones_like(starts), 1)
+                                           torch.ones_like(starts), 1, call_cost=self._call_cost)
         return self.model(ids, starts[:, None], meta, self.cache)[:, 0]  # [B, V]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 import torch
@@ -142,10 +143,11 @@ def test_auto_measures_caches_and_a_restart_reads_the_choice(smollm2_gguf_path, 
     assert set(plan.kernels) == set(K.ROLES)
     modes = plan.measurements["modes"]
     assert set(modes) >= {"float32", "bfloat16", "bfloat16+int4"}
-    for m in modes.values():  # every candidate was timed at every bucket and checked for invariance
+    for m in modes.values():  # every candidate was timed at every bucket; the chosen ones are invariant
         for role in K.ROLES:
             for kernel in m["detail"][role].values():
-                assert set(kernel["ms"]) == set(K.DECODE_BUCKETS) and isinstance(kernel["batch_invariant"], bool)
+                assert set(kernel["ms"]) == set(K.DECODE_BUCKETS)
+            assert m["detail"][role][m["kernels"][role]]["batch_invariant"] is True
     if plan.mode.name != "float32":
         assert modes[plan.mode.name]["quality"]["mean_kl"] <= Q.MAX_MEAN_KL
     files = list((kernel_cache / "kernels").glob("*.json"))
@@ -168,8 +170,40 @@ def test_every_weight_is_counted(smollm2_gguf_path, kernel_cache, auto_loaded, d
         assert loaded.weight_bytes < 0.4 * SMOLLM2_PARAMETERS * 4
 
 
-def test_default_mode_keeps_greedy_tokens_the_same_alone_and_batched(auto_loaded):
-    """Batch invariance at the real shapes (K = 576 and 1536) in the mode auto chose on this machine."""
+@pytest.fixture(scope="module")
+def compiled_loaded(smollm2_gguf_path, kernel_cache):
+    """int4 (compilable kernels on any CPU) with its layers compiled (compile.py). The one compiling
+    fixture: its compiled code is cached in the checkout's .cache, so only a first run pays the compiler."""
+    from pathlib import Path
+
+    inductor = Path(__file__).resolve().parents[2] / ".cache" / "inductor-tests"
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    try:
+        loaded = load_model(smollm2_gguf_path, device="cpu", quantization="int4", cache_dir=kernel_cache,
+                            compile="true")
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    if not loaded.compiled.compiled:
+        pytest.skip(loaded.compiled.reason)
+    return loaded
+
+
+def test_compiled_layers_match_eager_ones_within_the_quality_bounds(smollm2_gguf_path, kernel_cache, compiled_loaded):
+    eager = load_model(smollm2_gguf_path, device="cpu", quantization="int4", cache_dir=kernel_cache)
+    ids = Q.text_ids(eager.tokenizer, 128)
+    q = Q.compare(Q.logits_of(eager.model, ids), Q.logits_of(compiled_loaded.model, ids), ids)
+    assert q.mean_kl <= Q.MAX_MEAN_KL / 4 and q.top1_agreement >= 0.95
+
+
+@pytest.mark.parametrize("which", ["eager", "compiled"])
+def test_default_mode_keeps_greedy_tokens_the_same_alone_and_batched(request, which):
+    """Batch invariance at the real shapes (K = 576 and 1536): in the mode auto chose on this machine,
+    and in int4 with compiled layers."""
+    auto_loaded = request.getfixturevalue("auto_loaded" if which == "eager" else "compiled_loaded")
     tok = auto_loaded.tokenizer
     texts = ["The lighthouse keeper climbed the", "Write a haiku about rain:", "1, 2, 3, 4,",
              "In 1905 Albert Einstein published", "def fibonacci(n):"]
