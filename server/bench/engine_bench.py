@@ -324,6 +324,31 @@ def markdown_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def precision_summary(report: dict) -> str:
+    """The README's kernel-bound and quality tables, from a report written by this module."""
+    lines = []
+    kb = report.get("kernel_bounds")
+    if kb:
+        rows = list(next(iter(kb["by_kernel"].values()))["decode_step_ms"])
+        lines += ["| mode / kernels | " + " | ".join(f"matmul-only step M={r} (ms)" for r in rows)
+                  + " | prefill chunk (prompt tok/s) |", "| --- |" + " ---: |" * (len(rows) + 1)]
+        for name, v in kb["by_kernel"].items():
+            cells = [f"**{v['decode_step_ms'][r]:.2f}**" if kb["fastest"][r] == name else f"{v['decode_step_ms'][r]:.2f}"
+                     for r in rows]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {1e3 / v['prefill_ms_per_token']:.0f} |")
+        lines.append("")
+    q = report.get("quality")
+    if q:
+        lines += ["| mode | perplexity (transformers fp32) | mean KL vs transformers fp32 | top-1 agreement | within bounds |",
+                  "| --- | ---: | ---: | ---: | --- |"]
+        for mode, v in q.items():
+            if mode == "bounds":
+                continue
+            lines.append(f"| {mode} | {v['perplexity']:.3f} ({v['reference_perplexity']:.3f}) | {v['mean_kl']:.5f} "
+                         f"| {v['top1_agreement']:.3f} | {'yes' if v['within_bounds'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="catalog name, .gguf file or HF directory")
@@ -340,7 +365,10 @@ def main(argv=None) -> int:
     p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
     args = p.parse_args(argv)
     if args.table:
-        print(markdown_summary(json.loads(Path(args.table).read_text())))
+        report = json.loads(Path(args.table).read_text())
+        print(markdown_summary(report))
+        print()
+        print(precision_summary(report))
         return 0
 
     import torch
@@ -425,6 +453,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(markdown_summary(report))
+    print(precision_summary(report))
     print(f"report written to {args.out}")
     return 0
 

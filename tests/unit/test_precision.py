@@ -226,3 +226,17 @@ def test_default_mode_keeps_greedy_tokens_the_same_alone_and_batched(request, wh
     for w, g, t in zip(want, got, texts):
         assert len(w.token_ids) == 12
         assert g.token_ids == w.token_ids, (auto_loaded.mode, auto_loaded.kernels, t)
+
+
+def test_compile_true_refuses_a_plan_the_compiler_cannot_take(smollm2_gguf_path, kernel_cache):
+    from lmserve.model.compile import CompileRefused
+
+    if not K.onednn_supports(torch.float32):
+        pytest.skip("no oneDNN here: float32 plans use dense kernels, which compile")
+    loaded = load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache)
+    if not any(k.startswith("onednn") for k in loaded.plan.kernels.values()):
+        pytest.skip("float32 was measured faster on dense kernels here")
+    with pytest.raises(CompileRefused, match="opaque"):
+        load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="true")
+    auto = load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="auto")
+    assert not auto.compiled.compiled and "opaque" in auto.compiled.reason
