@@ -62,6 +62,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 # ---------------------------------------------------------------- runtime bases
 FROM ${PYTHON_IMAGE} AS runtime-cpu
+# g++: torch.compile's C++ code generation for the compiled decode step (--compile, model/compile.py)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
 FROM ${PYTHON_IMAGE} AS runtime-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \

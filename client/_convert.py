@@ -235,6 +235,8 @@ def parse_model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
         server_version=msg.server_version,
         limits={f.name: getattr(msg.limits, f.name) for f in msg.limits.DESCRIPTOR.fields} if msg.HasField("limits")
         else {},
+        quantization=msg.quantization,
+        kernels=msg.kernels,
     )
 
 

@@ -191,6 +191,8 @@ class ModelInfo:
     # Every limit the server applies (GetModelInfoResponse.limits), by its proto field name,
     # e.g. {"max_input_chars": 131072, "max_request_id_chars": 128, ...}; empty from older servers.
     limits: dict[str, float] = field(default_factory=dict)
+    quantization: str = ""
+    kernels: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

@@ -128,7 +128,8 @@ class AttentionMetadata:
                    write_slot=slots, write_pos=positions, calls=(call,))
 
     @classmethod
-    def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str) -> "AttentionMetadata":
+    def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str,
+                   call_cost: int | None = None) -> "AttentionMetadata":
         """One new token per sequence (b writes slot slots[b] at position starts[b] and attends to
         keys 0..starts[b]): the same attention as `for_cache(slots, starts, ones, 1)` with every
         start > 0, built from host lists in a handful of tensor ops (a decode step's input cost
@@ -148,11 +149,16 @@ class AttentionMetadata:
         return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
                    slots=slots_t, starts=starts_t, lo=lo, hi=hi, rows=None if identity else slots_t - lo,
                    write_b=ar, write_j=torch.zeros_like(ar), write_slot=slots_t, write_pos=starts_t,
-                   calls=cache_calls(slots, kv_len, 1, device))
+                   calls=cache_calls(slots, kv_len, 1, device, call_cost))
 
     @classmethod
-    def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None) -> "AttentionMetadata":
+    def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,
+                  call_cost: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].
+
+        call_cost: attention_plan's fixed cost of a call (None: the device's). 0 gives every
+        sequence its own call over exactly its own keys: SDPA on CPU rounds differently when a
+        row's keys are padded with masked ones, so batch-invariant serving needs that.
 
         When every sequence starts at 0 the keys are the chunk itself (fresh layout); otherwise
         they are read back from the cache view covering the slots involved.
@@ -183,7 +189,7 @@ class AttentionMetadata:
         mask[rows] = seq_mask
         identity = (hi - lo == B) and bool((rows == torch.arange(B, device=device)).all())
         return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows,
-                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device), **common)
+                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device, call_cost), **common)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

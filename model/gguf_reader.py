@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class GGUFCheckpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+    q41: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q41Blocks of Q4_1 tensors (keep_q41)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -209,8 +210,8 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2 GGUF file.
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
+    """Read and dequantize a llama/qwen2 GGUF file (keep_q41: also keep Q4_1 tensors' own blocks).
 
     Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (not llama/qwen2),
     UnsupportedQuantizationError (a tensor type gguf cannot dequantize), ShapeMismatchError
@@ -225,7 +226,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         except ValueError as e:  # empty file
             raise ModelLoadError(f"{path} is not a GGUF file: {e}") from e
     try:
-        return _read_mapped(path, buf, dtype)
+        return _read_mapped(path, buf, dtype, keep_q41)
     finally:
         try:
             buf.close()
@@ -233,7 +234,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
             pass
 
 
-def _read_mapped(path: Path, buf, dtype: torch.dtype) -> GGUFCheckpoint:
+def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) -> GGUFCheckpoint:
     try:
         metadata, infos = read_directory(buf)
     except (ValueError, struct.error, UnicodeDecodeError) as e:
@@ -256,13 +257,31 @@ def _read_mapped(path: Path, buf, dtype: torch.dtype) -> GGUFCheckpoint:
         raise ModelLoadError(f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
     tensors: dict[str, torch.Tensor] = {}
+    q41: dict[str, Any] = {}
     for name, expected in shapes.items():  # one tensor at a time: peak memory is one float32 copy
         info = by_name[wanted[name]]
         if info.torch_shape != expected:
             raise ShapeMismatchError(info.name, expected, info.torch_shape)
         w = _dequantize(buf, info, dtype)
+        blocks = _q41_blocks(buf, info) if keep_q41 and len(info.ne) == 2 else None
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             w = llama_cpp_unpermute(w, heads).contiguous()
+            if blocks is not None:
+                blocks = type(blocks)(*(llama_cpp_unpermute(t, heads).contiguous() for t in (blocks.q, blocks.d, blocks.m)))
         tensors[name] = w
-    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata)
+        if blocks is not None:
+            q41[name] = blocks
+    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=q41)
+
+
+def _q41_blocks(buf, info: TensorInfo):
+    """A Q4_1 tensor's own codes, steps and minimums (quant.Q41Blocks), or None for other types."""
+    from gguf import GGMLQuantizationType
+
+    from .quant import Q41Blocks
+
+    if info.type_id != GGMLQuantizationType.Q4_1:
+        return None
+    n_rows, row_bytes = info.ne[1], info.ne[0] // 32 * 20
+    return Q41Blocks.from_raw(np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(n_rows, row_bytes))

@@ -79,9 +79,9 @@ class Attention(nn.Module):
         self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
         self.last_weights: Tensor | None = None
 
-    def fuse_projections(self) -> None:
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.o_proj = fuse_linears(self.o_proj)
+    def fuse_projections(self, make=fuse_linears) -> None:
+        self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = make("o", self.o_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -92,35 +92,15 @@ class Attention(nn.Module):
             q = Rotary.apply(self.q_proj(x).view(B, L, H, d), *rope)
             k = Rotary.apply(self.k_proj(x).view(B, L, Hkv, d), *rope)
             return q, k, self.v_proj(x).view(B, L, Hkv, d)
-        return self._rotate(self.qkv_proj(x).view(B, L, H + 2 * Hkv, d), rope)
-
-    def _rotate(self, qkv: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """qkv [B, L, H + 2*Hkv, d] from the fused projection -> rotated q, rotated k, v."""
-        H, Hkv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
         qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
         return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         return self.o_proj(self.attend(*self.project(x, rope), meta, cache))
 
-    def forward_segments(self, x: Tensor, ropes: list, metas: list[AttentionMetadata], shapes: list[tuple[int, int]],
-                         cache: KVCache | None) -> Tensor:
-        """x [N, D]: the tokens of several batches back to back (shapes[i] = (B_i, L_i), N = sum B_i*L_i).
-        The projections run once over all N tokens; attention runs per batch with its own metadata."""
-        H, Hkv, d = self.n_heads, self.n_kv, self.d
-        sizes = [B * L for B, L in shapes]
-        if self.qkv_proj is None:
-            parts = [self.project(xi.view(B, L, -1), rope) for xi, (B, L), rope in zip(x.split(sizes), shapes, ropes)]
-        else:
-            qkv = self.qkv_proj(x)  # [N, (H + 2*Hkv) * d]
-            parts = [self._rotate(qi.view(B, L, H + 2 * Hkv, d), rope)
-                     for qi, (B, L), rope in zip(qkv.split(sizes), shapes, ropes)]
-        outs = [self.attend(q, k, v, meta, cache).view(n, H * d) for (q, k, v), meta, n in zip(parts, metas, sizes)]
-        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])  # [N, D]
-
     def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
-        """Rotated q [B, L, H, d], k and v [B, L, Hkv, d] -> attention output [B, L, H*d] (before o_proj);
-        this batch's k and v are written to the cache first."""
+        """Cache write + attention for rotated q [B, L, H, d], k, v [B, L, Hkv, d]: [B, L, H*d] before o_proj."""
         B, L = q.shape[:2]
         if cache is not None:
             # only real tokens are written, each at its explicit position
@@ -154,9 +134,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate|up in one GEMM, set by fuse_projections()
 
-    def fuse_projections(self) -> None:
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        self.down_proj = fuse_linears(self.down_proj)
+    def fuse_projections(self, make=fuse_linears) -> None:
+        self.gate_up_proj = make("gate_up", self.gate_proj, self.up_proj)
+        self.down_proj = make("down", self.down_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
@@ -175,12 +155,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = self.enter(x, *rope)
+        return self.exit(x, self.self_attn.attend(q, k, v, meta, cache))
 
-    def forward_segments(self, x, ropes, metas, shapes, cache):
-        """x [N, D]: several batches' tokens back to back (see LlamaForCausalLM.forward_segments)."""
-        x = x + self.self_attn.forward_segments(self.input_layernorm(x), ropes, metas, shapes, cache)
+    # The work between attentions, as two functions of tensors only: what compile.py compiles
+    # (the cache write and SDPA stay eager between them).
+    def enter(self, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """RMSNorm, q|k|v projection and RoPE: rotated q [B, L, H, d], k, v [B, L, Hkv, d]."""
+        return self.self_attn.project(self.input_layernorm(x), (cos, sin_signed))
+
+    def exit(self, x: Tensor, attn: Tensor) -> Tensor:
+        """o_proj and residual, then RMSNorm, SwiGLU MLP and residual: the layer's output [B, L, D]."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -209,22 +195,25 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
+        self.batch_invariant = False  # set by the loader: serve so that rows never depend on the batch
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
             self.model.rotary.build(self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype)
 
     @torch.no_grad()
-    def prepare_for_inference(self) -> "LlamaForCausalLM":
-        """Fuse same-input projections and prepack weights for the device (see inference_linear).
+    def prepare_for_inference(self, make=fuse_linears) -> "LlamaForCausalLM":
+        """Fuse same-input projections and rebuild every linear for serving (see inference_linear).
 
+        make(role, *linears) -> module computing the linears' concatenated outputs; role is one of
+        kernels.ROLES. The default keeps the dtype and prepacks float32 on CPU for oneDNN.
         One-way: the result serves forward passes only (no training, no HF-named state_dict).
         """
         if not self.prepared:
             for layer in self.model.layers:
-                layer.self_attn.fuse_projections()
-                layer.mlp.fuse_projections()
-            self.lm_head = fuse_linears(self.lm_head)
+                layer.self_attn.fuse_projections(make)
+                layer.mlp.fuse_projections(make)
+            self.lm_head = make("head", self.lm_head)
             self.prepared = True
         return self
 
@@ -248,19 +237,29 @@ class LlamaForCausalLM(nn.Module):
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
         return self.lm_head(self.model.norm(x))
 
-    def forward_segments(self, segments: list["Segment"], cache: KVCache, logits_index: Tensor) -> Tensor:
+    def forward_segments(self, segments: list[Segment], cache: KVCache, logits_index: Tensor) -> Tensor:
         """Several batches in one pass (a serving step: decodes, continued prompt chunks, new packed
-        prompts): the linear layers run once over all their tokens, so the weights are read once per
-        step; attention runs per batch with its own metadata. Logits [n, V] at flat indices
-        `logits_index` into the concatenated tokens (batch i's tokens, row-major, after batch i-1's)."""
+        prompts). Their tokens go back to back in one row [1, N], so every layer's work between
+        attentions (`enter` / `exit`: norms, projections, RoPE, MLP; compiled when the model is)
+        runs once over all of them and the weights are read once per step; attention runs per batch
+        with its own metadata. Logits [n, V] at flat indices `logits_index` into the N tokens
+        (batch i's tokens, row-major, after batch i-1's)."""
         shapes = [tuple(s.input_ids.shape) for s in segments]
-        embed = self.model.embed_tokens
-        x = torch.cat([embed(s.input_ids).reshape(-1, embed.embedding_dim) for s in segments])  # [N, D]
-        ropes = [self.model.rotary.tables(s.positions) for s in segments]
-        metas = [s.meta for s in segments]
+        sizes = [B * L for B, L in shapes]
+        ids = torch.cat([s.input_ids.reshape(-1) for s in segments])[None]  # [1, N]
+        positions = torch.cat([s.positions.reshape(-1) for s in segments])[None]  # [1, N]
+        x = self.model.embed_tokens(ids)  # [1, N, D]
+        cos, sin = self.model.rotary.tables(positions)
+        H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         for layer in self.model.layers:
-            x = layer.forward_segments(x, ropes, metas, shapes, cache)
-        return self.lm_head(self.model.norm(x[logits_index]))  # [n, V]
+            q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
+            outs = [layer.self_attn.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
+                                           seg.meta, cache).reshape(1, B * L, H * d)
+                    for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
+                                                       shapes, segments)]
+            x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
+        x = x.reshape(-1, x.shape[-1])[logits_index]  # [n, D]
+        return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "LlamaForCausalLM":

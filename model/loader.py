@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +14,13 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
+from .compile import CompileResult, compile_model
+from .inference_linear import fuse_linears, planned_linears
 from .llama import LlamaForCausalLM
+from .precision import DTYPES, Plan, default_cache_dir, parse_dtype, resolve_plan
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("lmserve.model")
 
 
 @dataclass
@@ -24,11 +31,29 @@ class LoadedModel:
     source: Path
     dtype: torch.dtype
     device: torch.device
+    plan: Plan | None = None  # the precision mode and per-role kernels served (precision.py)
+    compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights held in memory (prepacked copies included)."""
         return self.model.weight_bytes()
+
+    @property
+    def num_parameters(self) -> int:
+        """The checkpoint's parameter count (a tied matrix once), however the weights are stored."""
+        return sum(math.prod(s) for s in expected_shapes(self.config).values())
+
+    @property
+    def mode(self) -> str:
+        """e.g. "float32", "bfloat16+int4"."""
+        return self.plan.mode.name if self.plan else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kernels(self) -> str:
+        """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
+        text = self.plan.describe() if self.plan else "default"
+        return text + (", compiled" if self.compiled is not None and self.compiled.compiled else "")
 
 
 def _glibc():
@@ -73,17 +98,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
 def resolve_device_dtype(device: torch.device | str | None,
                          dtype: torch.dtype | str | None) -> tuple[torch.device, torch.dtype]:
     """The device and dtype a model is served with: the defaults fill what is not given."""
     device = torch.device(device) if device is not None else default_device()
-    if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
-    return device, dtype or default_dtype(device)
+    return device, parse_dtype(dtype) or default_dtype(device)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -115,10 +134,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str, prepare: bool = True) -> LlamaForCausalLM:
+                device: torch.device | str, prepare: bool = True, plan: Plan | None = None,
+                q41: dict | None = None) -> LlamaForCausalLM:
     """Check names and shapes against the config, then materialize the model (no random init).
 
-    prepare: fuse and prepack the linear layers for serving (LlamaForCausalLM.prepare_for_inference).
+    prepare: fuse the linear layers and build them for serving (LlamaForCausalLM.prepare_for_inference):
+    with a plan, each role on its planned kernel, built from the float32 weights (and q41, GGUF
+    Q4_1 blocks by tensor name); without, the default kernel for dtype.
     """
     shapes = expected_shapes(cfg)
     missing = [n for n in shapes if n not in tensors]
@@ -130,13 +152,20 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     # assign: the checkpoint's tensors become the parameters (no second copy of the weights)
-    state = {n: tensors[n].to(device=device, dtype=dtype) for n in shapes}
+    planned = prepare and plan is not None
+    state = {n: tensors[n].to(device=device, dtype=torch.float32 if planned else dtype) for n in shapes}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.build(device, dtype)
+    for name, blocks in (q41 or {}).items():
+        model.get_submodule(name.removesuffix(".weight")).q41 = blocks
     model = model.eval().requires_grad_(False)
-    return model.prepare_for_inference() if prepare else model
+    if prepare:
+        model.prepare_for_inference(planned_linears(plan.kernels, dtype) if planned else fuse_linears)
+    if planned:
+        model.to(dtype)  # what is not a linear (embedding, norms) computes in the mode's dtype
+    model.model.rotary.build(device, dtype)
+    return model
 
 
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -168,18 +197,31 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-               models_dir: str | Path | None = None) -> LoadedModel:
-    """Load a catalog name (pulled if missing), a .gguf file, or a Hugging Face directory."""
+               models_dir: str | Path | None = None, quantization: str | None = None, batch_invariant: bool = True,
+               cache_dir: str | Path | None = None, compile: str = "false") -> LoadedModel:
+    """Load a catalog name (pulled if missing), a .gguf file, or a Hugging Face directory.
+
+    dtype / quantization: None or "auto" let precision.py measure this machine (cached under
+    cache_dir, default $XDG_CACHE_HOME/lmserve); an impossible combination raises PrecisionError
+    before anything is read. batch_invariant: only kernels whose rows do not depend on the batch.
+    compile: "true", "false" or "auto" (measured, cached): compile the decoder layers' non-attention
+    work (compile.py); the default here is eager, the server's default is auto.
+    """
     from .catalog import resolve_model
+    from .precision import candidate_modes
 
     bound_native_caches()
-    device, dtype = resolve_device_dtype(device, dtype)
+    device = torch.device(device) if device is not None else default_device()
+    candidate_modes(device, dtype, quantization)  # refuse an impossible mode before reading anything
+    if compile not in ("true", "false", "auto"):
+        raise ValueError(f"compile must be true, false or auto, got {compile!r}")
     path = resolve_model(str(spec), models_dir=models_dir)
+    q41: dict = {}
     if path.is_file() and path.suffix == ".gguf":
         from .gguf_reader import read_gguf
 
-        ckpt = read_gguf(path)
-        cfg, tensors = ckpt.config, ckpt.tensors
+        ckpt = read_gguf(path, keep_q41=True)
+        cfg, tensors, q41 = ckpt.config, ckpt.tensors, ckpt.q41
         tokenizer = Tokenizer.from_gguf_fields(ckpt.metadata)
         del ckpt
     elif path.is_dir():
@@ -187,8 +229,21 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         tokenizer = Tokenizer.from_dir(path)
     else:
         raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
-    model = build_model(cfg, tensors, dtype, device, prepare=False)
-    del tensors  # the model now holds the only references: preparing frees each original as it goes
-    model.prepare_for_inference()
+    def build(plan: Plan) -> LlamaForCausalLM:
+        return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41)
+
+    probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41)  # shares the tensors
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)
+    del probe
+    model = build(plan)
+    model.batch_invariant = batch_invariant
+    del tensors, q41
     release_freed_memory()
-    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=dtype, device=device)
+    key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
+    compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
+    if compiled.compiled or compiled.timings:
+        log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
+                 compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
+                       device=device, plan=plan, compiled=compiled)

@@ -126,10 +126,11 @@ class Server:
         await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
-        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, max batch %d, KV budget %.1f GiB, metrics %s) "
-                 "ready in %.1fs",
+        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, kernels %s [%s], max batch %d, KV budget %.1f GiB, "
+                 "metrics %s) ready in %.1fs",
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
-                 str(lm.dtype).removeprefix("torch."), s.engine.max_batch, self.engine.kv_budget / 2**30,
+                 lm.mode, lm.kernels, lm.plan.how if lm.plan else "default", s.engine.max_batch,
+                 self.engine.kv_budget / 2**30,
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
                  time.monotonic() - t0)
 
@@ -144,7 +145,9 @@ class Server:
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
-        loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir)
+        loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir,
+                            quantization=s.quantization, batch_invariant=s.batch_invariant, cache_dir=s.cache_dir,
+                            compile=s.compile)
         engine = Engine(loaded, s.engine)
         metrics = Metrics(engine, s.model)
         return engine.start(), metrics

@@ -17,7 +17,11 @@ from .engine.settings import EngineSettings
 class ServerSettings:
     model: str = "smollm2"
     models_dir: str | None = None
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU measured with --quantization (model/precision.py)
+    quantization: str = "auto"  # auto, none, int8 or int4 (weight-only; CPU)
+    batch_invariant: bool = True  # only kernels whose output rows do not depend on the batch
+    compile: str = "auto"  # compile the layers' work between attentions (CPU): auto = measured, cached
+    cache_dir: str | None = None  # kernel choices (and compiled code) per machine; None = $XDG_CACHE_HOME/lmserve
     device: str | None = None  # None: cuda if available, else cpu
     host: str = "127.0.0.1"
     port: int = 50051
@@ -59,12 +63,30 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_input_chars is not None and self.max_input_chars < 1:
             raise ValueError("--max-input-chars must be >= 1")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.compile not in ("auto", "true", "false"):
+            raise ValueError(f"--compile must be auto, true or false, got {self.compile!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
 HELP = {
     "model": "catalog name (see `lmserve models`), a .gguf file, or a Hugging Face model directory",
     "models_dir": "where pulled models live (default: $XDG_CACHE_HOME/lmserve/models)",
-    "dtype": "float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)",
+    "dtype": "auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA, on CPU the fastest mode within the "
+             "quality bounds, measured at first start and cached (float32 is the token-exact reference)",
+    "quantization": "auto, none, int8 or int4: weight-only quantization on CPU (computes in bfloat16; "
+                    "GGUF Q4_1 weights are served as they are); auto measures, as for --dtype",
+    "batch_invariant": "serve only kernels whose rows do not depend on the batch (a request's greedy tokens "
+                       "are then the same alone or batched): true or false",
+    "compile": "auto, true or false: compile the decoder layers' work between attentions on CPU (torch.compile, "
+               "needs a C++ compiler); auto compiles at first start, keeps it only if measured faster, and caches both",
+    "cache_dir": "where measured kernel choices and compiled code are cached per machine (default: $XDG_CACHE_HOME/lmserve)",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "host": "address the gRPC server binds (0.0.0.0 for all interfaces)",
     "port": "gRPC port",

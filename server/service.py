@@ -210,8 +210,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             eos_token_ids=list(self.tokenizer.eos_ids), max_new_tokens_limit=s.max_new_tokens_cap,
             max_batch_size=self.engine.max_batch, default_max_new_tokens=s.default_max_new_tokens,
             has_chat_template=bool(self.tokenizer.chat_template),
-            num_parameters=sum(p.numel() for p in lm.model.parameters()), server_version=lmserve.__version__,
-            limits=self._server_limits())
+            num_parameters=lm.num_parameters, server_version=lmserve.__version__, limits=self._server_limits(),
+            quantization=lm.plan.mode.quantization if lm.plan else "none", kernels=lm.kernels)
         if self.tokenizer.bos_id is not None:
             info.bos_token_id = self.tokenizer.bos_id
         return info

@@ -68,3 +68,38 @@ def matmul_bounds(model: LlamaForCausalLM, prompt_tokens: dict[int, int], max_ne
                                          "wave_matmul_seconds": seconds,
                                          "output_tokens_per_s_bound": c * max_new / seconds}
     return out
+
+
+def _all_linears(model: LlamaForCausalLM) -> list[nn.Module]:
+    return _linears(model.model.layers) + [model.lm_head]
+
+
+@torch.inference_mode()
+def kernel_bounds(cfg, tensors: dict, q41: dict, rows=(1, 32), prefill_rows: int = 512, repeats: int = 3) -> dict:
+    """The matmul-only decode step (every decoder linear + LM head) of each (mode, kernel) this CPU
+    offers, at each batch size in `rows`, and the per-token cost of a prefill chunk; one model at a
+    time, built from the checkpoint's float32 tensors (and Q4_1 blocks). Quality is not a concern
+    here: precision.py and the quality report say which of these modes may be served."""
+    from lmserve.model import kernels as K
+    from lmserve.model.loader import build_model
+    from lmserve.model.precision import Mode, Plan
+
+    modes = [Mode(torch.float32), Mode(torch.bfloat16), Mode(torch.bfloat16, "int8"), Mode(torch.bfloat16, "int4")]
+    out: dict = {}
+    for mode in modes:
+        kernels = K.candidates(mode.quantization, mode.dtype, "qkv", torch.device("cpu"))
+        for kernel in kernels:
+            plan = Plan(mode, {r: K.candidates(mode.quantization, mode.dtype, r, torch.device("cpu"))[0]
+                               if r == "head" and mode.quantization != "none" else kernel for r in K.ROLES})
+            model = build_model(cfg, tensors, mode.dtype, "cpu", plan=plan, q41=q41)
+            layers = _all_linears(model)
+            times = K.time_candidates({"m": layers}, (*rows, prefill_rows), mode.dtype, repeats)["m"]
+            name = f"{mode.name}/{plan.describe()}"
+            out[name] = {"decode_step_ms": {str(r): times[r] * 1e3 for r in rows},
+                         "prefill_ms_per_token": times[prefill_rows] * 1e3 / prefill_rows}
+            print(f"matmul-only {name:48s} " + "  ".join(f"M={r}: {times[r] * 1e3:7.2f} ms" for r in rows)
+                  + f"  prefill {prefill_rows / times[prefill_rows]:7.0f} tok/s", flush=True)
+            del model, layers
+    best = {str(r): min(out, key=lambda k: out[k]["decode_step_ms"][str(r)]) for r in rows}
+    return {"by_kernel": out, "fastest": best,
+            "bound_tokens_per_s": {str(r): r / (out[best[str(r)]]["decode_step_ms"][str(r)] / 1e3) for r in rows}}

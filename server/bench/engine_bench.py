@@ -106,6 +106,72 @@ def bench_hf(gguf_path: Path, concurrencies, max_new, device, dtype) -> list[dic
     return rows
 
 
+def lscpu() -> dict:
+    """CPU model name and flags, as lscpu reports them (written into every report)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k: fields[k].strip() for k in ("Model name", "CPU(s)", "Flags", "L3 cache") if k in fields}
+
+
+def bench_quality(path: Path, window: int = 512) -> dict:
+    """Perplexity of the held-out text and mean KL of next-token distributions vs transformers float32
+    on the same GGUF, for every precision mode (as llama.cpp reports its quantizations)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmserve.model import quality as Q
+    from lmserve.model.loader import load_model
+
+    out = {}
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    ref = None
+    for dtype, quant in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")):
+        loaded = load_model(path, dtype=dtype, quantization=quant, device="cpu")
+        ids = Q.text_ids(loaded.tokenizer)
+        if ref is None:
+            with torch.inference_mode():
+                ref = torch.cat([ref_model(input_ids=torch.tensor([ids[i:i + window]])).logits[0].float()
+                                 for i in range(0, len(ids), window)])
+        q = Q.compare(ref, Q.logits_of(loaded.model, ids, window), ids, window)
+        out[loaded.mode] = {**q.as_dict(), "kernels": loaded.kernels,
+                            "within_bounds": q.within_bounds()}
+        print(f"quality       {loaded.mode:16s} ppl {q.perplexity:7.3f} (transformers fp32 {q.reference_perplexity:.3f})"
+              f"  mean KL {q.mean_kl:.5f}  top-1 {q.top1_agreement:.3f}", flush=True)
+        del loaded
+    out["bounds"] = {"max_mean_kl": Q.MAX_MEAN_KL, "max_ppl_ratio": Q.MAX_PPL_RATIO}
+    return out
+
+
+def bench_prefill(loaded, prompt_tokens: int = 1500, repeats: int = 2) -> dict:
+    """Prompt tokens/s of one ~1,500-token prompt through the engine (prefill in token-budget chunks)."""
+    from lmserve.model import quality as Q
+
+    from ..engine import Engine, EngineSettings, Request, SamplingParams
+
+    ids = Q.text_ids(loaded.tokenizer)
+    ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
+    engine = Engine(loaded, EngineSettings(max_batch=2, max_model_len=prompt_tokens + 8)).start()
+    best = float("inf")
+
+    async def one():
+        async for _ in engine.generate(Request(list(ids), SamplingParams(max_new_tokens=1, ignore_eos=True))):
+            pass
+
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            asyncio.run(one())
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        engine.shutdown()
+    print(f"prefill       {prompt_tokens} tokens: {prompt_tokens / best:8.1f} prompt tok/s", flush=True)
+    return {"prompt_tokens": prompt_tokens, "seconds": best, "prompt_tokens_per_s": prompt_tokens / best}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,7 +200,7 @@ def parameter_bytes(cfg, dtype) -> int:
 
 
 def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
-               param_bytes: int | None, device, dtype) -> dict:
+               param_bytes: int | None, device, dtype: str, quantization: str) -> dict:
     """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
     from lmserve.client import Client
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
@@ -144,7 +210,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
     cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
            "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
            "--prefix-cache", "false",
-           "--device", str(device), "--dtype", str(dtype).removeprefix("torch.")]
+           "--device", str(device), "--dtype", dtype, "--quantization", quantization]
     if models_dir:
         cmd += ["--models-dir", models_dir]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -261,6 +327,31 @@ def markdown_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def precision_summary(report: dict) -> str:
+    """The README's kernel-bound and quality tables, from a report written by this module."""
+    lines = []
+    kb = report.get("kernel_bounds")
+    if kb:
+        rows = list(next(iter(kb["by_kernel"].values()))["decode_step_ms"])
+        lines += ["| mode / kernels | " + " | ".join(f"matmul-only step M={r} (ms)" for r in rows)
+                  + " | prefill chunk (prompt tok/s) |", "| --- |" + " ---: |" * (len(rows) + 1)]
+        for name, v in kb["by_kernel"].items():
+            cells = [f"**{v['decode_step_ms'][r]:.2f}**" if kb["fastest"][r] == name else f"{v['decode_step_ms'][r]:.2f}"
+                     for r in rows]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {1e3 / v['prefill_ms_per_token']:.0f} |")
+        lines.append("")
+    q = report.get("quality")
+    if q:
+        lines += ["| mode | perplexity (transformers fp32) | mean KL vs transformers fp32 | top-1 agreement | within bounds |",
+                  "| --- | ---: | ---: | ---: | --- |"]
+        for mode, v in q.items():
+            if mode == "bounds":
+                continue
+            lines.append(f"| {mode} | {v['perplexity']:.3f} ({v['reference_perplexity']:.3f}) | {v['mean_kl']:.5f} "
+                         f"| {v['top1_agreement']:.3f} | {'yes' if v['within_bounds'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="catalog name, .gguf file or HF directory")
@@ -269,13 +360,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024, help="context per request (sizes the KV cache)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc"], help="sections to leave out")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: measured, as the server does)")
+    p.add_argument("--quantization", default="auto", help="auto, none, int8 or int4")
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc", "kernels", "quality", "prefill"],
+                   help="sections to leave out")
     p.add_argument("--out", default="reports/engine_bench.json")
     p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
     args = p.parse_args(argv)
     if args.table:
-        print(markdown_summary(json.loads(Path(args.table).read_text())))
+        report = json.loads(Path(args.table).read_text())
+        print(markdown_summary(report))
+        print()
+        print(precision_summary(report))
         return 0
 
     import torch
@@ -287,21 +383,43 @@ def main(argv=None) -> int:
     from .bounds import matmul_bounds
 
     path = resolve_model(args.model, models_dir=args.models_dir)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device, _ = resolve_device_dtype(args.device, None)
+    hf_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # the reference's precision
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "lscpu": lscpu(),
+                    "note": "shared machine: other processes ran during the benchmark; timings are the best of "
+                            "several passes where stated, and candidates were timed taking turns"},
         "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
-        "dtype": str(dtype), "device": str(device), "parameter_bytes": None,
+        "requested": {"dtype": args.dtype, "quantization": args.quantization}, "device": str(device),
+        "parameter_bytes": None,
         "cuda_graphs": device.type == "cuda" and EngineSettings().cuda_graphs,
     }
+    if "kernels" not in args.skip and device.type == "cpu" and path.suffix == ".gguf":
+        from lmserve.model.gguf_reader import read_gguf
+
+        from .bounds import kernel_bounds
+
+        ck = read_gguf(path, keep_q41=True)
+        report["kernel_bounds"] = kernel_bounds(ck.config, ck.tensors, ck.q41, rows=tuple(sorted(set(args.concurrency))))
+        del ck
+    if "quality" not in args.skip and path.suffix == ".gguf" and device.type == "cpu":
+        report["quality"] = bench_quality(path)
     if "engine" not in args.skip:
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype=dtype, device=device)
+        loaded = load_model(path, dtype=args.dtype, quantization=args.quantization, device=device, compile="auto")
         report["load_seconds"] = time.perf_counter() - t0
+        report["served"] = {"mode": loaded.mode, "kernels": loaded.kernels,
+                            "compiled": loaded.compiled.compiled if loaded.compiled else False,
+                            "compile_reason": loaded.compiled.reason if loaded.compiled else "",
+                            "choice": loaded.plan.how if loaded.plan else "default"}
+        dtype = loaded.dtype
+        print(f"served mode {loaded.mode}, kernels {loaded.kernels} ({report['served']['choice']})", flush=True)
         report["parameter_bytes"] = parameter_bytes(loaded.config, loaded.dtype)
+        if "prefill" not in args.skip:
+            report["prefill"] = bench_prefill(loaded)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
         report["matmul_bounds"] = bounds = matmul_bounds(
             loaded.model, {c: sum(map(len, prompt_ids(loaded.tokenizer, c))) for c in args.concurrency},
@@ -312,7 +430,7 @@ def main(argv=None) -> int:
             print(f"bound         c={int(c):3d}: {b['output_tokens_per_s_bound']:8.1f} tok/s", flush=True)
         del loaded
     if "hf" not in args.skip and path.suffix == ".gguf":
-        report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens, device, dtype)
+        report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens, device, hf_dtype)
         if "engine" in report:
             report["ratio_engine_over_transformers"] = {
                 str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
@@ -322,7 +440,15 @@ def main(argv=None) -> int:
                     "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
     if "grpc" not in args.skip:
         report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
-                                    args.max_model_len, report.get("parameter_bytes"), device, dtype)
+                                    args.max_model_len, report.get("parameter_bytes"), device, args.dtype,
+                                    args.quantization)
+        kb = report.get("kernel_bounds", {}).get("bound_tokens_per_s", {})
+        if kb:
+            report["ratio_grpc_over_kernel_bound"] = {
+                str(g["concurrency"]): g["output_tokens_per_s"] / kb[str(g["concurrency"])]
+                for g in report["grpc"]["rows"] if str(g["concurrency"]) in kb}
+            print("gRPC / matmul-only bound of the fastest kernel: " + ", ".join(
+                f"c={c}: {r:.0%}" for c, r in report["ratio_grpc_over_kernel_bound"].items()), flush=True)
         if "engine" in report:
             report["ratio_grpc_over_engine"] = {
                 str(e["concurrency"]): g["output_tokens_per_s"] / e["output_tokens_per_s"]
@@ -330,6 +456,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(markdown_summary(report))
+    print(precision_summary(report))
     print(f"report written to {args.out}")
     return 0
 

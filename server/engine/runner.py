@@ -38,6 +38,8 @@ class ModelRunner:
         self.graphs = graphs
         self.sampler = Sampler()
         self._model_seconds = 0.0
+        # batch-invariant serving: each sequence attends over exactly its own keys (attention.for_cache)
+        self._call_cost = 0 if getattr(model, "batch_invariant", False) else None
 
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """The model over the batch, then one sampled token per sequence due one."""
@@ -90,7 +92,8 @@ class ModelRunner:
         ids = self._tensor(c.seq.tokens(c.start, c.start + c.length))[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
-        return Segment(ids, positions, AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length))
+        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length, call_cost=self._call_cost)
+        return Segment(ids, positions, meta)
 
     def _packed(self, chunks: list[PrefillChunk]) -> Segment:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
@@ -103,7 +106,7 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence]) -> Segment:
         starts = [s.num_cached for s in seqs]
         ids = self._tensor([s.token_at(n) for s, n in zip(seqs, starts)])[:, None]  # [B, 1]
-        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device)
+        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device, self._call_cost)
         return Segment(ids, meta.starts[:, None], meta)
 
     def _decode_graph(self, seqs: list[Sequence]) -> Tensor:

@@ -151,6 +151,9 @@ class ServerProcess:
         self.port = free_port()
         want_metrics = flags.pop("metrics_port", 0) is not None
         flags.setdefault("device", "cpu")  # the same everywhere; CUDA servers are asked for by name
+        if flags["device"] == "cpu":  # the token-exact reference mode the tests' expectations are computed in,
+            flags.setdefault("dtype", "float32")  # eager (no compiler run at each start)
+            flags.setdefault("compile", "false")
         self.metrics_port = free_port() if want_metrics else None
         args = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", self.model, "--host", HOST,
                 "--port", str(self.port), "--metrics-port", str(self.metrics_port or 0)]

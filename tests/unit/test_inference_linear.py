@@ -15,6 +15,7 @@ from torch.testing import assert_close
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.config import ModelConfig
 from lmserve.model.inference_linear import PrepackedLinear, inference_linear
+from lmserve.model.kernels import DenseLinear
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 
@@ -56,14 +57,14 @@ def test_prepared_model_matches_the_plain_one_in_prefill_and_cached_decode(bias,
     assert p_plain.abs().max() > 1.0  # logits far from zero: the comparison means something
 
 
-def test_cpu_float32_takes_the_prepacked_path_and_other_dtypes_keep_nn_linear():
+def test_cpu_float32_takes_the_prepacked_path_and_other_dtypes_the_dense_kernel():
     _, _, fast = make_pair(False, True)
     attn, mlp = fast.model.layers[0].self_attn, fast.model.layers[0].mlp
     for layer in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, fast.lm_head):
         assert isinstance(layer, PrepackedLinear)
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")  # originals released
     _, _, bf16 = make_pair(False, True, dtype=torch.bfloat16)
-    assert type(bf16.model.layers[0].self_attn.qkv_proj) is nn.Linear
+    assert type(bf16.model.layers[0].self_attn.qkv_proj) is DenseLinear
 
 
 def test_bf16_fallback_still_matches_the_plain_model():

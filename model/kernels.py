@@ -1,0 +1,315 @@
+"""Linear-layer kernels for serving, and the measurement that picks one per layer role on this machine.
+
+A *mode* (precision.py) fixes what the weights are (float32, bfloat16, int8, int4); a *kernel* is
+how one multiply with those weights is carried out. Kernels of one mode give the same product up
+to float rounding, so choosing among them is a matter of speed and of batch invariance, and both
+are measured here, on the model's real shapes, at load:
+
+- dense:  F.linear on a plain weight (torch's BLAS path)
+- onednn: the weight reordered once into oneDNN's blocked layout (float32, bfloat16; float16
+          only where the CPU has native float16 arithmetic); onednn-m2 runs a lone row as two,
+          onednn-c16 also splits calls into chunks of 16 rows, for builds whose one-row or
+          large-M paths round differently from the rest
+- int8:   torch's weight-only int8 kernel, one scale per output row, bfloat16/float16 activations
+- int4:   torch's weight-only int4 kernel, groups of 32 along K with a scale and a zero each
+          (GGUF Q4_1 maps onto it as it is; see quant.py), bfloat16 activations
+
+Invariance: a kernel is batch-invariant when every output row is bitwise the same whatever other
+rows share the call (1 row, a decode batch, a packed prompt). Some GEMMs change their blocking or
+reduction order with M at real K (576, 1536) and not at toy sizes, so it is checked on the
+model's own weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .quant import GROUP, Q41Blocks, int4_pack, int8_per_channel, quantize_q41
+
+ROLES = ("qkv", "o", "gate_up", "down", "head")
+DECODE_BUCKETS = (1, 8, 32)  # batch sizes the choice is timed at
+INVARIANCE_ROWS = (*range(2, 18), 31, 32, 33, 64, 100, 256)  # calls whose rows must equal each row alone
+INVARIANCE_ALONE = 64  # rows computed alone for the comparison (rounding differences are data-dependent: many rows)
+
+
+class ServingLinear(nn.Module):
+    """Base of the kernels holding weights in their own layout (buffers, not parameters)."""
+
+    kernel = "?"
+
+    def __init__(self, out_features: int, in_features: int, bias: Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight layout held (buffers + opaque packed tensors)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+class DenseLinear(ServingLinear):
+    kernel = "dense"
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__(*weight.shape, bias)
+        self.register_buffer("weight", weight.detach().contiguous(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDNNLinear(ServingLinear):
+    kernel = "onednn"
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__(*weight.shape, bias)
+        # opaque oneDNN tensor: a plain attribute (no storage that state_dict or .to() could use)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self._bytes = weight.numel() * weight.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes + super().nbytes
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class OneDNNLinearM2(OneDNNLinear):
+    """oneDNN with a lone row computed as the first of two: some oneDNN builds take a different
+    (GEMV) path for one row, whose rounding differs from every M >= 2 (measured: float32 at K=1536
+    on an AVX-512 EPYC and on an AMX Xeon). Padding costs one extra row at batch 1 only."""
+
+    kernel = "onednn-m2"
+    chunk = 0  # > 0: rows go through in chunks of at most this many (OneDNNLinearChunked)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            x2 = x.reshape(1, -1).expand(2, -1)  # [2, K]
+            return super().forward(x2)[:1].reshape(*x.shape[:-1], self.out_features)
+        if not self.chunk or rows <= self.chunk:
+            return super().forward(x)
+        flat = x.reshape(rows, -1)
+        parts = [super(OneDNNLinearM2, self).forward(flat[i: i + self.chunk]) for i in range(0, rows, self.chunk)]
+        if parts[-1].shape[0] == 1:  # a lone last row: the two-row path too
+            parts[-1] = self.forward(flat[-1:])
+        return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
+
+
+class OneDNNLinearChunked(OneDNNLinearM2):
+    """oneDNN over chunks of at most 16 rows (a lone row run as two): for builds that switch to a
+    differently rounding blocking at larger M (measured: bfloat16 at K=1536 from M=31 on an
+    AVX-512 EPYC). Costs prefill speed on the layers that need it; decode batches are small."""
+
+    kernel = "onednn-c16"
+    chunk = 16
+
+
+# The weight-only kernels as opaque custom ops: a compiled step (compile.py) then calls them as they
+# are instead of letting the compiler decompose them into a dequantize + matmul.
+@torch.library.custom_op("lmserve::int8_mm", mutates_args=())
+def int8_mm(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
+
+
+@int8_mm.register_fake
+def _(x, qweight, scale):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.custom_op("lmserve::int4_mm", mutates_args=())
+def int4_mm(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP, scale_zero)
+
+
+@int4_mm.register_fake
+def _(x, packed, scale_zero):
+    return x.new_empty(x.shape[0], scale_zero.shape[1])
+
+
+class Int8Linear(ServingLinear):
+    kernel = "int8"
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype):
+        super().__init__(*weight.shape, bias)
+        q, scale = int8_per_channel(weight, dtype)
+        self.register_buffer("qweight", q, persistent=False)  # [N, K] int8
+        self.register_buffer("scale", scale, persistent=False)  # [N]
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = int8_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)  # [M, N]
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(ServingLinear):
+    kernel = "int4"
+
+    def __init__(self, blocks: Q41Blocks, bias: Tensor | None, dtype: torch.dtype):
+        super().__init__(*blocks.q.shape, bias)
+        packed, scale_zero = int4_pack(blocks, dtype)
+        self.register_buffer("packed", packed, persistent=False)  # [N, K/2] uint8
+        self.register_buffer("scale_zero", scale_zero, persistent=False)  # [K/32, N, 2]
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = int4_mm(x.reshape(-1, shape[-1]), self.packed, self.scale_zero)  # [M, N]
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class WeightSource:
+    """What a serving linear is built from: the float32 weight and, for GGUF Q4_1, its blocks."""
+
+    weight: Tensor  # [N, K] float32 (dequantized when the file is quantized)
+    bias: Tensor | None = None
+    q41: Q41Blocks | None = None
+
+    @staticmethod
+    def cat(parts: list["WeightSource"]) -> "WeightSource":
+        if len(parts) == 1:
+            return parts[0]
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        q41 = Q41Blocks.cat([p.q41 for p in parts]) if all(p.q41 is not None for p in parts) else None
+        return WeightSource(torch.cat([p.weight for p in parts]), bias, q41)
+
+
+def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
+    """A serving linear of `kernel` computing in `dtype` from `src`."""
+    bias = None if src.bias is None else src.bias.to(dtype)
+    if kernel == "dense":
+        return DenseLinear(src.weight.to(dtype), bias)
+    if kernel == "onednn":
+        return OneDNNLinear(src.weight.to(dtype), bias)
+    if kernel == "onednn-m2":
+        return OneDNNLinearM2(src.weight.to(dtype), bias)
+    if kernel == "onednn-c16":
+        return OneDNNLinearChunked(src.weight.to(dtype), bias)
+    if kernel == "int8":
+        return Int8Linear(src.weight, bias, dtype)
+    if kernel == "int4":
+        if src.weight.shape[1] % GROUP:
+            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
+        return Int4Linear(src.q41 if src.q41 is not None else quantize_q41(src.weight), bias, dtype)
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN takes weights of this dtype here (float16 needs native float16 arithmetic)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=dtype))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 32, dtype=dtype), w, None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.device) -> list[str]:
+    """Kernels that compute `role` in this mode; all give the same product up to rounding."""
+    if quantization == "int8" or (quantization == "int4" and role == "head"):
+        return ["int8"]  # the LM head stays int8 in int4 mode (GGUF files store it as Q8_0)
+    if quantization == "int4":
+        return ["int4"]
+    if device.type != "cpu":
+        return ["dense"]
+    return ["dense", "onednn", "onednn-m2", "onednn-c16"] if onednn_supports(dtype) else ["dense"]
+
+
+# ---- measurement ------------------------------------------------------------------------------
+def rows_invariant(layer: nn.Module, in_features: int, dtype: torch.dtype, seed: int = 0) -> bool:
+    """True when each output row is bitwise the same computed alone and among 2..256 rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(INVARIANCE_ROWS), in_features, generator=g).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i: i + 1]) for i in range(INVARIANCE_ALONE)])  # [64, N]
+        return all(torch.equal(layer(x[:m])[:INVARIANCE_ALONE], alone[:m]) for m in INVARIANCE_ROWS)
+
+
+def time_layers(layers: list[nn.Module], rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Fastest of `repeats` passes of `rows` rows through every layer, in seconds."""
+    return time_candidates({"x": layers}, (rows,), dtype, repeats)["x"][rows]
+
+
+def time_candidates(sets: dict[str, list[nn.Module]], buckets, dtype: torch.dtype,
+                    repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds per pass of each bucket's rows through every layer of each candidate set.
+
+    The candidates take turns within every repeat and each keeps its fastest pass: on a shared
+    machine a slow pass measures the neighbours, and taking turns exposes every candidate to the
+    same neighbours."""
+    ins = {n: torch.randn(max(buckets), n).to(dtype) for ls in sets.values() for n in {m.in_features for m in ls}}
+    best = {k: {b: float("inf") for b in buckets} for k in sets}
+    with torch.inference_mode():
+        for layers in sets.values():
+            for b in buckets:
+                for m in layers:
+                    m(ins[m.in_features][:b])  # warm-up: primitive creation, first-touch of the output
+        for _ in range(repeats):
+            for name, layers in sets.items():
+                for b in buckets:
+                    t0 = time.perf_counter()
+                    for m in layers:
+                        m(ins[m.in_features][:b])
+                    best[name][b] = min(best[name][b], time.perf_counter() - t0)
+    return best
+
+
+@dataclass
+class RoleMeasurement:
+    kernel: str
+    seconds: dict[int, float]  # per decode bucket, summed over the timed layers of this role
+    invariant: bool | None  # None: not checked (a faster kernel was chosen first)
+
+
+def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype, batch_invariant: bool = True,
+                 buckets=DECODE_BUCKETS) -> tuple[list[RoleMeasurement], RoleMeasurement | None]:
+    """Time each candidate kernel on these weights (one per layer) at every bucket, then take the
+    fastest (pick) whose rows are batch-invariant when that is required; invariance is checked in
+    that order only as far as needed. Returns (all measurements, the choice or None)."""
+    sets = {}
+    for kernel in kernels:
+        try:
+            sets[kernel] = [build(kernel, s, dtype) for s in sources]
+        except (RuntimeError, ValueError):  # the kernel does not take this shape or dtype here
+            continue
+    times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3)
+    measured = [RoleMeasurement(k, times[k], None) for k in sets]
+    remaining = list(measured)
+    while remaining:
+        best = pick(remaining, batch_invariant=False)
+        if not batch_invariant:
+            return measured, best
+        best.invariant = rows_invariant(sets[best.kernel][0], sets[best.kernel][0].in_features, dtype)
+        if best.invariant:
+            return measured, best
+        remaining.remove(best)
+    return measured, None
+
+
+def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurement | None:
+    """The fastest allowed kernel, scoring each by the sum over buckets of its time relative to the
+    best at that bucket (so batch 1 and batch 32 count alike)."""
+    allowed = [m for m in measured if m.invariant or not batch_invariant]
+    if not allowed:
+        return None
+    best = {b: min(m.seconds[b] for m in allowed) for b in allowed[0].seconds}
+    return min(allowed, key=lambda m: sum(m.seconds[b] / best[b] for b in best))
+
+
+__all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "OneDNNLinearChunked", "Int8Linear", "Int4Linear",
+           "WeightSource", "build", "candidates", "onednn_supports", "rows_invariant", "time_layers", "time_candidates",
+           "measure_role", "pick", "RoleMeasurement"]

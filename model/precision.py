@@ -1,0 +1,316 @@
+"""Precision modes and the per-machine choice of mode and kernels, measured at load and cached on disk.
+
+A mode is (compute dtype, weight quantization): float32, bfloat16, float16, bfloat16+int8,
+bfloat16+int4. `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
+mode's linear layers are timed on the model's real weights at the decode batch buckets, each
+kernel is checked for batch invariance (kernels.py), and the fastest mode whose quality on the
+held-out text stays within quality.py's bounds (against this checkpoint in float32) wins.
+The decision is written to `<cache_dir>/kernels/<key>.json`, keyed by the CPU (model name and
+flags), torch version and thread count, the checkpoint file, and the request; a restart reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import kernels as K
+from .errors import ModelLoadError
+
+log = logging.getLogger("lmserve.model")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+QUANTIZATIONS = ("none", "int8", "int4")
+TIMED_BYTES = 256 << 20  # float32 weight bytes of the layers timed: far beyond any last-level cache, so the
+# timing streams weights from memory as serving does (4 SmolLM2 layers fit a 32 MB L3 in bfloat16 and
+# made bfloat16 look faster than int4 on a machine where it is 3x slower)
+
+
+class PrecisionError(ModelLoadError):
+    """A requested precision mode that this device cannot serve (raised before anything is built)."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    dtype: torch.dtype
+    quantization: str = "none"
+
+    @property
+    def name(self) -> str:
+        d = str(self.dtype).removeprefix("torch.")
+        return d if self.quantization == "none" else f"{d}+{self.quantization}"
+
+
+@dataclass
+class Plan:
+    """The served mode and the kernel of each linear role, with how they were chosen."""
+
+    mode: Mode
+    kernels: dict[str, str]  # role -> kernel
+    how: str = "default"  # "default", "measured in N s", "cached"
+    measurements: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Short text for the startup line, GetModelInfo and `lmserve info`."""
+        kinds = {}
+        for role in K.ROLES:
+            if role in self.kernels:
+                kinds.setdefault(self.kernels[role], []).append(role)
+        if len(kinds) == 1:
+            return next(iter(kinds))
+        return ", ".join(f"{k} ({'/'.join(r)})" for k, r in kinds.items())
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise PrecisionError(f"--dtype {dtype!r}: expected auto, {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[dtype]
+
+
+def candidate_modes(device: torch.device, dtype, quantization: str | None) -> list[Mode]:
+    """The modes a request allows on this device, or PrecisionError saying why none is possible."""
+    dt = parse_dtype(dtype)
+    q = quantization or "auto"
+    if q not in (*QUANTIZATIONS, "auto"):
+        raise PrecisionError(f"--quantization {q!r}: expected auto, none, int8 or int4")
+    if device.type != "cpu":
+        if q in ("int8", "int4"):
+            raise PrecisionError(f"--quantization {q} is served on CPU only (torch's weight-only CPU kernels); "
+                                 f"on {device.type} use --quantization none with bfloat16 or float16")
+        return [Mode(dt or torch.bfloat16)]
+    if q in ("int8", "int4"):
+        if dt not in (None, torch.bfloat16):
+            raise PrecisionError(f"--quantization {q} computes in bfloat16 on CPU (torch's {q} kernel has no fast "
+                                 f"path for {str(dt).removeprefix('torch.')} activations); use --dtype bfloat16 or auto")
+        return [Mode(torch.bfloat16, q)]
+    if q == "none":
+        return [Mode(dt)] if dt is not None else [Mode(torch.float32), Mode(torch.bfloat16)]
+    if dt is None:  # both auto
+        modes = [Mode(torch.float32), Mode(torch.bfloat16), Mode(torch.bfloat16, "int8"), Mode(torch.bfloat16, "int4")]
+        if K.onednn_supports(torch.float16):  # native float16 arithmetic on this CPU
+            modes.append(Mode(torch.float16))
+        return modes
+    if dt == torch.bfloat16:
+        return [Mode(dt), Mode(dt, "int8"), Mode(dt, "int4")]
+    return [Mode(dt)]
+
+
+# ---- the machine and the cache key ----------------------------------------------------------------
+def cpu_identity() -> dict:
+    """CPU model name and feature flags (from /proc/cpuinfo where present), torch build and threads."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": name, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def cache_key(source: Path, request: dict) -> str:
+    st = source.stat() if source.exists() else None
+    ident = {"machine": cpu_identity(), "model": [str(source.resolve()), st.st_size if st else 0,
+                                                  int(st.st_mtime) if st else 0], "request": request}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _plan_to_json(plan: Plan) -> dict:
+    return {"dtype": str(plan.mode.dtype).removeprefix("torch."), "quantization": plan.mode.quantization,
+            "kernels": plan.kernels, "measurements": plan.measurements}
+
+
+def _plan_from_json(d: dict) -> Plan:
+    return Plan(Mode(DTYPES[d["dtype"]], d["quantization"]), dict(d["kernels"]), "cached", d.get("measurements", {}))
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def _role_sources(model) -> dict[str, list[K.WeightSource]]:
+    """Float32 sources of each role for the first layers (TIMED_BYTES of them), from an unprepared model."""
+    def src(*linears):
+        return K.WeightSource.cat([K.WeightSource(m.weight, m.bias, getattr(m, "q41", None)) for m in linears])
+    per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    layers = list(model.model.layers)[:max(2, -(-TIMED_BYTES // per_layer))]
+    return {"qkv": [src(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers],
+            "o": [src(l.self_attn.o_proj) for l in layers],
+            "gate_up": [src(l.mlp.gate_proj, l.mlp.up_proj) for l in layers],
+            "down": [src(l.mlp.down_proj) for l in layers],
+            "head": [src(model.lm_head)]}
+
+
+def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
+                 sources: dict | None = None) -> dict | None:
+    """Per-role kernel choice and the mode's decode-step matmul time per bucket (all layers), or None
+    when some role has no allowed kernel (none is batch-invariant and invariance is required)."""
+    sources = sources or _role_sources(model)
+    n_layers = len(model.model.layers)
+    chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
+    detail = {}
+    for role in K.ROLES:
+        ms, best = K.measure_role(K.candidates(mode.quantization, mode.dtype, role, device), sources[role],
+                                  mode.dtype, batch_invariant)
+        detail[role] = {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
+                                   "batch_invariant": m.invariant} for m in ms}
+        if best is None:
+            return {"kernels": None, "detail": detail}
+        chosen[role] = best.kernel
+        scale = 1 if role == "head" else n_layers / len(sources[role])
+        for b in step:
+            step[b] += best.seconds[b] * scale
+    return {"kernels": chosen, "step_ms": {b: round(s * 1e3, 3) for b, s in step.items()}, "detail": detail}
+
+
+@torch.inference_mode()
+def model_batch_invariant(model, ids: list[int], device: torch.device | str = "cpu") -> bool:
+    """End to end at the model's real shapes: prompts prefilled alone and packed together, then one
+    decode step alone and as a batch, give bitwise the same logits (every kernel, norm and RoPE).
+
+    Decode uses prompts of one length so that every sequence attends over the same number of keys
+    alone and batched: how attention calls group sequences of different lengths is the attention
+    plan's business (its own tests), not the precision mode's."""
+    from .attention import AttentionMetadata
+    from .kv_cache import KVCache
+
+    dtype = model.model.norm.weight.dtype
+    room = min(model.config.max_position_embeddings - 2, 62)  # a small model's context may be short
+    ids = (list(ids) or [0]) * (300 // max(1, len(ids)) + 1)  # enough tokens for every prompt below
+
+    def prefill(cache, prompts, slots):
+        q_lens = torch.tensor([len(p) for p in prompts])
+        meta, pos = AttentionMetadata.packed(torch.tensor(slots), q_lens)
+        flat = torch.tensor([t for p in prompts for t in p])[None]
+        return model(flat.to(device), pos.to(device), meta, cache, logits_index=torch.cumsum(q_lens, 0) - 1)
+
+    def decode(cache, prompts, slots, tokens):
+        starts = torch.tensor([len(p) for p in prompts])
+        meta = AttentionMetadata.for_cache(torch.tensor(slots), starts, torch.ones_like(starts), 1)
+        return model(tokens[:, None].to(device), starts[:, None].to(device), meta, cache)[:, 0]
+
+    for lengths, steps in (((7, 29, 45), False), ((29, 29, 29, 29, 29), True)):
+        prompts = [ids[i * 50: i * 50 + min(n, room)] for i, n in enumerate(lengths)]
+        n = len(prompts)
+        alone_p, alone_d = [], []
+        for i in range(n):
+            cache = KVCache(model.config, n, 64, dtype, device)
+            alone_p.append(prefill(cache, prompts[i: i + 1], [i]))
+            if steps:
+                alone_d.append(decode(cache, prompts[i: i + 1], [i], alone_p[-1].argmax(-1)))
+        cache = KVCache(model.config, n, 64, dtype, device)
+        together = prefill(cache, prompts, list(range(n)))
+        if not torch.equal(torch.cat(alone_p), together):
+            return False
+        if steps and not torch.equal(torch.cat(alone_d), decode(cache, prompts, list(range(n)), together.argmax(-1))):
+            return False
+    return True
+
+
+def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device,
+           build_mode) -> Plan:
+    """Measure every mode, then walk them fastest first and keep the first within the quality bounds.
+
+    build_mode(plan) -> a prepared model in that plan (used for the quality probe)."""
+    from . import quality as Qm
+
+    t0 = time.perf_counter()
+    sources = _role_sources(model)
+    measured = {}
+    for mode in modes:
+        if device.type != "cpu":
+            measured[mode] = {"kernels": {r: "dense" for r in K.ROLES}, "step_ms": {b: 0.0 for b in K.DECODE_BUCKETS}}
+            continue
+        m = measure_mode(model, mode, batch_invariant, device, sources)
+        if m["kernels"] is not None:
+            measured[mode] = m
+    if not measured:
+        raise PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
+                             "pass --batch-invariant false to serve it anyway")
+    best_at = {b: min(m["step_ms"][b] for m in measured.values()) or 1e-9 for b in K.DECODE_BUCKETS}
+    ranked = sorted(measured, key=lambda md: sum(measured[md]["step_ms"][b] / best_at[b] for b in best_at))
+    report = {"modes": {md.name: measured[md] for md in ranked}}
+    chosen = None
+    ids = Qm.text_ids(tokenizer, 256)
+    ref = None
+    for md in ranked:
+        reference = md.dtype == torch.float32 and md.quantization == "none"
+        if len(ranked) == 1 and not batch_invariant:
+            chosen = md
+            break
+        candidate = build_mode(Plan(md, measured[md]["kernels"]))
+        if batch_invariant:
+            ok = model_batch_invariant(candidate, ids)
+            report["modes"][md.name]["model_batch_invariant"] = ok
+            if not ok:
+                continue
+        if reference or len(ranked) == 1:
+            chosen = md
+            break
+        if ref is None:
+            ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids)
+        q = Qm.compare(ref, Qm.logits_of(candidate, ids), ids)
+        report["modes"][md.name]["quality"] = q.as_dict()
+        if q.within_bounds():
+            chosen = md
+            break
+    del ref
+    if chosen is None:
+        raise PrecisionError("no requested mode is batch-invariant end to end on this machine "
+                             f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
+    dt = time.perf_counter() - t0
+    report["seconds"] = round(dt, 2)
+    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report)
+
+
+def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
+                 batch_invariant: bool, cache_dir: Path | None, build_mode) -> Plan:
+    """The plan to serve: from the disk cache when this machine already measured this request."""
+    modes = candidate_modes(device, dtype, quantization)
+    if device.type != "cpu":
+        return Plan(modes[0], {r: "dense" for r in K.ROLES})
+    request = {"dtype": str(dtype), "quantization": quantization or "auto", "batch_invariant": batch_invariant,
+               "device": str(device), "version": 2}
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / "kernels" / f"{cache_key(source, request)}.json"
+        if path.is_file():
+            try:
+                plan = _plan_from_json(json.loads(path.read_text()))
+                if plan.mode in modes:
+                    return plan
+            except (ValueError, KeyError, TypeError):
+                pass  # unreadable: measure again
+    plan = choose(model, tokenizer, modes, batch_invariant, device, build_mode)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**_plan_to_json(plan), "machine": cpu_identity()["cpu"]}, indent=1))
+            tmp.replace(path)
+        except OSError as exc:  # a read-only cache: measure again next time
+            log.warning("kernel choice not cached (%s)", exc)
+    return plan
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/lmserve, else ~/.cache/lmserve (read when called)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lmserve"
+
+
+__all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode",
+           "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

@@ -1,0 +1,83 @@
+"""Quality of a precision mode, measured the way llama.cpp reports its quantizations.
+
+Two numbers over a fixed held-out text, each against a float32 reference forward of the same
+checkpoint: perplexity of the text, and the mean KL divergence KL(P_ref || P_mode) of the
+next-token distributions at every position. The text ships with the package so every machine
+measures the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .attention import AttentionMetadata
+
+HELD_OUT_TEXT = (Path(__file__).with_name("quality_text.txt")).read_text(encoding="utf-8")
+
+# Bounds a mode must meet to be served by `auto` (and that the tests assert, with margin, on
+# SmolLM2-135M). Measured on SmolLM2-135M Q4_1 (see README "Precision modes"): bfloat16 and int4
+# (the file's own Q4_1 codes) stay far inside; int8 re-quantizes the already 4-bit weights.
+MAX_MEAN_KL = 0.02  # nats per token
+MAX_PPL_RATIO = 1.03  # perplexity / reference perplexity
+
+
+@dataclass(frozen=True)
+class Quality:
+    tokens: int
+    perplexity: float
+    reference_perplexity: float
+    mean_kl: float  # nats per token, KL(reference || mode)
+    top1_agreement: float  # fraction of positions whose argmax matches the reference
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.perplexity / self.reference_perplexity
+
+    def within_bounds(self) -> bool:
+        return self.mean_kl <= MAX_MEAN_KL and self.ppl_ratio <= MAX_PPL_RATIO
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "perplexity": self.perplexity, "reference_perplexity": self.reference_perplexity,
+                "ppl_ratio": self.ppl_ratio, "mean_kl": self.mean_kl, "top1_agreement": self.top1_agreement}
+
+
+@torch.inference_mode()
+def logits_of(model, ids: list[int], window: int = 512) -> Tensor:
+    """Full-sequence logits [T, V] (float32) of one text, in windows of `window` tokens without a cache
+    (each window is scored on its own, as llama.cpp's perplexity tool does with its context size)."""
+    out = []
+    device = next(iter(model.buffers())).device
+    for start in range(0, len(ids), window):
+        chunk = torch.tensor(ids[start:start + window], device=device)[None]  # [1, L]
+        L = chunk.shape[1]
+        out.append(model(chunk, torch.arange(L, device=device)[None], AttentionMetadata.fresh(torch.tensor([L]))
+                         )[0].float())
+    return torch.cat(out)  # [T, V]
+
+
+def compare(ref_logits: Tensor, logits: Tensor, ids: list[int], window: int = 512) -> Quality:
+    """Quality of `logits` against `ref_logits` ([T, V] each) on the text `ids` (the first token of each window predicts nothing)."""
+    targets = torch.tensor(ids)
+    keep = torch.ones(len(ids), dtype=torch.bool)
+    keep[::window] = False  # position t predicts token t+1 within its window
+    pred = torch.nonzero(keep).squeeze(1) - 1  # logits rows that have a target
+    ref_lp = torch.log_softmax(ref_logits[pred], -1)  # [n, V]
+    lp = torch.log_softmax(logits[pred], -1)
+    tgt = targets[keep]
+    nll_ref = -ref_lp.gather(1, tgt[:, None]).mean()
+    nll = -lp.gather(1, tgt[:, None]).mean()
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean()
+    agree = (ref_lp.argmax(-1) == lp.argmax(-1)).float().mean()
+    return Quality(int(pred.numel()), float(nll.exp()), float(nll_ref.exp()), float(kl), float(agree))
+
+
+def text_ids(tokenizer, max_tokens: int | None = None) -> list[int]:
+    ids = tokenizer.encode(HELD_OUT_TEXT, add_special_tokens=False)
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+__all__ = ["HELD_OUT_TEXT", "MAX_MEAN_KL", "MAX_PPL_RATIO", "Quality", "logits_of", "compare", "text_ids"]

@@ -1,0 +1,84 @@
+"""Weight-only quantization for serving: int8 per output channel, int4 in groups of 32 along K.
+
+Two sources:
+- a float weight [N, K]: int8 = round(w / s) with s = max|row| / 127 (symmetric, per row);
+  int4 = Q4_1's recipe per group of 32 (asymmetric: min and step, q in 0..15);
+- a GGUF tensor already stored as Q4_1 (`Q41Blocks`): its 4-bit codes, steps and minimums are
+  served as they are. Q4_1 reads w = d * q + m; torch's int4 kernels read
+  w = (q - 8) * scale + zero, so scale = d and zero = m + 8 d, the same weight, with d and m
+  rounded from float16 to the activation dtype (bfloat16 on CPU).
+
+The kernels that consume these layouts live in kernels.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+GROUP = 32  # Q4_1's block and the int4 group size used everywhere here
+
+
+@dataclass
+class Q41Blocks:
+    """A Q4_1 matrix [N, K] unpacked: q [N, K] uint8 codes 0..15, d and m [N, K/32] float32."""
+
+    q: Tensor
+    d: Tensor
+    m: Tensor
+
+    @staticmethod
+    def from_raw(raw: np.ndarray) -> "Q41Blocks":
+        """raw [N, K/32 * 20] bytes of GGUF Q4_1 blocks: float16 d, float16 m, 16 bytes of nibbles
+        (low nibble = element j, high nibble = element j + 16 of the block)."""
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 20)  # [N, K/32, 20]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nib = blocks[..., 4:]  # [N, K/32, 16]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, -1)  # [N, K]
+        return Q41Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+    def rows(self, index: Tensor) -> "Q41Blocks":
+        return Q41Blocks(self.q[index], self.d[index], self.m[index])
+
+    @staticmethod
+    def cat(parts: list["Q41Blocks"]) -> "Q41Blocks":
+        return Q41Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                         torch.cat([p.m for p in parts]))
+
+    def dequantize(self) -> Tensor:
+        """[N, K] float32, exactly what GGUF readers produce."""
+        return self.q.float() * self.d.repeat_interleave(GROUP, 1) + self.m.repeat_interleave(GROUP, 1)
+
+
+def quantize_q41(w: Tensor) -> Q41Blocks:
+    """Q4_1's recipe on a float weight [N, K] (K a multiple of 32): per group, m = min, d = (max - min) / 15."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)  # [N, K/32]
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = ((g - lo[..., None]) * inv[..., None]).round().clamp_(0, 15).to(torch.uint8).reshape(N, K)
+    return Q41Blocks(q, d, lo)
+
+
+def int4_pack(blocks: Q41Blocks, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(packed weight for _weight_int4pack_mm_for_cpu, scale_and_zero [K/32, N, 2] in `dtype`)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32).contiguous(), 1)
+    scale_zero = torch.stack([blocks.d.t(), (blocks.m + 8 * blocks.d).t()], dim=-1)  # [K/32, N, 2]
+    return packed, scale_zero.to(dtype).contiguous()
+
+
+def int8_per_channel(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(int8 weight [N, K], scales [N] in `dtype`): symmetric, one scale per output row."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp_(min=1e-12).to(dtype).float()  # [N], as the kernel will read it
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(dtype)
+
+
+__all__ = ["GROUP", "Q41Blocks", "quantize_q41", "int4_pack", "int8_per_channel"]

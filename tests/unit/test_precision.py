@@ -1,0 +1,242 @@
+"""Precision modes and kernels: the layouts are right, the choice is measured and cached, impossible
+modes are refused, and the real SmolLM2 GGUF keeps its quality and its batch invariance.
+
+Oracles: the GGUF reader's own dequantization (for Q4_1 blocks), plain float32 matmuls (for each
+kernel), transformers in float32 (for quality), and each request run alone (for invariance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lmserve.model import kernels as K
+from lmserve.model import precision as P
+from lmserve.model import quality as Q
+from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.loader import load_model
+from lmserve.model.quant import Q41Blocks, int4_pack, int8_per_channel, quantize_q41
+from lmserve.server.engine.request import Request
+from test_engine_helpers import collect, greedy, running
+
+SMOLLM2_PARAMETERS = 134_515_008
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_gguf_path):
+    return read_gguf(smollm2_gguf_path, keep_q41=True)
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
+# ---- layouts ---------------------------------------------------------------------------------------
+def test_q41_blocks_read_from_the_file_reproduce_the_readers_dequantization_exactly(gguf):
+    assert len(gguf.q41) == 7 * gguf.config.num_layers  # every projection of SmolLM2's file is Q4_1
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight"):
+        blocks = gguf.q41[name]
+        assert int(blocks.q.max()) == 15 and int(blocks.q.min()) == 0
+        assert torch.equal(blocks.dequantize(), gguf.tensors[name])  # q/k rows un-permuted alike
+
+
+def test_int4_kernel_on_q41_blocks_computes_the_files_weights(gguf):
+    blocks = gguf.q41["model.layers.0.mlp.down_proj.weight"]  # K = 1536
+    layer = K.build("int4", K.WeightSource(gguf.tensors["model.layers.0.mlp.down_proj.weight"], q41=blocks),
+                    torch.bfloat16)
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    # the reference: bf16-rounded scale and zero, exactly what the kernel is given
+    _, sz = int4_pack(blocks, torch.bfloat16)
+    w = (blocks.q.float() - 8) * sz[..., 0].t().float().repeat_interleave(32, 1) + \
+        sz[..., 1].t().float().repeat_interleave(32, 1)
+    ref = x.float() @ w.t()
+    got = layer(x).float()
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    # and it is close to the file's own float weights
+    exact = x.float() @ gguf.tensors["model.layers.0.mlp.down_proj.weight"].t()
+    assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+def test_quantizers_bound_their_error():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    blocks = quantize_q41(w)
+    step = blocks.d.repeat_interleave(32, 1)
+    assert ((blocks.dequantize() - w).abs() <= step / 2 + 1e-6).all()  # round to the nearest of 16 levels
+    q, s = int8_per_channel(w, torch.bfloat16)
+    assert ((q.float() * s.float()[:, None] - w).abs() <= s.float()[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kernel,dtype,tol", [("dense", torch.float32, 1e-5), ("onednn", torch.float32, 1e-5),
+                                              ("onednn-m2", torch.float32, 1e-5), ("dense", torch.bfloat16, 2e-2),
+                                              ("int8", torch.bfloat16, 3e-2), ("int4", torch.bfloat16, 0.15)])
+def test_each_kernel_computes_the_linear(kernel, dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    if kernel.startswith("onednn") and not K.onednn_supports(dtype):
+        pytest.skip("no oneDNN here")
+    layer = K.build(kernel, K.WeightSource(w, b), dtype)
+    for rows in (1, 3):
+        x = torch.randn(2, rows, 64, generator=g)
+        got = layer(x.to(dtype)).float()
+        ref = x @ w.t() + b
+        assert got.shape == (2, rows, 96)
+        assert (got - ref).abs().max() <= tol * ref.abs().max(), kernel
+
+
+class _BatchDependent(nn.Module):
+    """Each row shifted by the batch mean: output rows depend on the other rows."""
+
+    in_features, out_features = 32, 8
+
+    def forward(self, x):
+        return x[:, :8] + 1e-3 * x[:, :8].mean(0)
+
+
+def test_invariance_check_catches_a_batch_dependent_kernel_and_pick_respects_it():
+    assert not K.rows_invariant(_BatchDependent(), 32, torch.float32)
+    assert K.rows_invariant(K.build("int8", K.WeightSource(torch.randn(16, 32)), torch.bfloat16), 32, torch.bfloat16)
+    fast_varying = K.RoleMeasurement("fast", {1: 1.0, 8: 1.0}, invariant=False)
+    slow_stable = K.RoleMeasurement("slow", {1: 2.0, 8: 2.0}, invariant=True)
+    assert K.pick([fast_varying, slow_stable], batch_invariant=True).kernel == "slow"
+    assert K.pick([fast_varying, slow_stable], batch_invariant=False).kernel == "fast"
+    assert K.pick([fast_varying], batch_invariant=True) is None
+
+
+# ---- modes: refused early, with the reason ---------------------------------------------------------
+@pytest.mark.parametrize("device,dtype,quant,words", [
+    ("cpu", "float32", "int4", "bfloat16"), ("cpu", "float16", "int8", "bfloat16"),
+    ("cuda", "auto", "int4", "CPU only"), ("cpu", "auto", "int3", "expected auto"), ("cpu", "float64", "none", "--dtype"),
+])
+def test_impossible_modes_are_refused_with_a_reason(device, dtype, quant, words):
+    with pytest.raises(P.PrecisionError, match=words):
+        P.candidate_modes(torch.device(device), dtype, quant)
+
+
+def test_a_refused_mode_fails_before_reading_the_checkpoint(tmp_path):
+    with pytest.raises(P.PrecisionError):
+        load_model(tmp_path / "does-not-exist.gguf", dtype="float32", quantization="int4", device="cpu")
+
+
+def test_auto_candidates_cover_every_cpu_mode():
+    names = {m.name for m in P.candidate_modes(torch.device("cpu"), "auto", "auto")}
+    assert {"float32", "bfloat16", "bfloat16+int8", "bfloat16+int4"} <= names
+    assert [m.name for m in P.candidate_modes(torch.device("cpu"), "float32", None)] == ["float32"]
+
+
+# ---- the real model ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def auto_loaded(smollm2_gguf_path, kernel_cache):
+    return load_model(smollm2_gguf_path, device="cpu", cache_dir=kernel_cache)
+
+
+def test_auto_measures_caches_and_a_restart_reads_the_choice(smollm2_gguf_path, kernel_cache, auto_loaded,
+                                                            monkeypatch):
+    plan = auto_loaded.plan
+    assert plan.how.startswith("measured")
+    assert set(plan.kernels) == set(K.ROLES)
+    modes = plan.measurements["modes"]
+    assert set(modes) >= {"float32", "bfloat16", "bfloat16+int4"}
+    for m in modes.values():  # every candidate was timed at every bucket; the chosen ones are invariant
+        for role in K.ROLES:
+            for kernel in m["detail"][role].values():
+                assert set(kernel["ms"]) == set(K.DECODE_BUCKETS)
+            assert m["detail"][role][m["kernels"][role]]["batch_invariant"] is True
+    if plan.mode.name != "float32":
+        assert modes[plan.mode.name]["quality"]["mean_kl"] <= Q.MAX_MEAN_KL
+    files = list((kernel_cache / "kernels").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["kernels"] == plan.kernels
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again although the choice is cached")
+
+    monkeypatch.setattr(P, "choose", no_measuring)
+    again = load_model(smollm2_gguf_path, device="cpu", cache_dir=kernel_cache)
+    assert again.plan.how == "cached" and again.plan.kernels == plan.kernels and again.mode == auto_loaded.mode
+
+
+@pytest.mark.parametrize("dtype,quant", [("float32", "none"), ("bfloat16", "int4")])
+def test_every_weight_is_counted(smollm2_gguf_path, kernel_cache, auto_loaded, dtype, quant):
+    loaded = load_model(smollm2_gguf_path, dtype=dtype, quantization=quant, device="cpu", cache_dir=kernel_cache)
+    assert loaded.num_parameters == SMOLLM2_PARAMETERS
+    assert auto_loaded.num_parameters == SMOLLM2_PARAMETERS
+    if quant == "int4":  # 4-bit codes + bf16 scale/zero per 32, int8 head, bf16 embedding
+        assert loaded.weight_bytes < 0.4 * SMOLLM2_PARAMETERS * 4
+
+
+@pytest.fixture(scope="module")
+def compiled_loaded(smollm2_gguf_path, kernel_cache):
+    """int4 (compilable kernels on any CPU) with its layers compiled (compile.py). The one compiling
+    fixture: its compiled code is cached in the checkout's .cache, so only a first run pays the compiler."""
+    from pathlib import Path
+
+    inductor = Path(__file__).resolve().parents[2] / ".cache" / "inductor-tests"
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    try:
+        loaded = load_model(smollm2_gguf_path, device="cpu", quantization="int4", cache_dir=kernel_cache,
+                            compile="true")
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    if not loaded.compiled.compiled:
+        pytest.skip(loaded.compiled.reason)
+    return loaded
+
+
+def test_compiled_layers_match_eager_ones_within_the_quality_bounds(smollm2_gguf_path, kernel_cache, compiled_loaded):
+    eager = load_model(smollm2_gguf_path, device="cpu", quantization="int4", cache_dir=kernel_cache)
+    ids = Q.text_ids(eager.tokenizer, 128)
+    q = Q.compare(Q.logits_of(eager.model, ids), Q.logits_of(compiled_loaded.model, ids), ids)
+    assert q.mean_kl <= Q.MAX_MEAN_KL / 4 and q.top1_agreement >= 0.95
+
+
+@pytest.mark.parametrize("which", ["eager", "compiled"])
+def test_default_mode_keeps_greedy_tokens_the_same_alone_and_batched(request, which):
+    """Batch invariance at the real shapes (K = 576 and 1536): in the mode auto chose on this machine,
+    and in int4 with compiled layers."""
+    auto_loaded = request.getfixturevalue("auto_loaded" if which == "eager" else "compiled_loaded")
+    tok = auto_loaded.tokenizer
+    texts = ["The lighthouse keeper climbed the", "Write a haiku about rain:", "1, 2, 3, 4,",
+             "In 1905 Albert Einstein published", "def fibonacci(n):"]
+    prompts = [tok.encode(t) for t in texts]
+
+    async def alone():
+        out = []
+        with running(auto_loaded, max_batch=1) as engine:
+            for i, p in enumerate(prompts):
+                out.append((await collect(engine, Request(p, greedy(12, ignore_eos=True), request_id=f"a{i}")))[0])
+        return out
+
+    async def together():
+        with running(auto_loaded, max_batch=8) as engine:
+            return [r for r, _ in await asyncio.gather(
+                *(collect(engine, Request(p, greedy(12, ignore_eos=True), request_id=f"b{i}"))
+                  for i, p in enumerate(prompts)))]
+
+    want, got = asyncio.run(alone()), asyncio.run(together())
+    for w, g, t in zip(want, got, texts):
+        assert len(w.token_ids) == 12
+        assert g.token_ids == w.token_ids, (auto_loaded.mode, auto_loaded.kernels, t)
+
+
+def test_compile_true_refuses_a_plan_the_compiler_cannot_take(smollm2_gguf_path, kernel_cache):
+    from lmserve.model.compile import CompileRefused
+
+    if not K.onednn_supports(torch.float32):
+        pytest.skip("no oneDNN here: float32 plans use dense kernels, which compile")
+    loaded = load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache)
+    if not any(k.startswith("onednn") for k in loaded.plan.kernels.values()):
+        pytest.skip("float32 was measured faster on dense kernels here")
+    with pytest.raises(CompileRefused, match="opaque"):
+        load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="true")
+    auto = load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="auto")
+    assert not auto.compiled.compiled and "opaque" in auto.compiled.reason
