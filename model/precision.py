@@ -245,6 +245,7 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     report = {"modes": {md.name: measured[md] for md in ranked}}
     chosen = None
     ids = Qm.text_ids(tokenizer, 256)
+    window = min(512, model.config.max_position_embeddings)  # a small model's context may be shorter
     ref = None
     for md in ranked:
         reference = md.dtype == torch.float32 and md.quantization == "none"
@@ -261,8 +262,8 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
             chosen = md
             break
         if ref is None:
-            ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids)
-        q = Qm.compare(ref, Qm.logits_of(candidate, ids), ids)
+            ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids, window)
+        q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
         report["modes"][md.name]["quality"] = q.as_dict()
         if q.within_bounds():
             chosen = md
