@@ -143,7 +143,8 @@ class BenchConfig:
 
 
 async def _one_request(client: AsyncClient, prompt: Any, params: SamplingParams,
-                       timeout: float | None, run_start: float) -> RequestRecord:
+                       timeout: float | None, run_start: float, text: list[str] | None = None) -> RequestRecord:
+    """One streamed request, timed; `text`, when given, collects the answer's pieces."""
     start = time.perf_counter()
     events: list[tuple[float, int]] = []
     prompt_tokens = 0
@@ -152,6 +153,8 @@ async def _one_request(client: AsyncClient, prompt: Any, params: SamplingParams,
         async for chunk in client.stream(prompt, params, timeout=timeout):
             if chunk.token_ids:
                 events.append((time.perf_counter() - start, len(chunk.token_ids)))
+            if text is not None:
+                text.append(chunk.text)
             if chunk.usage is not None:
                 prompt_tokens = chunk.usage.prompt_tokens
     except LmserveError as e:

@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from .bench_stats import RequestRecord
-from .errors import LmserveError
 from .types import ChatMessage, SamplingParams
 
 # Short common words: byte-level BPE vocabularies (SmolLM2, Llama 3, Qwen2) give each, with its leading
@@ -53,6 +52,8 @@ async def run_conversations(client, items: list, turns: int, concurrency: int, c
     record, its turn number (1-based) in the same order, and the wall duration."""
     from .bench import _one_request
 
+    from .bench import _one_request  # bench imports this module
+
     records: list[RequestRecord] = []
     turn_of: list[int] = []
     next_conv = iter(range(conversations))
@@ -67,7 +68,7 @@ async def run_conversations(client, items: list, turns: int, concurrency: int, c
             prompt: Any = flatten(history) if flatten else history
             params = params_for(c * turns + t, item)
             text: list[str] = []
-            record = await _one_request_text(client, prompt, params, timeout, run_start, text)
+            record = await _one_request(client, prompt, params, timeout, run_start, text)
             records.append(record)
             turn_of.append(t + 1)
             if record.error:
@@ -81,24 +82,6 @@ async def run_conversations(client, items: list, turns: int, concurrency: int, c
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records, turn_of, time.perf_counter() - run_start
 
-
-async def _one_request_text(client, prompt, params: SamplingParams, timeout, run_start, text: list[str]) -> RequestRecord:
-    """As bench._one_request, also collecting the answer's text (the next turn sends it back)."""
-    start = time.perf_counter()
-    events: list[tuple[float, int]] = []
-    prompt_tokens = 0
-    error = None
-    try:
-        async for chunk in client.stream(prompt, params, timeout=timeout):
-            if chunk.token_ids:
-                events.append((time.perf_counter() - start, len(chunk.token_ids)))
-            text.append(chunk.text)
-            if chunk.usage is not None:
-                prompt_tokens = chunk.usage.prompt_tokens
-    except LmserveError as e:
-        error = e.code.name if e.code is not None else type(e).__name__
-    return RequestRecord(start=start - run_start, e2e=time.perf_counter() - start, events=events,
-                         prompt_tokens=prompt_tokens, error=error)
 
 
 def per_turn_table(records: list[RequestRecord], turn_of: list[int]) -> str:
