@@ -43,9 +43,6 @@ class StandInModel:
         self.bank[torch.arange(self.bank.shape[0]), peaks] = 30.0
         self.calls = 0
 
-    def parameters(self):
-        return iter(())
-
     def weight_bytes(self) -> int:
         return 0
 
@@ -120,15 +117,15 @@ def bench_engine(loaded, concurrencies, max_new: int) -> list[dict]:
                 return sum(counts), time.perf_counter() - t0, gaps
 
             asyncio.run(wave())  # warm-up
-            engine._times.__init__()
+            before = engine.phase_times.copy()
             tokens, seconds, gaps = asyncio.run(wave())
-            steps = max(1, engine._times.steps)
+            per_step = engine.phase_times.per_step_ms(since=before)
             gaps.sort()
             rows.append({"concurrency": c, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
                          "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
-                         "steps": steps, "host_ms_per_step": engine._times.per_step_ms()})
+                         "steps": engine.phase_times.steps - before.steps, "host_ms_per_step": per_step})
             print(f"engine c={c}: {tokens / seconds:,.0f} tok/s, per step "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in engine._times.per_step_ms().items()) + " ms", flush=True)
+                  + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()) + " ms", flush=True)
     finally:
         engine.shutdown()
     return rows

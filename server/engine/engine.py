@@ -41,13 +41,21 @@ class PhaseTimes:
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
+        self.steps = 0  # steps that ran the model
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
-    def per_step_ms(self) -> dict[str, float]:
-        return {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
+    def copy(self) -> "PhaseTimes":
+        other = PhaseTimes()
+        other.seconds, other.steps = dict(self.seconds), self.steps
+        return other
+
+    def per_step_ms(self, since: "PhaseTimes | None" = None) -> dict[str, float]:
+        """Milliseconds per step by phase, over every step or those after the `since` copy."""
+        base = since or PhaseTimes()
+        steps = max(1, self.steps - base.steps)
+        return {k: 1e3 * (v - base.seconds[k]) / steps for k, v in self.seconds.items()}
 
 
 class EngineUnavailableError(Exception):
@@ -167,12 +175,11 @@ class Engine:
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink | ChunkStream] = {}
         self._pending: tuple[ScheduledBatch, RunOutput, float] | None = None  # ran, not yet postprocessed
-        self._times = PhaseTimes()
+        self.phase_times = PhaseTimes()  # host time per step phase, for benchmarks
         self._delivering = 0  # finished requests whose final chunk is being handed off
         self._cancels: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
-        self._steps = 0
         self._accepting = True
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -268,7 +275,7 @@ class Engine:
                 running=in_flight - waiting, waiting=waiting, slots_used=len(sch.running),
                 slots_capacity=sch.max_running, slots_allocated_total=sch.request_slots_total,
                 slots_freed_total=sch.request_slots_returned_total, kv_cache_bytes=self.kv_budget,
-                cached_tokens=sum(s.num_cached for s in sch.running), steps=self._steps,
+                cached_tokens=sum(s.num_cached for s in sch.running), steps=self.phase_times.steps,
                 kv_blocks_used=sch.blocks_used, kv_blocks_capacity=sch.kv_blocks, kv_block_bytes=self.cache.bytes_per_block,
                 kv_blocks_allocated_total=sch.blocks_allocated_total, kv_blocks_freed_total=sch.blocks_freed_total,
                 prefix_cache_entries=len(pc) if pc else 0, prefix_cache_blocks=pc.blocks_held if pc else 0,
@@ -330,11 +337,11 @@ class Engine:
             retired = self._apply_cancels()
             batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self._times.add("process", t_processed - t0)
-        self._times.add("schedule", t1 - t_processed)
+        self.phase_times.add("process", t_processed - t0)
+        self.phase_times.add("schedule", t1 - t_processed)
         self._deliver_step(outputs, retired + [(s, s.finish_reason) for s in batch.dropped])
         t2 = time.perf_counter()
-        self._times.add("deliver", t2 - t1)
+        self.phase_times.add("deliver", t2 - t1)
         if batch.empty:
             return bool(outputs or retired or batch.dropped)
 
@@ -347,12 +354,11 @@ class Engine:
             self._fail_batch(batch)
             return True
         self._step_started = None
-        self._steps += 1
         t3 = time.perf_counter()
-        self._times.add("inputs", t3 - t2 - run.model_seconds - run.sample_seconds)
-        self._times.add("model", run.model_seconds)
-        self._times.add("sample", run.sample_seconds)
-        self._times.steps += 1
+        self.phase_times.add("inputs", t3 - t2 - run.model_seconds - run.sample_seconds)
+        self.phase_times.add("model", run.model_seconds)
+        self.phase_times.add("sample", run.sample_seconds)
+        self.phase_times.steps += 1
         self._pending = (batch, run, t3 - t2)
         return True
 
