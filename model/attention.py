@@ -49,6 +49,7 @@ class AttentionMetadata:
     write_slot: Tensor | None = None  # [T] slot of each real token
     write_pos: Tensor | None = None  # [T] cache position of each real token
     calls: tuple[AttentionCall, ...] = ()  # the same attention split into SDPA calls over cache views
+    kernel: object | None = None  # decode_attention.DecodeAttention: one call per layer instead of `calls`
 
     @functools.cached_property
     def _folded(self) -> dict[tuple, Tensor]:
@@ -129,11 +130,12 @@ class AttentionMetadata:
 
     @classmethod
     def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str,
-                   call_cost: int | None = None) -> "AttentionMetadata":
+                   call_cost: int | None = None, kernel=None) -> "AttentionMetadata":
         """One new token per sequence (b writes slot slots[b] at position starts[b] and attends to
         keys 0..starts[b]): the same attention as `for_cache(slots, starts, ones, 1)` with every
         start > 0, built from host lists in a handful of tensor ops (a decode step's input cost
-        is all host time on a fast device)."""
+        is all host time on a fast device). kernel: a DecodeAttention (CPU) that writes and attends
+        for every row in one call per layer; then no SDPA plan is made."""
         B = len(slots)
         lo, hi = min(slots), max(slots) + 1
         kv_len = [s + 1 for s in starts]
@@ -149,7 +151,7 @@ class AttentionMetadata:
         return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
                    slots=slots_t, starts=starts_t, lo=lo, hi=hi, rows=None if identity else slots_t - lo,
                    write_b=ar, write_j=torch.zeros_like(ar), write_slot=slots_t, write_pos=starts_t,
-                   calls=cache_calls(slots, kv_len, 1, device, call_cost))
+                   calls=() if kernel is not None else cache_calls(slots, kv_len, 1, device, call_cost), kernel=kernel)
 
     @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,

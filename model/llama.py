@@ -102,6 +102,8 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         """Cache write + attention for rotated q [B, L, H, d], k, v [B, L, Hkv, d]: [B, L, H*d] before o_proj."""
         B, L = q.shape[:2]
+        if meta.kernel is not None and cache is not None and not self.reference:  # decode rows, one call
+            return meta.kernel(q, k, v, cache.k[self.layer], cache.v[self.layer], meta.slots, meta.starts)
         if cache is not None:
             # only real tokens are written, each at its explicit position
             cache.write(self.layer, meta.write_slot, meta.write_pos,
@@ -196,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
         self.batch_invariant = False  # set by the loader: serve so that rows never depend on the batch
+        self.decode_attention = None  # set by the loader on CPU: decode_attention.DecodeAttention
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:

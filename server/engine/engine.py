@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.loader import LoadedModel
+from lmserve.model.loader import LoadedModel, release_thread_pool
 
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
@@ -184,6 +184,7 @@ class Engine:
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "Engine":
+        release_thread_pool()  # the engine thread's OpenMP workers must be the only pool (see there)
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
         return self

@@ -40,6 +40,10 @@ class ModelRunner:
         self._model_seconds = 0.0
         # batch-invariant serving: each sequence attends over exactly its own keys (attention.for_cache)
         self._call_cost = 0 if getattr(model, "batch_invariant", False) else None
+        # decode rows in one call per layer (CPU; batch-invariant by construction), when the loader built it
+        kernel = getattr(model, "decode_attention", None)
+        self._decode_kernel = kernel if kernel is not None and device.type == "cpu" and cache.k.dtype in (
+            torch.float32, torch.bfloat16) else None
 
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """The model over the batch, then one sampled token per sequence due one."""
@@ -106,7 +110,8 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence]) -> Segment:
         starts = [s.num_cached for s in seqs]
         ids = self._tensor([s.token_at(n) for s, n in zip(seqs, starts)])[:, None]  # [B, 1]
-        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device, self._call_cost)
+        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device, self._call_cost,
+                                            kernel=self._decode_kernel)
         return Segment(ids, meta.starts[:, None], meta)
 
     def _decode_graph(self, seqs: list[Sequence]) -> Tensor:

@@ -1,0 +1,88 @@
+"""The CPU decode-attention kernel: equal to the explicit attention, writes the cache, batch-invariant bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmserve.model.attention import explicit_attention
+from lmserve.model.decode_attention import DecodeAttention, build
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
+SLOTS, MAX_LEN = 12, 1040
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> DecodeAttention:
+    k, why = build(tmp_path_factory.mktemp("kernels"))
+    assert k is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
+    return k
+
+
+def _case(dtype, lengths, seed=0, heads=(H, HKV, D)):
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).to(dtype)
+    vc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).to(dtype)
+    qkv = torch.randn(len(lengths), 1, h + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]  # strided views, as the model passes them
+    slots = torch.tensor(random.Random(seed).sample(range(SLOTS), len(lengths)))
+    pos = torch.tensor([n - 1 for n in lengths])
+    return q, k, v, kc, vc, slots, pos
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
+def test_matches_explicit_attention_and_writes_the_cache(kernel, dtype, tol, heads):
+    lengths = [1, 15, 16, 17, 33, 200, 1024]
+    q, k, v, kc, vc, slots, pos = _case(dtype, lengths, heads=heads)
+    out = kernel(q, k, v, kc, vc, slots, pos)  # [B, 1, H*d]
+    h, hkv, d = heads
+    for b, n in enumerate(lengths):
+        s = int(slots[b])
+        assert torch.equal(kc[s, :, n - 1], k[b, 0]) and torch.equal(vc[s, :, n - 1], v[b, 0])
+        ref, _ = explicit_attention(q[b].transpose(0, 1)[None].float(), kc[s, :, :n][None].float(),
+                                    vc[s, :, :n][None].float(), torch.ones(1, 1, 1, n, dtype=torch.bool))
+        torch.testing.assert_close(out[b, 0].float(), ref[0].transpose(0, 1).reshape(-1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(kernel, dtype):
+    rng = random.Random(1)
+    for trial in range(20):
+        lengths = [rng.randint(1, 1000) for _ in range(rng.randint(2, SLOTS))]
+        q, k, v, kc, vc, slots, pos = _case(dtype, lengths, seed=trial)
+        together = kernel(q, k, v, kc.clone(), vc.clone(), slots, pos)
+        b = rng.randrange(len(lengths))
+        alone = kernel(q[b:b + 1], k[b:b + 1], v[b:b + 1], kc.clone(), vc.clone(), slots[b:b + 1], pos[b:b + 1])
+        assert torch.equal(alone[0], together[b]), (trial, lengths[b])
+
+
+def test_threads_do_not_change_a_bit(kernel):
+    q, k, v, kc, vc, slots, pos = _case(torch.float32, [700, 3, 999, 64, 500])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k, v, kc.clone(), vc.clone(), slots, pos)
+        torch.set_num_threads(max(2, threads))
+        many = kernel(q, k, v, kc.clone(), vc.clone(), slots, pos)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_a_non_finite_row_stays_alone(kernel):
+    q, k, v, kc, vc, slots, pos = _case(torch.bfloat16, [40, 80, 120])
+    q = q.clone()
+    q[1, 0, 0, 0] = float("nan")
+    out = kernel(q, k, v, kc, vc, slots, pos)
+    assert torch.isnan(out[1]).any() and torch.isfinite(out[[0, 2]]).all()
+
+
+def test_shapes_it_does_not_take_are_declared():
+    assert DecodeAttention.supports(torch.bfloat16, 64, 9, 3)
+    assert not DecodeAttention.supports(torch.float16, 64, 9, 3)
+    assert not DecodeAttention.supports(torch.float32, 40, 8, 8)  # head_dim not a multiple of 16
+    assert not DecodeAttention.supports(torch.float32, 64, 9, 4)  # heads not a multiple of kv heads
