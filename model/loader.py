@@ -74,13 +74,19 @@ def bound_native_caches() -> None:
       decode shapes of the current batch size (five per size) hot; a new shape costs ~1 ms once.
       An operator's own setting of either variable wins.
     - glibc returns freed heap to the OS only above a trim threshold that grows with the largest
-      block ever freed; a fixed 4 MB keeps a long prefill's activations from staying resident.
+      block ever freed, and serves blocks above a (growing) mmap threshold with fresh mappings.
+      Fixed values keep both bounded: blocks from 8 MB up are mapped and unmapped (a long
+      prefill's activations do not stay resident), and at most 16 MB of free heap is kept. A
+      lower mmap threshold maps and faults in every step's activations anew: with 128 KB (what
+      fixing only the trim threshold leaves) a 512-token bf16 prefill step on the engine thread
+      took 231 ms against 190 ms.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
     os.environ.setdefault("LRU_CACHE_CAPACITY", "32")
     libc = _glibc()
     if libc is not None:
-        libc.mallopt(-1, 4 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 8 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 16 << 20)  # M_TRIM_THRESHOLD
 
 
 def release_freed_memory() -> None:
