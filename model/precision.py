@@ -220,6 +220,27 @@ def model_batch_invariant(model, ids: list[int], device: torch.device | str = "c
     return True
 
 
+TIE = 0.10  # modes whose speed scores are this close count as equally fast
+_BITS = {"none": 0, "int8": 1, "int4": 2}
+
+
+def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE) -> list[Mode]:
+    """Modes fastest first by their matmul-only step time relative to the best at each batch bucket,
+    summed over the buckets; modes within `tie` of the fastest score come first among themselves in
+    order of precision (unquantized before int8 before int4, wider dtype first), so that a near tie,
+    which timing noise could tip either way, does not make two first starts on one machine serve
+    different modes (it did: bfloat16 and bfloat16+int4 scored within 5% on the 2-core EPYC)."""
+    buckets = next(iter(step_ms.values())).keys()
+    best_at = {b: min(ms[b] for ms in step_ms.values()) or 1e-9 for b in buckets}
+    score = {md: sum(ms[b] / best_at[b] for b in buckets) for md, ms in step_ms.items()}
+    fastest = min(score.values())
+
+    def key(md: Mode):
+        tied = score[md] <= fastest * (1 + tie)
+        return (not tied, _BITS.get(md.quantization, 3) if tied else 0, -md.dtype.itemsize if tied else 0, score[md])
+    return sorted(step_ms, key=key)
+
+
 def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device,
            build_mode) -> Plan:
     """Measure every mode, then walk them fastest first and keep the first within the quality bounds.
@@ -240,8 +261,7 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     if not measured:
         raise PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
                              "pass --batch-invariant false to serve it anyway")
-    best_at = {b: min(m["step_ms"][b] for m in measured.values()) or 1e-9 for b in K.DECODE_BUCKETS}
-    ranked = sorted(measured, key=lambda md: sum(measured[md]["step_ms"][b] / best_at[b] for b in best_at))
+    ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()})
     report = {"modes": {md.name: measured[md] for md in ranked}}
     chosen = None
     ids = Qm.text_ids(tokenizer, 256)
@@ -284,7 +304,7 @@ def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, qu
     if device.type != "cpu":
         return Plan(modes[0], {r: "dense" for r in K.ROLES})
     request = {"dtype": str(dtype), "quantization": quantization or "auto", "batch_invariant": batch_invariant,
-               "device": str(device), "version": 2}
+               "device": str(device), "version": 3}
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / "kernels" / f"{cache_key(source, request)}.json"
@@ -313,5 +333,5 @@ def default_cache_dir() -> Path:
     return Path(base) / "lmserve"
 
 
-__all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode",
+__all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

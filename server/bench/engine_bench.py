@@ -154,7 +154,8 @@ def bench_prefill(loaded, prompt_tokens: int = 1500, repeats: int = 2) -> dict:
 
     ids = Q.text_ids(loaded.tokenizer)
     ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
-    engine = Engine(loaded, EngineSettings(max_batch=2, max_model_len=prompt_tokens + 8)).start()
+    # no prefix cache: the repeats would find the whole prompt cached and time nothing
+    engine = Engine(loaded, EngineSettings(max_batch=2, max_model_len=prompt_tokens + 8, prefix_cache=False)).start()
     best = float("inf")
 
     async def one():
