@@ -391,8 +391,9 @@ def main(argv=None) -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "lscpu": lscpu(),
-                    "note": "shared machine: other processes ran during the benchmark; timings are the best of "
-                            "several passes where stated, and candidates were timed taking turns"},
+                    "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                    "note": "timings are the best of several passes where stated, and candidates were timed "
+                            "taking turns; a load average near the CPU count means other jobs shared the machine"},
         "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
         "requested": {"dtype": args.dtype, "quantization": args.quantization}, "device": str(device),
         "parameter_bytes": None,
