@@ -198,3 +198,24 @@ def test_short_new_prompts_are_never_split_long_ones_are():
     assert [(c.seq.request_id, c.length) for c in b3.prefill] == [("c", 30)]
     b4 = run_one()
     assert [(c.seq.request_id, c.start, c.length) for c in b4.prefill] == [("long", 0, 16)]  # long ones are cut
+
+
+def test_a_long_queue_stretches_the_automatic_target_but_not_an_explicit_one():
+    """A burst: when more requests wait for their first token than are decoding, the automatic target grows
+    by waiting / decoding, so the queue is not prefilled in the smallest chunks behind a few streams; a
+    target the operator set is a hard limit whatever the queue."""
+    device = FakeDevice(c=0.5)
+    for target_ms, stretches in ((None, True), (120.0, False)):
+        budget = StepBudget(target_ms)
+        s = Scheduler(num_slots=4, max_queue=10, token_budget=512, step_budget=budget)
+        for i in range(2):
+            s.add(req(20, f"s{i}"))
+        drive(s, budget, device, 10)  # prefill-only, then decode-only steps: the model is fitted
+        s.add(req(400, "long"))
+        drive(s, budget, device, 1)  # and one mixed step
+        alone = budget.prefill_tokens(decode_rows=2, decode_keys=60, context=100, cap=510, floor=16)
+        queued = budget.prefill_tokens(decode_rows=2, decode_keys=60, context=100, cap=510, floor=16, queued=12)
+        assert 16 < alone < 510
+        assert (queued > alone) if stretches else (queued == alone), (target_ms, alone, queued)
+        if stretches:  # 6x the target: the chunk grows by about that much of the per-token cost
+            assert queued >= min(510, 3 * alone)
