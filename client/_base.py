@@ -63,9 +63,10 @@ class ClientBase:
 
     @staticmethod
     def _generate_request(
-        prompt: Any, params: SamplingParams | None, request_id: str, overrides: dict[str, Any]
+        prompt: Any, params: SamplingParams | None, request_id: str, overrides: dict[str, Any],
+        parse_special_tokens: bool = False,
     ) -> pb.GenerateRequest:
-        return build_generate_request(prompt, resolve_params(params, overrides), request_id)
+        return build_generate_request(prompt, resolve_params(params, overrides), request_id, parse_special_tokens)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(target={self.target!r}, tls={self.connection.uses_tls})"

@@ -105,15 +105,20 @@ def _is_token_ids(items: Sequence[Any]) -> bool:
 
 
 def build_generate_request(
-    prompt: Any, params: SamplingParams, request_id: str = ""
+    prompt: Any, params: SamplingParams, request_id: str = "", parse_special_tokens: bool = False
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest from a prompt string, a token id list or chat messages.
 
     An empty list is sent as empty token ids (the server rejects it as invalid).
+    parse_special_tokens: read special-token text in a string prompt (e.g. "<|im_start|>") as
+    those tokens; refused for token ids and messages, where it would mean nothing.
     """
     request = pb.GenerateRequest(request_id=request_id, params=params_to_proto(params))
+    if parse_special_tokens and not isinstance(prompt, str):
+        raise TypeError("parse_special_tokens applies to a text prompt only")
     if isinstance(prompt, str):
         request.prompt = prompt
+        request.parse_special_tokens = parse_special_tokens
     elif isinstance(prompt, (bytes, bytearray)):
         raise TypeError("prompt must be str, a list of token ids or a list of chat messages, not bytes")
     elif isinstance(prompt, Sequence) and _is_token_ids(prompt):
@@ -125,10 +130,14 @@ def build_generate_request(
     return request
 
 
-def build_tokenize_request(text: Any, add_generation_prompt: bool = True) -> pb.TokenizeRequest:
-    """Builds a TokenizeRequest from text or chat messages."""
+def build_tokenize_request(
+    text: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False
+) -> pb.TokenizeRequest:
+    """Builds a TokenizeRequest from text or chat messages (parse_special_tokens: text only)."""
+    if parse_special_tokens and not isinstance(text, str):
+        raise TypeError("parse_special_tokens applies to text only")
     if isinstance(text, str):
-        return pb.TokenizeRequest(text=text)
+        return pb.TokenizeRequest(text=text, parse_special_tokens=parse_special_tokens)
     if isinstance(text, Iterable) and not isinstance(text, (bytes, bytearray)):
         return pb.TokenizeRequest(messages=_messages_proto(text), add_generation_prompt=add_generation_prompt)
     raise TypeError(f"tokenize input must be str or chat messages, not {type(text).__name__}")

@@ -47,10 +47,11 @@ class AsyncClient(ClientBase):
         *,
         timeout: Any = DEFAULT,
         request_id: str = "",
+        parse_special_tokens: bool = False,
         **sampling: Any,
     ) -> GenerationResult:
         """Generates a completion and returns it when finished."""
-        request = self._generate_request(prompt, params, request_id, sampling)
+        request = self._generate_request(prompt, params, request_id, sampling, parse_special_tokens)
         return parse_generate_response(await self._unary(self._stub.Generate, request, timeout))
 
     def stream(
@@ -60,6 +61,7 @@ class AsyncClient(ClientBase):
         *,
         timeout: Any = DEFAULT,
         request_id: str = "",
+        parse_special_tokens: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[StreamChunk]:
         """Streams a completion chunk by chunk; the last chunk has ``finish_reason`` set.
@@ -67,14 +69,15 @@ class AsyncClient(ClientBase):
         The request is validated now; the call starts on the first iteration. Closing the
         iterator early (``await it.aclose()``, or dropping it) cancels the call.
         """
-        request = self._generate_request(prompt, params, request_id, sampling)
+        request = self._generate_request(prompt, params, request_id, sampling, parse_special_tokens)
         return self._stream(request, self._timeout(timeout))
 
     async def tokenize(
-        self, text: Any, *, add_generation_prompt: bool = True, timeout: Any = DEFAULT
+        self, text: Any, *, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
+        timeout: Any = DEFAULT,
     ) -> TokenizeResult:
         """Tokenizes text, or chat messages rendered with the model's chat template."""
-        request = build_tokenize_request(text, add_generation_prompt)
+        request = build_tokenize_request(text, add_generation_prompt, parse_special_tokens)
         return parse_tokenize_response(await self._unary(self._stub.Tokenize, request, timeout))
 
     async def model_info(self, *, timeout: Any = DEFAULT) -> ModelInfo:

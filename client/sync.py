@@ -55,10 +55,11 @@ class Client(ClientBase):
         *,
         timeout: Any = DEFAULT,
         request_id: str = "",
+        parse_special_tokens: bool = False,
         **sampling: Any,
     ) -> GenerationResult:
         """Generates a completion and returns it when finished."""
-        request = self._generate_request(prompt, params, request_id, sampling)
+        request = self._generate_request(prompt, params, request_id, sampling, parse_special_tokens)
         response = self._unary(self._stub.Generate, request, timeout)
         return parse_generate_response(response)
 
@@ -69,6 +70,7 @@ class Client(ClientBase):
         *,
         timeout: Any = DEFAULT,
         request_id: str = "",
+        parse_special_tokens: bool = False,
         **sampling: Any,
     ) -> Iterator[StreamChunk]:
         """Streams a completion chunk by chunk; the last chunk has ``finish_reason`` set.
@@ -76,14 +78,15 @@ class Client(ClientBase):
         The request is validated now; the call starts on the first ``next()``. Closing the
         iterator early (``close()``, or dropping it) cancels the call on the server.
         """
-        request = self._generate_request(prompt, params, request_id, sampling)
+        request = self._generate_request(prompt, params, request_id, sampling, parse_special_tokens)
         return self._stream(request, self._timeout(timeout))
 
     def tokenize(
-        self, text: Any, *, add_generation_prompt: bool = True, timeout: Any = DEFAULT
+        self, text: Any, *, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
+        timeout: Any = DEFAULT,
     ) -> TokenizeResult:
         """Tokenizes text, or chat messages rendered with the model's chat template."""
-        request = build_tokenize_request(text, add_generation_prompt)
+        request = build_tokenize_request(text, add_generation_prompt, parse_special_tokens)
         return parse_tokenize_response(self._unary(self._stub.Tokenize, request, timeout))
 
     def model_info(self, *, timeout: Any = DEFAULT) -> ModelInfo:

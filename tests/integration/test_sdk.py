@@ -172,6 +172,25 @@ def test_tokenize_matches_sentencepiece(server, sp):
     assert sp.decode(tok.token_ids) == text
 
 
+def test_special_token_text_in_a_prompt_is_parsed_only_when_asked(server, sp):
+    eos = sp.id_to_piece(sp.eos_id())  # "</s>"
+    text = f"A red fox{eos}"
+    with Client(server.target, timeout=30) as client:
+        plain = client.tokenize(text)
+        parsed = client.tokenize(text, parse_special_tokens=True)
+        result = client.generate(text, parse_special_tokens=True, max_new_tokens=1)
+        default = client.generate(text, max_new_tokens=1)
+        for prompt in (CHAT, parsed.token_ids):  # nothing to parse: refused before anything is sent
+            with pytest.raises(TypeError, match="parse_special_tokens"):
+                client.generate(prompt, parse_special_tokens=True)
+        with pytest.raises(TypeError, match="parse_special_tokens"):
+            client.tokenize(CHAT, parse_special_tokens=True)
+    assert parsed.token_ids == [sp.bos_id(), *sp.encode("A red fox"), sp.eos_id()]
+    assert sp.eos_id() not in plain.token_ids and len(plain.token_ids) > len(parsed.token_ids)
+    assert result.usage.prompt_tokens == len(parsed.token_ids)
+    assert default.usage.prompt_tokens == len(plain.token_ids)
+
+
 async def test_chat_messages_in_every_form_give_the_same_prompt(server):
     forms = [CHAT, [{"role": m.role, "content": m.content} for m in CHAT], [(m.role, m.content) for m in CHAT]]
     with server.channel() as channel:  # the raw stub is the oracle for what the SDK sends
