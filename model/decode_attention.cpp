@@ -201,11 +201,15 @@ static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row,
     }
 }
 
+// 0: done; 1: a shape the kernel does not take; 2: a row's slot or position outside the cache
+// (nothing is written then: a bookkeeping error upstream must not become a stray write).
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
                                    const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
-                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t max_len,
-                                   float scale, int threads) {
+                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
+                                   int64_t max_len, float scale, int threads) {
     if (d % 16 != 0 || d / 16 > MAX_CHUNKS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP) return 1;
+    for (int b = 0; b < B; ++b)
+        if (slots[b] < 0 || slots[b] >= num_slots || pos[b] < 0 || pos[b] >= max_len) return 2;
     if (bf16)
         decode<BF16>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, slots, pos, out, B, H, Hkv, d, max_len, scale,
                      threads);

@@ -41,7 +41,7 @@ class DecodeAttention:
         lib = ctypes.CDLL(str(path))
         fn = lib.lm_decode_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, p, p, i32, i32, i32, i32, i64, ctypes.c_float, i32]
+        fn.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
         self.path = path
@@ -62,9 +62,13 @@ class DecodeAttention:
         out = torch.empty(B, 1, H * d, dtype=q.dtype)
         rc = self._fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), pos.data_ptr(),
-                      out.data_ptr(), B, H, Hkv, d, k_cache.shape[2], 1.0 / math.sqrt(d), torch.get_num_threads())
-        if rc != 0:
+                      out.data_ptr(), B, H, Hkv, d, k_cache.shape[0], k_cache.shape[2], 1.0 / math.sqrt(d),
+                      torch.get_num_threads())
+        if rc == 1:
             raise ValueError(f"decode attention does not take head_dim={d}, heads={H}/{Hkv}")
+        if rc == 2:
+            raise IndexError(f"decode attention: a row's slot or position lies outside the cache "
+                             f"({k_cache.shape[0]} slots x {k_cache.shape[2]} positions)")
         return out
 
     @staticmethod

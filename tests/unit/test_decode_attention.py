@@ -81,6 +81,21 @@ def test_a_non_finite_row_stays_alone(kernel):
     assert torch.isnan(out[1]).any() and torch.isfinite(out[[0, 2]]).all()
 
 
+@pytest.mark.parametrize("bad", ["slot", "pos", "negative"])
+def test_a_row_outside_the_cache_raises_and_writes_nothing(kernel, bad):
+    q, k, v, kc, vc, slots, pos = _case(torch.float32, [10, 20])
+    if bad == "slot":
+        slots = torch.tensor([0, SLOTS])
+    elif bad == "pos":
+        pos = torch.tensor([9, MAX_LEN])
+    else:
+        pos = torch.tensor([-1, 19])
+    before_k, before_v = kc.clone(), vc.clone()
+    with pytest.raises(IndexError, match="outside the cache"):
+        kernel(q, k, v, kc, vc, slots, pos)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+
+
 def test_shapes_it_does_not_take_are_declared():
     assert DecodeAttention.supports(torch.bfloat16, 64, 9, 3)
     assert not DecodeAttention.supports(torch.float16, 64, 9, 3)
