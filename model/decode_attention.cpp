@@ -14,46 +14,13 @@
 // Built by decode_attention.py with the machine's own instruction set (-march=native) and loaded
 // with ctypes; no torch headers. OpenMP resolves to the runtime torch has already loaded.
 
-#include <stdint.h>
-#include <string.h>
-
 #include <algorithm>
 #include <vector>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+#include "native_common.h"
 
 static const int MAX_CHUNKS = 16;  // head_dim <= 256
 static const int MAX_GROUP = 16;   // query heads per kv head
-
-struct F32 {
-    typedef float T;
-    static inline v16f load(const float* p) { v16f r; memcpy(&r, p, sizeof r); return r; }
-    static inline void store(float* p, v16f x) { memcpy(p, &x, sizeof x); }
-};
-
-struct BF16 {
-    typedef uint16_t T;
-    static inline v16f load(const uint16_t* p) {
-        v16h h;
-        memcpy(&h, p, sizeof h);
-        v16u w = __builtin_convertvector(h, v16u) << 16;
-        v16f r;
-        memcpy(&r, &w, sizeof r);
-        return r;
-    }
-    static inline void store(uint16_t* p, v16f x) {  // round to nearest even; a NaN stays a NaN
-        v16u w;
-        memcpy(&w, &x, sizeof w);
-        v16u rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
-        v16u quiet = (w >> 16) | 0x40u;
-        v16u r = (x != x) ? quiet : rounded;
-        v16h h = __builtin_convertvector(r, v16h);
-        memcpy(p, &h, sizeof h);
-    }
-};
 
 // 16 vectors (one per key) -> one vector of their 16 lane sums, key l in lane l. Every round adds
 // lanes of the same key only, so a key's sum does not depend on the keys beside it.
@@ -70,34 +37,6 @@ static inline v16f lane_sums(const v16f a[16]) {
                 __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-static inline float total(v16f a) {  // the lanes of one vector, by a fixed tree
-    v16f b = a + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    b = b + __builtin_shufflevector(b, b, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-    b = b + __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-    return b[0] + b[1];
-}
-
-// e^x for x <= 0 (Cephes' single-precision polynomial after reduction by ln 2), lane by lane.
-static inline v16f exp_nonpositive(v16f x) {
-    const v16f lo = v16f{} - 87.0f;
-    x = (x < lo) ? lo : x;
-    const v16f magic = v16f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    v16f n = (x * 1.44269504088896341f + magic) - magic;
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f p = v16f{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v16f y = p * (r * r) + r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
 }
 
 template <class L>
@@ -146,7 +85,7 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
         for (int blk = 0; blk < blocks; ++blk) {
             v16f x;
             memcpy(&x, s + blk * 16, sizeof x);
-            v16f p = exp_nonpositive(x - mx);
+            v16f p = exp_clamped(x - mx);
             const int m = std::min(16, n - blk * 16);
             for (int l = m; l < 16; ++l) p[l] = 0.0f;
             memcpy(s + blk * 16, &p, sizeof p);

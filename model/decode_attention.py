@@ -1,50 +1,37 @@
-"""Decode attention on CPU in one call per layer (decode_attention.cpp), built for this machine at load.
+"""Decode attention on CPU in one call per layer (decode_attention.cpp, built by native.py).
 
 A decode step's rows each add one token and attend over their own slot. Through SDPA that is one
 call per row and layer when rows must not depend on the batch (SDPA rounds differently when a
 row's keys are padded), each call mostly fixed cost: at batch 32, 960 calls and ~30 ms of a
 55 ms step on a 2-core EPYC. The kernel here writes every row's new k/v into the cache and
 attends for all rows in one call, parallel over (row, kv head), each pair computed by the same
-operations whatever the batch: batch-invariant by construction.
-
-It is compiled once per machine with the system C++ compiler (`-O3 -march=native -fopenmp`),
-cached under `<cache_dir>/kernels`, and loaded with ctypes. Without a compiler, or for a head
-size it does not take, attention stays on SDPA (attention_plan) and the reason is logged.
+operations whatever the batch: batch-invariant by construction. Without the native library, or
+for a head size it does not take, attention stays on SDPA (attention_plan).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger("lmserve.model")
+from . import native
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_BUILD_SECONDS = 120
 
 
 class DecodeAttention:
     """The loaded kernel: `__call__` writes the rows' new k/v and returns their attention."""
 
-    def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL):
         fn = lib.lm_decode_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
-        self.path = path
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -79,47 +66,10 @@ class DecodeAttention:
         return x
 
 
-def _identity() -> str:
-    """What the built library depends on: the source, the compiler and this CPU's instruction set."""
-    cxx = os.environ.get("CXX", "g++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-                if line.startswith("flags"):
-                    break
-    except OSError:
-        pass
-    return hashlib.sha256(SOURCE.read_bytes() + version.encode() + flags.encode()).hexdigest()[:20]
-
-
 def build(cache_dir: Path) -> tuple[DecodeAttention | None, str]:
-    """The kernel for this machine (compiled on first use, then cached), or None and why not."""
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        return None, f"no C++ compiler ({cxx}) on PATH"
-    target = Path(cache_dir) / "kernels" / f"decode_attention-{_identity()}.so"
-    if not target.is_file():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                out = Path(tmp) / target.name
-                cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_SECONDS)
-                if done.returncode != 0:
-                    return None, f"compiling the decode attention kernel failed: {done.stderr.strip()[-300:]}"
-                os.replace(out, target)  # atomic: a concurrent start sees the whole file or none
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"compiling the decode attention kernel failed: {exc}"
-    try:
-        return DecodeAttention(target), "built for this CPU"
-    except OSError as exc:
-        return None, f"loading the decode attention kernel failed: {exc}"
+    """The kernel from the native library for this machine, or None and why not."""
+    lib, why = native.build(cache_dir)
+    return (DecodeAttention(lib) if lib is not None else None), why
 
 
 __all__ = ["DecodeAttention", "build"]

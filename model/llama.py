@@ -21,12 +21,16 @@ from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
+    fused = None  # fused_ops.FusedOps: bfloat16 rows on CPU in one native pass (use_fused_ops)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused is not None and self.fused.applies(x):
+            return self.fused.add_rmsnorm(x, None, self.weight, self.eps)[1]
         # normalized in float32, cast back, then scaled (HF's order). Written out rather than
         # F.rms_norm, which is slower on CPU; in-place where the tensor is our own temporary.
         x32 = x.float()
@@ -66,6 +70,8 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
+    fused = None  # fused_ops.FusedOps: RoPE of bfloat16 q|k on CPU in one native pass
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -93,7 +99,10 @@ class Attention(nn.Module):
             k = Rotary.apply(self.k_proj(x).view(B, L, Hkv, d), *rope)
             return q, k, self.v_proj(x).view(B, L, Hkv, d)
         qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
-        qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
+        if self.fused is not None and self.fused.applies(qkv):
+            qk = self.fused.rope(qkv, *rope, H + Hkv)
+        else:
+            qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
         return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
@@ -129,6 +138,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = None  # fused_ops.FusedOps: SiLU(gate) * up of bfloat16 rows on CPU in one native pass
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -144,7 +155,10 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.fused.applies(gate_up):
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -168,8 +182,13 @@ class DecoderLayer(nn.Module):
 
     def exit(self, x: Tensor, attn: Tensor) -> Tensor:
         """o_proj and residual, then RMSNorm, SwiGLU MLP and residual: the layer's output [B, L, D]."""
-        x = x + self.self_attn.o_proj(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = self.self_attn.o_proj(attn)
+        norm = self.post_attention_layernorm
+        if norm.fused is not None and norm.fused.applies(o):  # the residual add and the norm in one pass
+            x, h = norm.fused.add_rmsnorm(o, x, norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + o
+        return x + self.mlp(norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -223,6 +242,12 @@ class LlamaForCausalLM(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of weights held, prepacked copies included (a tied LM head's packed copy counts)."""
         return held_bytes(self)
+
+    def use_fused_ops(self, ops) -> None:
+        """Route bfloat16 RMSNorm, RoPE and SwiGLU on CPU through fused_ops.FusedOps (None: torch ops)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.fused = ops
 
     def set_reference_attention(self, on: bool = True) -> None:
         """Route every layer through the explicit attention (keeps per-layer weights)."""

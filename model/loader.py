@@ -54,7 +54,8 @@ class LoadedModel:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
-        return text + (", decode-attention kernel" if self.model.decode_attention is not None else "")
+        text += ", decode-attention kernel" if self.model.decode_attention is not None else ""
+        return text + (", fused elementwise" if self.model.model.norm.fused is not None else "")
 
 
 def _glibc():
@@ -220,14 +221,23 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
-def attention_kernel(cache_dir: Path, dtype: torch.dtype, cfg: ModelConfig):
-    """The CPU decode-attention kernel for this model, or None, and a reason to log."""
-    from .decode_attention import DecodeAttention, build
+def native_kernels(model: LlamaForCausalLM, cache_dir: Path, dtype: torch.dtype, cfg: ModelConfig) -> str:
+    """Install the CPU native kernels this model can use (native.py); returns what was done, to log."""
+    from . import fused_ops, native
+    from .decode_attention import DecodeAttention
 
-    if not DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads):
-        return None, f"SDPA per sequence (the kernel does not take {dtype} or head_dim {cfg.head_dim})"
-    kernel, why = build(cache_dir)
-    return kernel, why if kernel is not None else f"SDPA per sequence ({why})"
+    attention = DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    fused = dtype == torch.bfloat16 and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
+    if not (attention or fused):
+        return f"none for {dtype} with head_dim {cfg.head_dim}: SDPA per sequence and torch ops"
+    lib, why = native.build(cache_dir)
+    if lib is None:
+        return f"none ({why}): SDPA per sequence and torch ops"
+    model.decode_attention = DecodeAttention(lib) if attention else None
+    if fused:
+        model.use_fused_ops(fused_ops.FusedOps(lib))
+    return (f"{why}: decode attention {'in one call per layer' if attention else 'on SDPA'}, "
+            f"{'fused' if fused else 'torch'} RMSNorm/RoPE/SwiGLU")
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
@@ -273,8 +283,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     model = build(plan)
     model.batch_invariant = batch_invariant
     if device.type == "cpu":
-        model.decode_attention, why = attention_kernel(cache_dir, plan.mode.dtype, cfg)
-        log.info("decode attention: %s", why if model.decode_attention is None else f"one call per layer ({why})")
+        log.info("native kernels: %s", native_kernels(model, cache_dir, plan.mode.dtype, cfg))
     del tensors, q41
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])

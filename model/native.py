@@ -1,0 +1,72 @@
+"""The project's native CPU kernels (model/*.cpp), compiled for this machine on first use.
+
+One shared library holds them all (decode_attention.cpp, fused_ops.cpp; native_common.h). It is compiled with the
+system C++ compiler (`-O3 -march=native -fopenmp`, ~1 s), cached under `<cache_dir>/kernels` per
+(sources, compiler, CPU), and loaded with ctypes: no torch headers, so building is quick, and
+OpenMP resolves to the runtime torch has already loaded. Without a compiler the callers keep the
+torch paths and log why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+_BUILD_SECONDS = 180
+
+
+def _identity() -> str:
+    """What the built library depends on: the sources, the compiler and this CPU's instruction set."""
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                flags += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    h = hashlib.sha256(version.encode() + flags.encode())
+    for src in [*SOURCES, *HEADERS]:
+        h.update(src.name.encode() + src.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def build(cache_dir: Path) -> tuple[ctypes.CDLL | None, str]:
+    """The library for this machine (compiled on first use, then cached), or None and why not."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return None, f"no C++ compiler ({cxx}) on PATH"
+    target = Path(cache_dir) / "kernels" / f"lmserve-native-{_identity()}.so"
+    if not target.is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / target.name
+                cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+                       *map(str, SOURCES), "-o", str(out)]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_SECONDS)
+                if done.returncode != 0:
+                    return None, f"compiling the native kernels failed: {done.stderr.strip()[-300:]}"
+                os.replace(out, target)  # atomic: a concurrent start sees the whole file or none
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"compiling the native kernels failed: {exc}"
+    try:
+        return ctypes.CDLL(str(target)), "built for this CPU"
+    except OSError as exc:
+        return None, f"loading the native kernels failed: {exc}"
+
+
+__all__ = ["build", "SOURCES"]

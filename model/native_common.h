@@ -1,0 +1,82 @@
+// Shared by the native kernels (decode_attention.cpp, fused_ops.cpp): 16-lane float vectors
+// (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native), float32 / bfloat16
+// loads and stores, a fixed-order lane sum and e^x.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+struct F32 {
+    typedef float T;
+    static inline v16f load(const float* p) { v16f r; memcpy(&r, p, sizeof r); return r; }
+    static inline void store(float* p, v16f x) { memcpy(p, &x, sizeof x); }
+};
+
+struct BF16 {
+    typedef uint16_t T;
+    static inline v16f load(const uint16_t* p) {
+        v16h h;
+        memcpy(&h, p, sizeof h);
+        v16u w = __builtin_convertvector(h, v16u) << 16;
+        v16f r;
+        memcpy(&r, &w, sizeof r);
+        return r;
+    }
+    static inline void store(uint16_t* p, v16f x) {  // round to nearest even; a NaN stays a NaN
+        v16u w;
+        memcpy(&w, &x, sizeof w);
+        v16u rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+        v16u quiet = (w >> 16) | 0x40u;
+        v16u r = (x != x) ? quiet : rounded;
+        v16h h = __builtin_convertvector(r, v16h);
+        memcpy(p, &h, sizeof h);
+    }
+};
+
+// x rounded to the nearest bfloat16 (even on ties) and widened back: what storing an
+// intermediate result in a bfloat16 tensor does between two torch ops.
+static inline v16f round_bf16(v16f x) {
+    v16u w;
+    memcpy(&w, &x, sizeof w);
+    v16u r = ((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16) << 16;
+    r = (x != x) ? (w | 0x400000u) : r;
+    v16f out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline float total(v16f a) {  // the lanes of one vector, by a fixed tree
+    v16f b = a + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    b = b + __builtin_shufflevector(b, b, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    b = b + __builtin_shufflevector(b, b, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return b[0] + b[1];
+}
+
+// e^x (Cephes' single-precision polynomial after reduction by ln 2), lane by lane, for x in
+// [-87, 88] (clamped there: below, a tiny positive value; above, ~1.6e38).
+static inline v16f exp_clamped(v16f x) {
+    const v16f lo = v16f{} - 87.0f, hi = v16f{} + 88.0f;
+    x = (x < lo) ? lo : x;
+    x = (x > hi) ? hi : x;
+    const v16f magic = v16f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    v16f n = (x * 1.44269504088896341f + magic) - magic;
+    v16f r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f p = v16f{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16f y = p * (r * r) + r + 1.0f;
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+

@@ -1,0 +1,101 @@
+"""Fused bfloat16 elementwise ops on CPU: against the torch ops they replace, row by row, and inside the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmserve.model import native
+from lmserve.model.config import ModelConfig
+from lmserve.model.fused_ops import FusedOps
+from lmserve.model.llama import LlamaForCausalLM, RMSNorm, Rotary
+
+BF16 = torch.bfloat16
+ULP = 2 ** -7  # one bfloat16 step at 1.0
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory) -> FusedOps:
+    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+    assert lib is not None, why  # g++ is part of the supported setup
+    return FusedOps(lib)
+
+
+def _close(got, want, steps=1):
+    """Within `steps` bfloat16 rounding steps of the torch result, and equal for most elements."""
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= steps * ULP * want.float().abs().clamp_min(1.0)).all()), diff.max()
+    assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rmsnorm_matches_the_residual_add_and_norm(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g) * 0.3 + 1
+    norm.to(BF16)
+    x, res = (torch.randn(1, rows, 576, generator=g) * 4).to(BF16), torch.randn(1, rows, 576, generator=g).to(BF16)
+    s, y = ops.add_rmsnorm(x, res, norm.weight, norm.eps)
+    assert torch.equal(s, x + res)  # the add is one rounding: exact
+    _close(y, norm(x + res))
+    alone, y_alone = ops.add_rmsnorm(x, None, norm.weight, norm.eps)
+    assert alone is x or torch.equal(alone, x)
+    _close(y_alone, norm(x))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 257])
+def test_rope_matches_rotate_half(ops, rows):
+    cfg = ModelConfig(vocab_size=32, hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+                      intermediate_size=64, max_position_embeddings=4096)
+    rot = Rotary(cfg)
+    rot.build("cpu", BF16)
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(1, rows, 15, 64, generator=g).to(BF16)  # q (9) | k (3) | v (3) heads
+    cos, sin = rot.tables(torch.randint(0, 4000, (1, rows), generator=g))
+    got = ops.rope(qkv, cos, sin, 12)
+    _close(got, Rotary.apply(qkv[:, :, :12], cos, sin), steps=2)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul_matches_swiglu(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(1, rows, 2 * 1536, generator=g) * 6).to(BF16)  # reaches both tails of the sigmoid
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(ops.silu_mul(gate_up), F.silu(gate) * up, steps=2)
+
+
+def test_rows_do_not_depend_on_the_batch(ops):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(576, generator=g).to(BF16)
+    x, res = torch.randn(1, 40, 576, generator=g).to(BF16), torch.randn(1, 40, 576, generator=g).to(BF16)
+    gate_up = torch.randn(1, 40, 3072, generator=g).to(BF16)
+    threads = torch.get_num_threads()
+    try:
+        together = [ops.add_rmsnorm(x, res, w, 1e-5)[1], ops.silu_mul(gate_up)]
+        torch.set_num_threads(1)
+        alone = [torch.cat([ops.add_rmsnorm(x[:, i:i + 1], res[:, i:i + 1], w, 1e-5)[1] for i in range(40)], 1),
+                 torch.cat([ops.silu_mul(gate_up[:, i:i + 1]) for i in range(40)], 1)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops):
+    """Whole decoder on CPU in bfloat16: the fused path against the torch ops, same weights and inputs."""
+    from lmserve.model.attention import AttentionMetadata
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                      intermediate_size=256, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).init_weights(generator=torch.Generator().manual_seed(0)).to(BF16)
+    model.prepare_for_inference()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12).expand(2, 12)
+    meta = AttentionMetadata.fresh(torch.tensor([12, 9]), 12)
+    with torch.inference_mode():
+        plain = model(ids, pos, meta).float()
+        model.use_fused_ops(ops)
+        fused = model(ids, pos, meta).float()
+        model.use_fused_ops(None)
+    assert torch.equal(plain.argmax(-1)[0], fused.argmax(-1)[0])
+    assert (plain - fused).abs().max() < 0.05 * plain.abs().max()
