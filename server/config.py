@@ -86,7 +86,8 @@ HELP = {
                        "are then the same alone or batched): true or false",
     "compile": "auto, true or false: compile the decoder layers' work between attentions on CPU (torch.compile, "
                "needs a C++ compiler); auto compiles at first start, keeps it only if measured faster, and caches both",
-    "cache_dir": "where measured kernel choices and compiled code are cached per machine (default: $XDG_CACHE_HOME/lmserve)",
+    "cache_dir": "where measured kernel choices, compiled code and the native CPU kernels built for this machine "
+                 "are cached (default: $XDG_CACHE_HOME/lmserve)",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "host": "address the gRPC server binds (0.0.0.0 for all interfaces)",
     "port": "gRPC port",
