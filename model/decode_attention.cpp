@@ -11,8 +11,8 @@
 //   - the output accumulates p_j * v_j in key order, vectorised over the head dimension.
 // Arithmetic is float32 whatever the cache dtype (float32 or bfloat16).
 //
-// Built by decode_attention.py with the machine's own instruction set (-march=native) and loaded
-// with ctypes; no torch headers. OpenMP resolves to the runtime torch has already loaded.
+// Built by native.py with the machine's own instruction set (-march=native), wrapped by
+// decode_attention.py; no torch headers. OpenMP resolves to the runtime torch has already loaded.
 
 #include <algorithm>
 #include <vector>

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-from pathlib import Path
 
 import torch
 from torch import Tensor
-
-from . import native
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -66,10 +63,4 @@ class DecodeAttention:
         return x
 
 
-def build(cache_dir: Path) -> tuple[DecodeAttention | None, str]:
-    """The kernel from the native library for this machine, or None and why not."""
-    lib, why = native.build(cache_dir)
-    return (DecodeAttention(lib) if lib is not None else None), why
-
-
-__all__ = ["DecodeAttention", "build"]
+__all__ = ["DecodeAttention"]

@@ -44,15 +44,12 @@ class FusedOps:
         x = x.contiguous()
         D = x.shape[-1]
         out = torch.empty_like(x)
-        if residual is None:
-            s = x
-            rc = self._norm(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps,
-                            torch.get_num_threads())
-        else:
-            residual = residual.contiguous()
-            s = torch.empty_like(x)
-            rc = self._norm(x.data_ptr(), residual.data_ptr(), s.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                            x.numel() // D, D, eps, torch.get_num_threads())
+        s, res_ptr, sum_ptr = x, None, None
+        if residual is not None:
+            residual, s = residual.contiguous(), torch.empty_like(x)
+            res_ptr, sum_ptr = residual.data_ptr(), s.data_ptr()
+        rc = self._norm(x.data_ptr(), res_ptr, sum_ptr, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps,
+                        torch.get_num_threads())
         self._check(rc, "RMSNorm")
         return s, out
 

@@ -40,10 +40,9 @@ class ModelRunner:
         self._model_seconds = 0.0
         # batch-invariant serving: each sequence attends over exactly its own keys (attention.for_cache)
         self._call_cost = 0 if getattr(model, "batch_invariant", False) else None
-        # decode rows in one call per layer (CPU; batch-invariant by construction), when the loader built it
-        kernel = getattr(model, "decode_attention", None)
-        self._decode_kernel = kernel if kernel is not None and device.type == "cpu" and cache.k.dtype in (
-            torch.float32, torch.bfloat16) else None
+        # decode rows in one call per layer (a CPU kernel, batch-invariant by construction), when the loader
+        # built one for this model's dtype and head shape
+        self._decode_kernel = getattr(model, "decode_attention", None) if device.type == "cpu" else None
 
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """The model over the batch, then one sampled token per sequence due one."""

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lmserve.model.attention import explicit_attention
-from lmserve.model.decode_attention import DecodeAttention, build
+from lmserve.model import native
+from lmserve.model.decode_attention import DecodeAttention
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 SLOTS, MAX_LEN = 12, 1040
@@ -16,9 +17,9 @@ SLOTS, MAX_LEN = 12, 1040
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> DecodeAttention:
-    k, why = build(tmp_path_factory.mktemp("kernels"))
-    assert k is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
-    return k
+    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+    assert lib is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
+    return DecodeAttention(lib)
 
 
 def _case(dtype, lengths, seed=0, heads=(H, HKV, D)):
