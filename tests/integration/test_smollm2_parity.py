@@ -99,3 +99,38 @@ def test_greedy_continuation_matches_transformers_generate(ours, oracle):
     got = greedy_with_cache(ours.model, ids, N_NEW, eos)
     assert len(expected) == N_NEW, "the oracle stopped early: pick a prompt with a longer answer"
     assert got == expected, (ours.tokenizer.decode(got), ours.tokenizer.decode(expected))
+
+
+def test_the_serving_engine_in_float32_matches_transformers_generate(ours, oracle):
+    """Through the engine's own path: packed prefill, then decode steps on the CPU decode-attention kernel
+    (ours loads it), alone and beside a second request. float32 stays token-exact with transformers."""
+    import asyncio
+
+    from lmserve.server.engine import Engine, EngineSettings, Request, SamplingParams
+
+    assert ours.model.decode_attention is not None  # the path under test
+    ids = chat_ids(ours, CHAT)
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        generated = oracle.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N_NEW,
+                                    do_sample=False, pad_token_id=next(iter(eos_ids(oracle)), 0))
+    expected = generated[0, len(ids):].tolist()
+    other = chat_ids(ours, QUESTION)
+    engine = Engine(ours, EngineSettings(max_batch=4, max_model_len=256, prefix_cache=False)).start()
+
+    async def tokens(prompt_ids):
+        out = []
+        async for ch in engine.generate(Request(list(prompt_ids), SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))):
+            out += ch.token_ids
+        return out
+
+    async def both():
+        return await asyncio.gather(tokens(ids), tokens(other))
+
+    try:
+        alone = asyncio.run(tokens(ids))
+        batched, _ = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert alone == expected, (ours.tokenizer.decode(alone), ours.tokenizer.decode(expected))
+    assert batched == expected
