@@ -286,6 +286,26 @@ class ServerProcess:
             return m if busy == (0, 0, 0) else None
         return wait_until(idle, timeout, 0.1, "an idle engine (running, waiting, kv slots used all 0)")
 
+    def until_cancelled(self, scenario: Callable[[], object], attempts: int = 4):
+        """Run `scenario` (it starts one request and cancels it while it streams) until the server
+        counts that request as cancelled; returns (before, after, what scenario returned) of that run.
+        The small test model can generate its remaining tokens before a cancel sent from a loaded
+        machine arrives: such a run ends normally and is tried again. A cancel that never reaches
+        the server ends normally every time, and fails."""
+        outcomes = []
+        for _ in range(attempts):
+            before = self.wait_idle()
+            result = scenario()
+            after = self.wait_idle()  # the request is counted and its slot free again
+            ended = {status: n for status in {lb["status"] for lb in after.labels("lmserve_requests_total")}
+                     if (n := after.total("lmserve_requests_total", status=status)
+                         - before.total("lmserve_requests_total", status=status))}
+            if ended == {"cancelled": 1}:
+                return before, after, result
+            assert ended == {"ok": 1}, f"one request should end, cancelled (or finished first): {ended}"
+            outcomes.append(ended)
+        raise AssertionError(f"the cancel never reached the server in {attempts} runs: {outcomes}")
+
     # ---- logs -----------------------------------------------------------------------------
     @property
     def log(self) -> str:

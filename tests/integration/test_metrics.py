@@ -112,12 +112,14 @@ def test_rejected_requests_are_not_counted_as_served(server, stub):
 
 
 def test_cancelled_stream_is_counted_as_cancelled(server, stub):
-    before = server.wait_idle()
-    call = stub.GenerateStream(pb.GenerateRequest(
-        prompt="A red fox", params=pb.SamplingParams(max_new_tokens=100, ignore_eos=True)), timeout=60)
-    streamed = [next(call), next(call)]
-    call.cancel()
-    after = server.wait_idle()
+    def cancel_mid_stream() -> list:
+        call = stub.GenerateStream(pb.GenerateRequest(
+            prompt="A red fox", params=pb.SamplingParams(max_new_tokens=100, ignore_eos=True)), timeout=60)
+        streamed = [next(call), next(call)]
+        call.cancel()
+        return streamed
+
+    before, after, streamed = server.until_cancelled(cancel_mid_stream)
     assert delta(after, before, "lmserve_requests_total", status="cancelled", finish_reason="cancelled") == 1
     assert delta(after, before, "lmserve_requests_total") == 1
     generated = delta(after, before, "lmserve_generated_tokens_total")
