@@ -37,7 +37,8 @@ class AttentionMetadata:
     """
 
     q_lens: Tensor  # [B] real (unpadded) query tokens per sequence
-    mask: Tensor  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache)
+    mask: Tensor | None  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache);
+    # None with prompt_kernel (it takes each token's slot and position instead)
     read_cache: bool = False
     slots: Tensor | None = None  # [B] cache slot of each sequence; None = no cache at all
     starts: Tensor | None = None  # [B] tokens already in the cache before this chunk
@@ -50,6 +51,7 @@ class AttentionMetadata:
     write_pos: Tensor | None = None  # [T] cache position of each real token
     calls: tuple[AttentionCall, ...] = ()  # the same attention split into SDPA calls over cache views
     kernel: object | None = None  # decode_attention.DecodeAttention: one call per layer instead of `calls`
+    prompt_kernel: object | None = None  # prompt_attention.PromptAttention: one call per layer after the write
 
     @functools.cached_property
     def _folded(self) -> dict[tuple, Tensor]:
@@ -88,18 +90,39 @@ class AttentionMetadata:
         return cls(q_lens=q_lens, mask=cls.causal_padded(q_lens, L))
 
     @classmethod
-    def packed(cls, slots: Tensor, q_lens: Tensor) -> tuple["AttentionMetadata", Tensor]:
+    def for_prompt_kernel(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, kernel,
+                          L: int | None = None) -> "AttentionMetadata":
+        """Prompt tokens (sequence b: q_lens[b] of them from position starts[b] of slot slots[b]) for
+        the prompt-attention kernel: their k/v are written to the cache, then every real token
+        attends over its slot's keys 0..its position in one call per layer. No mask, no plan."""
+        device = q_lens.device
+        L = int(q_lens.max()) if L is None else L
+        j = torch.arange(L, device=device)
+        write_b, write_j = (j[None, :] < q_lens[:, None]).nonzero(as_tuple=True)  # [T], [T]
+        return cls(q_lens=q_lens, mask=None, read_cache=True, slots=slots, starts=starts, write_b=write_b,
+                   write_j=write_j, write_slot=slots[write_b], write_pos=starts[write_b] + write_j,
+                   prompt_kernel=kernel)
+
+    @classmethod
+    def packed(cls, slots: Tensor, q_lens: Tensor, prompt_kernel=None) -> tuple["AttentionMetadata", Tensor]:
         """Fresh prompts (all from position 0) packed into ONE row with no padding at all.
 
         Token t of the row belongs to sequence seg[t]; it sees key u iff u <= t and seg[u] == seg[t]
         (causal AND same sequence). Returns the metadata and positions [1, T] (each sequence's own
-        0, 1, 2, ...). K/V go to each sequence's slot as with `for_cache`.
+        0, 1, 2, ...). K/V go to each sequence's slot as with `for_cache`. prompt_kernel: a
+        PromptAttention, which takes the tokens' slots and positions instead of a mask.
         """
         device = q_lens.device
         T = int(q_lens.sum())
         ar = torch.arange(T, device=device)
         seg = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=device), q_lens)  # [T]
         pos = ar - (torch.cumsum(q_lens, 0) - q_lens)[seg]  # [T]
+        if prompt_kernel is not None:
+            one = torch.full((1,), T, device=device)
+            meta = cls(q_lens=one, mask=None, read_cache=True, slots=slots, starts=torch.zeros_like(slots),
+                       write_b=torch.zeros_like(ar), write_j=ar, write_slot=slots[seg], write_pos=pos,
+                       prompt_kernel=prompt_kernel)
+            return meta, pos[None]
         mask = (seg[:, None] == seg[None, :]) & (ar[None, :] <= ar[:, None])  # [T, T]
         meta = cls(q_lens=torch.full((1,), T, device=device), mask=mask[None, None], read_cache=False,
                    slots=slots, starts=torch.zeros_like(slots), write_b=torch.zeros_like(ar), write_j=ar,

@@ -108,6 +108,18 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         return self.o_proj(self.attend(*self.project(x, rope), meta, cache))
 
+    def _prompt_kernel(self, q: Tensor, meta: AttentionMetadata, cache: KVCache) -> Tensor:
+        """Every real token of q [B, L, H, d] over its slot's cached keys: [B, L, H*d] (padding rows 0)."""
+        B, L, H, d = q.shape
+        T = meta.write_b.shape[0]
+        rows = q.reshape(B * L, H, d) if T == B * L else q[meta.write_b, meta.write_j]  # row-major: in order
+        out = meta.prompt_kernel(rows, cache.k[self.layer], cache.v[self.layer], meta.write_slot, meta.write_pos)
+        if T == B * L:
+            return out.view(B, L, H * d)
+        full = out.new_zeros(B, L, H * d)
+        full[meta.write_b, meta.write_j] = out
+        return full
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
         """Cache write + attention for rotated q [B, L, H, d], k, v [B, L, Hkv, d]: [B, L, H*d] before o_proj."""
         B, L = q.shape[:2]
@@ -117,6 +129,8 @@ class Attention(nn.Module):
             # only real tokens are written, each at its explicit position
             cache.write(self.layer, meta.write_slot, meta.write_pos,
                         k[meta.write_b, meta.write_j], v[meta.write_b, meta.write_j])  # [T, Hkv, d]
+            if meta.prompt_kernel is not None and not self.reference:  # prompt tokens, one call
+                return self._prompt_kernel(q, meta, cache)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
         if meta.calls and cache is not None and not self.reference:
             out = attend_calls(q, cache.k[self.layer], cache.v[self.layer], meta)  # [B, H, L, d]
@@ -218,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         self.prepared = False  # set by prepare_for_inference()
         self.batch_invariant = False  # set by the loader: serve so that rows never depend on the batch
         self.decode_attention = None  # set by the loader on CPU: decode_attention.DecodeAttention
+        self.prompt_attention = None  # set by the loader on CPU: prompt_attention.PromptAttention
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:

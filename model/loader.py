@@ -55,6 +55,7 @@ class LoadedModel:
         text = self.plan.describe() if self.plan else "default"
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
         text += ", decode-attention kernel" if self.model.decode_attention is not None else ""
+        text += ", prompt-attention kernel" if self.model.prompt_attention is not None else ""
         return text + (", fused elementwise" if self.model.model.norm.fused is not None else "")
 
 
@@ -225,18 +226,24 @@ def native_kernels(model: LlamaForCausalLM, cache_dir: Path, dtype: torch.dtype,
     """Install the CPU native kernels this model can use (native.py); returns what was done, to log."""
     from . import fused_ops, native
     from .decode_attention import DecodeAttention
+    from .prompt_attention import PromptAttention
 
-    attention = DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    shape = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    attention = DecodeAttention.supports(dtype, *shape)
+    prompt = PromptAttention.supports(dtype, *shape)
     fused = dtype == torch.bfloat16 and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
-    if not (attention or fused):
+    if not (attention or prompt or fused):
         return f"none for {dtype} with head_dim {cfg.head_dim}: SDPA per sequence and torch ops"
     lib, why = native.build(cache_dir)
     if lib is None:
         return f"none ({why}): SDPA per sequence and torch ops"
     model.decode_attention = DecodeAttention(lib) if attention else None
+    prompt = prompt and PromptAttention.built(lib)  # it needs AVX-512 BF16
+    model.prompt_attention = PromptAttention(lib) if prompt else None
     if fused:
         model.use_fused_ops(fused_ops.FusedOps(lib))
     return (f"{why}: decode attention {'in one call per layer' if attention else 'on SDPA'}, "
+            f"prompt attention {'in one call per layer' if prompt else 'on SDPA'}, "
             f"{'fused' if fused else 'torch'} RMSNorm/RoPE/SwiGLU")
 
 

@@ -43,6 +43,8 @@ class ModelRunner:
         # decode rows in one call per layer (a CPU kernel, batch-invariant by construction), when the loader
         # built one for this model's dtype and head shape
         self._decode_kernel = getattr(model, "decode_attention", None) if device.type == "cpu" else None
+        # prompt tokens likewise (bfloat16 on a CPU with AVX-512 BF16; each token independent of its chunk and batch)
+        self._prompt_kernel = getattr(model, "prompt_attention", None) if device.type == "cpu" else None
 
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """The model over the batch, then one sampled token per sequence due one."""
@@ -95,7 +97,11 @@ class ModelRunner:
         ids = self._tensor(c.seq.tokens(c.start, c.start + c.length))[None]  # [1, L]
         starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
         positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
-        meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length, call_cost=self._call_cost)
+        if self._prompt_kernel is not None:
+            meta = AttentionMetadata.for_prompt_kernel(self._tensor([c.seq.slot]), starts, q_lens, self._prompt_kernel)
+        else:
+            meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length,
+                                               call_cost=self._call_cost)
         return Segment(ids, positions, meta)
 
     def _packed(self, chunks: list[PrefillChunk]) -> Segment:
@@ -103,7 +109,7 @@ class ModelRunner:
         ids = self._tensor([t for c in chunks for t in c.seq.tokens(0, c.length)])[None]  # [1, T] (a resumed
         # request's prompt and output so far)
         meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]),
-                                                   self._tensor([c.length for c in chunks]))
+                                                   self._tensor([c.length for c in chunks]), self._prompt_kernel)
         return Segment(ids, positions, meta)
 
     def _decode(self, seqs: list[Sequence]) -> Segment:

@@ -1,0 +1,296 @@
+// Prompt attention on CPU for a bfloat16 cache: every prefill token of a step (new prompts and
+// continued chunks) in one call per layer, after the step's k/v are in the cache.
+//
+// Token t attends to keys 0..pos[t] of cache slot slots[t]. Tokens are grouped into blocks of
+// consecutive positions of one slot; work is split over (block, kv head), and each query row
+// (token, head) is computed by a fixed sequence of operations that depends only on its own keys
+// and position: a token's output is bitwise the same whatever the chunk, batch or block it sits
+// in (so a prompt prefilled in chunks, or after a prefix-cache hit, equals one prefilled whole).
+//   - scores: bf16 x bf16 products summed in float32 by the AVX-512 BF16 dot product, keys 16 at a
+//     time (K repacked so a vector holds one head-dimension pair of 16 keys), two partial chains
+//     over the head dimension (even and odd pairs) added at the end;
+//   - softmax in float32: the row's maximum, then e^x summed over blocks of 16 keys from key 0 by
+//     one fixed lane tree; keys past the row's position count as 0;
+//   - output: the probabilities rounded to bfloat16 (as SDPA's CPU kernel does for a bfloat16
+//     cache) times V, summed in float32 by the same dot product over key pairs, divided by the sum.
+// Without AVX-512 BF16 the entry points answer "not built" and attention stays on SDPA.
+//
+// Built by native.py with the machine's own instruction set (-march=native), wrapped by
+// prompt_attention.py; no torch headers.
+
+#include <algorithm>
+#include <vector>
+
+#include "native_common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static const int MAX_PAIRS = 128;  // head_dim <= 256
+static const int GROUP_ROWS = 8;   // query rows scored together (they share each K vector load)
+static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
+static const int BLOCK_ROWS = 24;  // query rows per task: tokens per block = BLOCK_ROWS / heads per kv head
+
+// Transposing 16 x 16 32-bit lanes by swapping off-diagonal blocks of 8, 4, 2, 1.
+#define LO_(s, j) (((j) & (s)) ? 16 + (j) - (s) : (j))
+#define HI_(s, j) (((j) & (s)) ? 16 + (j) : (j) + (s))
+#define IDX16(M, s) M(s, 0), M(s, 1), M(s, 2), M(s, 3), M(s, 4), M(s, 5), M(s, 6), M(s, 7), M(s, 8), M(s, 9), \
+                    M(s, 10), M(s, 11), M(s, 12), M(s, 13), M(s, 14), M(s, 15)
+
+template <int S>
+static inline void swap_blocks(v16u* r) {
+    for (int i = 0; i < 16; ++i)
+        if (!(i & S)) {
+            const v16u a = r[i], b = r[i + S];
+            r[i] = __builtin_shufflevector(a, b, IDX16(LO_, S));
+            r[i + S] = __builtin_shufflevector(a, b, IDX16(HI_, S));
+        }
+}
+
+static inline void transpose16(v16u* r) {
+    swap_blocks<8>(r);
+    swap_blocks<4>(r);
+    swap_blocks<2>(r);
+    swap_blocks<1>(r);
+}
+
+// Keys j0..j0+15 of one (slot, head) into out[p] = pair p (head dims 2p, 2p+1) of the 16 keys, one
+// key per lane; keys at or past `valid` read as zeros (positions past the block may hold anything).
+static inline void pack_keys(const uint16_t* K, int d, int j0, int valid, v16u* out) {
+    const int pairs = d / 2;
+    for (int pc = 0; pc < pairs; pc += 16) {
+        v16u r[16];
+        for (int l = 0; l < 16; ++l) {
+            if (j0 + l < valid)
+                memcpy(&r[l], K + (size_t)(j0 + l) * d + 2 * pc, sizeof(v16u));
+            else
+                r[l] = v16u{};
+        }
+        transpose16(r);
+        for (int p = 0; p < 16; ++p) out[pc + p] = r[p];
+    }
+}
+
+// Values of key pairs (j0 + 2i, j0 + 2i + 1), i < 8: out[i * C + c] lane l = the two keys' head dim
+// 16c + l as a bf16 pair (first key in the low half). Keys at or past `valid` read as zeros.
+static inline void pack_values(const uint16_t* V, int d, int j0, int valid, v16u* out) {
+    const int C = d / 16;
+    for (int i = 0; i < 8; ++i) {
+        const int a = j0 + 2 * i, b = a + 1;
+        for (int c = 0; c < C; ++c) {
+            v16h lo = v16h{}, hi = v16h{};
+            if (a < valid) memcpy(&lo, V + (size_t)a * d + 16 * c, sizeof lo);
+            if (b < valid) memcpy(&hi, V + (size_t)b * d + 16 * c, sizeof hi);
+            out[i * C + c] = __builtin_convertvector(lo, v16u) | (__builtin_convertvector(hi, v16u) << 16);
+        }
+    }
+}
+
+static inline __m512bh as_bh(v16u x) { return (__m512bh)(__m512i)x; }
+static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1_epi32((int)x); }
+
+// Raw scores of NR query rows against the 16 packed keys: out[r] lane l = q_r . k_l in float32.
+template <int NR>
+static inline void score_rows(const uint32_t* const* q, const v16u* Kp, int pairs, v16f* out) {
+    __m512 even[NR], odd[NR];
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p += 2) {
+        const __m512bh k0 = as_bh(Kp[p]), k1 = as_bh(Kp[p + 1]);
+        for (int r = 0; r < NR; ++r) {
+            even[r] = _mm512_dpbf16_ps(even[r], k0, broadcast_pair(q[r][p]));
+            odd[r] = _mm512_dpbf16_ps(odd[r], k1, broadcast_pair(q[r][p + 1]));
+        }
+    }
+    for (int r = 0; r < NR; ++r) out[r] = (v16f)_mm512_add_ps(even[r], odd[r]);
+}
+
+static void score_group(const uint32_t* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
+    switch (n) {
+        case 8: score_rows<8>(q, Kp, pairs, out); break;
+        case 7: score_rows<7>(q, Kp, pairs, out); break;
+        case 6: score_rows<6>(q, Kp, pairs, out); break;
+        case 5: score_rows<5>(q, Kp, pairs, out); break;
+        case 4: score_rows<4>(q, Kp, pairs, out); break;
+        case 3: score_rows<3>(q, Kp, pairs, out); break;
+        case 2: score_rows<2>(q, Kp, pairs, out); break;
+        default: score_rows<1>(q, Kp, pairs, out); break;
+    }
+}
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// The 16 probabilities of one key block rounded to bfloat16, as 8 key pairs (first key low).
+static inline v8u prob_pairs(const float* p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    const v16f r = round_bf16(x);
+    v16u w;
+    memcpy(&w, &r, sizeof w);
+    const v8u lo = __builtin_shufflevector(w, w, 0, 2, 4, 6, 8, 10, 12, 14) >> 16;
+    const v8u hi = __builtin_shufflevector(w, w, 1, 3, 5, 7, 9, 11, 13, 15) & 0xFFFF0000u;
+    return lo | hi;
+}
+
+// acc[r] (d floats) += the block's probabilities of NR rows x the packed values, in float32.
+template <int NR>
+static inline void weigh_rows(float* const* acc, const v8u* pp, const v16u* Vp, int C) {
+    for (int c = 0; c < C; ++c) {
+        __m512 o[NR];
+        for (int r = 0; r < NR; ++r) o[r] = _mm512_loadu_ps(acc[r] + 16 * c);
+        for (int i = 0; i < 8; ++i) {
+            const __m512bh v = as_bh(Vp[i * C + c]);
+            for (int r = 0; r < NR; ++r) o[r] = _mm512_dpbf16_ps(o[r], v, broadcast_pair(pp[r][i]));
+        }
+        for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + 16 * c, o[r]);
+    }
+}
+
+struct Block {
+    int t0, n;       // tokens t0 .. t0 + n - 1
+    int64_t slot, p0;  // their slot and the first one's position (the rest follow one by one)
+};
+
+struct Scratch {
+    std::vector<float> scores, acc;
+    std::vector<v16u> kp, vp;
+};
+
+static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_row, const uint16_t* k_cache,
+                         const uint16_t* v_cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale,
+                         Scratch& w) {
+    const int G = H / Hkv, R = blk.n * G, pairs = d / 2, C = d / 16;
+    const int valid = (int)(blk.p0 + blk.n);  // keys the block's last token sees
+    const int blocks = (valid + 15) / 16;
+    const size_t stride = (size_t)blocks * 16;
+    const size_t base = (((size_t)blk.slot * Hkv + h) * max_len) * d;
+    const uint16_t* K = k_cache + base;
+    const uint16_t* V = v_cache + base;
+    w.scores.resize((size_t)R * stride);
+    w.acc.assign((size_t)R * d, 0.0f);
+    w.kp.resize(MAX_PAIRS);
+    w.vp.resize((size_t)8 * C);
+
+    const uint32_t* rows[BLOCK_ROWS];
+    int len[BLOCK_ROWS];
+    for (int i = 0; i < blk.n; ++i)
+        for (int g = 0; g < G; ++g) {
+            rows[i * G + g] = (const uint32_t*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
+            len[i * G + g] = (int)(blk.p0 + i + 1);
+        }
+
+    for (int b = 0; b < blocks; ++b) {  // scores
+        const int j0 = b * 16;
+        pack_keys(K, d, j0, valid, w.kp.data());
+        for (int r0 = 0; r0 < R; r0 += GROUP_ROWS) {
+            const int n = std::min(GROUP_ROWS, R - r0);
+            v16f s[GROUP_ROWS];
+            score_group(rows + r0, n, w.kp.data(), pairs, s);
+            for (int r = 0; r < n; ++r) {
+                const v16f x = s[r] * scale;
+                memcpy(w.scores.data() + (size_t)(r0 + r) * stride + j0, &x, sizeof x);
+            }
+        }
+    }
+
+    float inv[BLOCK_ROWS];
+    for (int r = 0; r < R; ++r) {  // softmax numerators and their sum
+        float* s = w.scores.data() + (size_t)r * stride;
+        const int n = len[r];
+        const int full = n / 16, own = (n + 15) / 16;  // blocks wholly / partly the row's
+        for (int j = n; j < own * 16; ++j) s[j] = s[0];  // past the row's position: no effect on the maximum
+        v16f m;
+        memcpy(&m, s, sizeof m);
+        for (int b = 1; b < own; ++b) {
+            v16f x;
+            memcpy(&x, s + b * 16, sizeof x);
+            m = x > m ? x : m;
+        }
+        float mx = m[0];
+        for (int l = 1; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
+        v16f sum = v16f{};
+        for (int b = 0; b < own; ++b) {
+            v16f x;
+            memcpy(&x, s + b * 16, sizeof x);
+            v16f p = exp_clamped(x - mx);
+            if (b >= full)
+                for (int l = n - b * 16; l < 16; ++l) p[l] = 0.0f;
+            memcpy(s + b * 16, &p, sizeof p);
+            sum = sum + p;
+        }
+        inv[r] = 1.0f / total(sum);
+    }
+
+    for (int b = 0; b < blocks; ++b) {  // probabilities x V
+        const int j0 = b * 16;
+        pack_values(V, d, j0, valid, w.vp.data());
+        float* acc[PV_ROWS];
+        v8u pp[PV_ROWS];
+        int n = 0;
+        for (int r = 0; r < R; ++r) {
+            if (j0 >= len[r]) continue;  // a block this row does not see adds exactly nothing
+            acc[n] = w.acc.data() + (size_t)r * d;
+            pp[n++] = prob_pairs(w.scores.data() + (size_t)r * stride + j0);
+            if (n == PV_ROWS) {
+                weigh_rows<PV_ROWS>(acc, pp, w.vp.data(), C);
+                n = 0;
+            }
+        }
+        if (n == 3) weigh_rows<3>(acc, pp, w.vp.data(), C);
+        if (n == 2) weigh_rows<2>(acc, pp, w.vp.data(), C);
+        if (n == 1) weigh_rows<1>(acc, pp, w.vp.data(), C);
+    }
+
+    for (int i = 0; i < blk.n; ++i)
+        for (int g = 0; g < G; ++g) {
+            const int r = i * G + g;
+            uint16_t* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d;
+            for (int c = 0; c < C; ++c) BF16::store(o + 16 * c, F32::load(w.acc.data() + (size_t)r * d + 16 * c) * inv[r]);
+        }
+}
+
+extern "C" int lm_prompt_attention_built(void) { return 1; }
+
+// 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
+// outside the cache.
+extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
+                                   int64_t num_slots, int64_t max_len, float scale, int threads) {
+    if (d % 32 != 0 || d / 2 > MAX_PAIRS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > BLOCK_ROWS) return 1;
+    for (int t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
+    const int per_block = std::max(1, BLOCK_ROWS / (H / Hkv));
+    std::vector<Block> blocks;
+    for (int t = 0; t < T; ++t) {
+        Block* last = blocks.empty() ? nullptr : &blocks.back();
+        if (last && last->n < per_block && slots[t] == last->slot && pos[t] == last->p0 + last->n)
+            ++last->n;
+        else
+            blocks.push_back(Block{t, 1, slots[t], pos[t]});
+    }
+    const int tasks = (int)blocks.size() * Hkv;
+    int64_t work = 0;
+    for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
+    const bool parallel = threads > 1 && tasks > 1 && work * H * d >= (1 << 16);
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        Scratch w;
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
+            const int t = tasks - 1 - i;
+            attend_block(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
+                         (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w);
+        }
+    }
+    return 0;
+}
+
+#else
+
+extern "C" int lm_prompt_attention_built(void) { return 0; }
+
+extern "C" int lm_prompt_attention(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*,
+                                   void*, int, int, int, int, int64_t, int64_t, float, int) {
+    return 1;
+}
+
+#endif

@@ -1,0 +1,196 @@
+"""The CPU prompt-attention kernel (bfloat16, AVX-512 BF16): equal to the explicit attention within
+bfloat16 rounding, each token bitwise the same whatever chunk or batch it comes in, bounds-checked;
+and through the model, a bfloat16 prefill on the kernel gives SDPA's logits within rounding and a
+prompt prefilled in chunks equals the same prompt prefilled whole, bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmserve.model import native
+from lmserve.model.attention import AttentionMetadata, explicit_attention
+from lmserve.model.prompt_attention import PromptAttention
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
+SLOTS, MAX_LEN = 6, 1100
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+    assert lib is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
+    return lib
+
+
+@pytest.fixture(scope="module")
+def kernel(lib) -> PromptAttention:
+    if not PromptAttention.built(lib):  # the loader keeps SDPA on such a CPU; nothing of ours runs there
+        pytest.skip("this CPU has no AVX-512 BF16: prompt attention stays on SDPA")
+    return PromptAttention(lib)
+
+
+def _cache(heads=(H, HKV, D), seed=0):
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).bfloat16()
+    vc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).bfloat16()
+    return kc, vc
+
+
+def _queries(n, heads=(H, HKV, D), seed=1):
+    h, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, h + 2 * hkv, d, generator=g).bfloat16()
+    return qkv[:, :h]  # strided rows, as the model passes them
+
+
+def _reference(q, kc, vc, slots, pos):
+    """The explicit attention in float32 on the same bfloat16 values, token by token."""
+    out = []
+    for t in range(q.shape[0]):
+        s, n = int(slots[t]), int(pos[t]) + 1
+        ref, _ = explicit_attention(q[t][None, :, None].float(), kc[s, :, :n][None].float(),
+                                    vc[s, :, :n][None].float(), torch.ones(1, 1, 1, n, dtype=torch.bool))
+        out.append(ref[0, :, 0].reshape(-1))
+    return torch.stack(out)
+
+
+def _tokens(spans):
+    """[(slot, first position, count)] -> per-token slots and positions."""
+    slots = torch.tensor([s for s, p0, n in spans for _ in range(n)])
+    pos = torch.cat([torch.arange(p0, p0 + n) for s, p0, n in spans])
+    return slots, pos
+
+
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128), (6, 2, 32)])
+def test_matches_explicit_attention(kernel, heads):
+    kc, vc = _cache(heads)
+    # a new prompt from 0, a chunk continuing one, single tokens at block edges, a long tail
+    slots, pos = _tokens([(0, 0, 37), (3, 500, 40), (1, 15, 1), (1, 16, 1), (2, 1, 2), (4, 1050, 30)])
+    q = _queries(len(slots), heads)
+    out = kernel(q, kc, vc, slots, pos)  # [T, H*d]
+    torch.testing.assert_close(out.float(), _reference(q, kc, vc, slots, pos), atol=2e-2, rtol=2e-2)
+    err = (out.float() - _reference(q, kc, vc, slots, pos)).abs().mean()
+    assert err < 2e-3  # bfloat16 rounding of the output and of the probabilities, on average well below
+
+
+def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel):
+    kc, vc = _cache()
+    rng = random.Random(0)
+    for trial in range(12):
+        spans, used = [], rng.sample(range(SLOTS), rng.randint(1, 4))
+        for s in used:
+            n = rng.randint(1, 60)
+            spans.append((s, rng.randint(0, MAX_LEN - n), n))
+        slots, pos = _tokens(spans)
+        q = _queries(len(slots), seed=trial)
+        together = kernel(q, kc, vc, slots, pos)
+        t = rng.randrange(len(slots))
+        alone = kernel(q[t:t + 1], kc, vc, slots[t:t + 1], pos[t:t + 1])
+        assert torch.equal(alone[0], together[t]), (trial, spans, t)
+        cut = rng.randint(1, len(slots))  # the same tokens split into two calls anywhere
+        split = torch.cat([kernel(q[:cut], kc, vc, slots[:cut], pos[:cut]),
+                           kernel(q[cut:], kc, vc, slots[cut:], pos[cut:])]) if cut < len(slots) else together
+        assert torch.equal(split, together)
+
+
+def test_threads_do_not_change_a_bit(kernel):
+    kc, vc = _cache()
+    slots, pos = _tokens([(0, 0, 100), (2, 700, 64)])
+    q = _queries(len(slots))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, kc, vc, slots, pos)
+        torch.set_num_threads(2)
+        two = kernel(q, kc, vc, slots, pos)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_non_finite_keys_stay_in_their_slot_and_past_a_tokens_position(kernel):
+    kc, vc = _cache()
+    kc[1, :, 40] = float("nan")  # slot 1 at position 40
+    vc[1, :, 41:] = float("inf")  # and everything past it in the values
+    slots, pos = _tokens([(1, 0, 40), (0, 30, 20)])  # slot 1's tokens see keys 0..39 only
+    out = kernel(_queries(len(slots)), kc, vc, slots, pos)
+    assert torch.isfinite(out).all()
+    bad = kernel(_queries(1), kc, vc, torch.tensor([1]), torch.tensor([40]))
+    assert torch.isnan(bad).all()
+
+
+@pytest.mark.parametrize("bad", ["slot", "negative slot", "position"])
+def test_a_token_outside_the_cache_raises(kernel, bad):
+    kc, vc = _cache()
+    slots, pos = _tokens([(0, 0, 3)])
+    if bad == "slot":
+        slots[1] = SLOTS
+    elif bad == "negative slot":
+        slots[1] = -1
+    else:
+        pos[2] = MAX_LEN
+    with pytest.raises(IndexError):
+        kernel(_queries(3), kc, vc, slots, pos)
+
+
+def test_shapes_it_does_not_take_are_declared(kernel):
+    assert PromptAttention.supports(torch.bfloat16, 64, 9, 3)
+    assert not PromptAttention.supports(torch.float32, 64, 9, 3)  # float32 keeps SDPA (token-exact path)
+    assert not PromptAttention.supports(torch.bfloat16, 48, 9, 3)  # head_dim must be whole pairs of 16
+    assert not PromptAttention.supports(torch.bfloat16, 64, 9, 2)
+    kc = torch.zeros(2, 3, 8, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 9, 48, dtype=torch.bfloat16), kc, kc, torch.tensor([0]), torch.tensor([0]))
+
+
+# ---- through the model ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(kernel):
+    from lmserve.model.config import ModelConfig
+    from lmserve.model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=H * D, intermediate_size=256, num_layers=2, num_heads=H,
+                      num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
+    m = LlamaForCausalLM(cfg).init_weights(std=0.05, generator=torch.Generator().manual_seed(3)).bfloat16().eval()
+    return m
+
+
+def _prefill(model, cache, ids, chunks, kernel):
+    """Prefill `ids` into slot 0 chunk by chunk; logits of the last token of each chunk."""
+    from lmserve.model.llama import Segment
+
+    out, start = [], 0
+    for n in chunks:
+        starts, q_lens = torch.tensor([start]), torch.tensor([n])
+        if kernel is not None:
+            meta = AttentionMetadata.for_prompt_kernel(torch.tensor([0]), starts, q_lens, kernel)
+        elif start == 0:
+            meta = AttentionMetadata.packed(torch.tensor([0]), q_lens)[0]
+        else:
+            meta = AttentionMetadata.for_cache(torch.tensor([0]), starts, q_lens, n, call_cost=0)
+        seg = Segment(torch.tensor(ids[start:start + n])[None], torch.arange(start, start + n)[None], meta)
+        out.append(model.forward_segments([seg], cache, torch.tensor([n - 1]))[0])
+        start += n
+    return torch.stack(out)
+
+
+def test_model_prefill_on_the_kernel_matches_sdpa_and_chunks_change_nothing(model, kernel):
+    from lmserve.model.kv_cache import KVCache
+
+    cfg = model.config
+    ids = random.Random(5).choices(range(cfg.vocab_size), k=300)
+    caches = [KVCache(cfg, 1, 512, torch.bfloat16) for _ in range(3)]
+    with torch.inference_mode():
+        whole = _prefill(model, caches[0], ids, [300], kernel)[-1]
+        chunked = _prefill(model, caches[1], ids, [100, 37, 16, 147], kernel)[-1]
+        sdpa = _prefill(model, caches[2], ids, [300], None)[-1]
+    assert torch.equal(whole, chunked)
+    assert torch.equal(caches[0].k[1][0, :, :300], caches[1].k[1][0, :, :300])
+    torch.testing.assert_close(whole.float(), sdpa.float(), atol=0.1, rtol=0.05)
+    p, r = torch.log_softmax(whole.float(), -1), torch.log_softmax(sdpa.float(), -1)
+    assert (p.exp() * (p - r)).sum() < 1e-3  # KL(kernel || SDPA) of the next-token distribution
