@@ -7,8 +7,13 @@ This module learns what a step costs on the machine it runs on and sizes the chu
 
 Cost model (milliseconds), refitted online from every step the engine runs:
 
-    t = a_d [decoding?] + b * decode_rows + e * decode_keys/1000
-      + a_p [prefilling?] + c * prefill_tokens + d * prefill_pairs/1000
+    t = a_0 + a_d [decoding?] + b * decode_rows + e * decode_keys/1000
+            + a_p [prefilling?] + c * prefill_tokens + d * prefill_pairs/1000
+
+a_0 is what any step costs (reading the weights once, the per-layer work of a pass); a_d and a_p
+what a step pays on top for having decode rows or prompt tokens at all. A step that runs decode
+rows and a prompt chunk in one forward pays a_0 once, which a fit with only a_d and a_p would
+count twice (so it would predict mixed steps too dear and cut their chunks short).
 
 decode_keys: keys the decode rows attend over; prefill_pairs: query-key pairs of the prefill
 chunks (a chunk of n tokens after s cached ones has n*s + n(n+1)/2), the attention term that makes
@@ -47,7 +52,7 @@ FORGET = 0.95  # per step of the same kind: the last ~20 steps of each kind domi
 OUTLIER = 3.0  # once fitted, an observation is clipped to [pred / OUTLIER, pred * OUTLIER]
 RIDGE = 1e-3
 KINDS = ("decode", "mixed", "prefill")
-_N = 6  # has_decode, decode_rows, decode_keys_k, has_prefill, prefill_tokens, prefill_pairs_k
+_N = 7  # any step, has_decode, decode_rows, decode_keys_k, has_prefill, prefill_tokens, prefill_pairs_k
 
 
 def step_kind(decode_rows: int, prefill_tokens: int) -> str:
@@ -63,8 +68,8 @@ def prefill_pairs(start: int, length: int) -> int:
 
 
 def features(decode_rows: int, decode_keys: int, prefill_tokens: int, pairs: int) -> list[float]:
-    return [float(decode_rows > 0), float(decode_rows), decode_keys / 1000.0,
-            float(prefill_tokens > 0), float(prefill_tokens), pairs / 1000.0]
+    return [float(decode_rows > 0 or prefill_tokens > 0), float(decode_rows > 0), float(decode_rows),
+            decode_keys / 1000.0, float(prefill_tokens > 0), float(prefill_tokens), pairs / 1000.0]
 
 
 class StepCostModel:
@@ -89,7 +94,7 @@ class StepCostModel:
     def observe(self, x: list[float], ms: float) -> None:
         if not (ms >= 0 and math.isfinite(ms)):
             return
-        kind = step_kind(int(x[1]), int(x[4]))
+        kind = step_kind(int(x[2]), int(x[5]))
         if self.counts[kind] >= 5:  # a step slowed by something else (another process) must not swing the fit
             if self._last is None or self._unsolved >= 32:
                 self.coef  # refit now and then; between refits the last fit serves (a solve costs ~0.2 ms)
@@ -187,8 +192,8 @@ class StepBudget:
             self.last_target_ms = None
             return floor
         coef = self.model.coef
-        base = self.model.predict(features(decode_rows, decode_keys, 0, 0)) + coef[3]
-        c, d = coef[4], coef[5] / 1000.0  # per token, per query-key pair
+        base = self.model.predict(features(decode_rows, decode_keys, 0, 0)) + coef[4]
+        c, d = coef[5], coef[6] / 1000.0  # per token, per query-key pair
 
         def step_ms(n: int) -> float:
             return base + c * n + d * prefill_pairs(context, n)

@@ -12,15 +12,16 @@ from lmserve.server.engine.step_budget import (
 
 
 class FakeDevice:
-    """Step time in ms from a batch: fixed pass costs, per row, per prefill token, per query-key pair."""
+    """Step time in ms from a batch: a fixed cost of any step, fixed pass costs, per row, per prefill
+    token, per query-key pair."""
 
-    def __init__(self, a_d=30.0, b=2.0, a_p=10.0, c=3.0, d_per_k=1.0, noise=0.0, seed=0):
-        self.a_d, self.b, self.a_p, self.c, self.d = a_d, b, a_p, c, d_per_k / 1000
+    def __init__(self, a_d=30.0, b=2.0, a_p=10.0, c=3.0, d_per_k=1.0, noise=0.0, seed=0, a_0=0.0):
+        self.a_0, self.a_d, self.b, self.a_p, self.c, self.d = a_0, a_d, b, a_p, c, d_per_k / 1000
         self.noise = noise
         self.rng = random.Random(seed)
 
     def ms(self, batch) -> float:
-        t = 0.0
+        t = self.a_0
         if batch.decode:
             t += self.a_d + self.b * len(batch.decode)
         if batch.prefill:
@@ -73,11 +74,28 @@ def test_cost_model_recovers_the_fake_costs():
         x = features(rows, keys, n, prefill_pairs(start, n))
         ms = (dev.a_d + dev.b * rows if rows else 0) + (dev.a_p + dev.c * n + dev.d * prefill_pairs(start, n) if n else 0)
         model.observe(x, ms)
-    a_d, b, e, a_p, c, d = model.coef
+    a_0, a_d, b, e, a_p, c, d = model.coef
+    assert a_0 == pytest.approx(0, abs=0.5)  # this fake device has no cost shared by every step
     assert a_d == pytest.approx(30, rel=0.05) and b == pytest.approx(2, rel=0.05)
     assert c == pytest.approx(3, rel=0.02) and d == pytest.approx(1, rel=0.05) and a_p == pytest.approx(10, rel=0.1)
     assert e == pytest.approx(0, abs=0.05)  # decode keys cost nothing on this fake device
     assert min(model.coef) >= 0
+
+
+def test_a_fixed_cost_shared_by_mixed_steps_is_counted_once():
+    """One forward per step: reading the weights (a_0) is paid once whether the step decodes,
+    prefills or both. A model that can only add a decode pass and a prefill pass would predict a
+    mixed step ~a_0 too dear and cut its chunks short of the target."""
+    dev = FakeDevice(a_0=25.0, a_d=1.0, b=0.5, a_p=2.0, c=0.5, d_per_k=0.02, noise=0.02)
+    long, prefilling, budget = streams_then_long_prompt(80.0, dev)
+    assert long.num_cached >= long.prompt_len
+    coef = budget.model.coef
+    assert coef[0] == pytest.approx(25, rel=0.15)
+    mixed = features(8, 8 * 400, 100, prefill_pairs(1000, 100))
+    assert budget.model.predict(mixed) == pytest.approx(25 + 1 + 4 + 2 + 50 + 0.02 * prefill_pairs(1000, 100) / 1000,
+                                                         rel=0.05)
+    times = sorted(ms for _, ms in prefilling[1:-1])
+    assert times[len(times) // 10] >= 80 * 0.95 and times[-1] <= 80 * 1.15  # the old model: 0.92 x 80
 
 
 def test_prefill_chunks_follow_the_target_step_time():
@@ -164,7 +182,7 @@ def test_step_kind_and_features_of_a_batch():
     b2 = s.schedule()
     s.update(b2, {q: 1 for q in b2.sampled()})
     x = batch_features(b2.decode, b2.prefill)
-    assert x == [1.0, 1.0, 6 / 1000, 1.0, 10.0, 55 / 1000]  # "a": 5 prompt tokens + its new one
+    assert x == [1.0, 1.0, 1.0, 6 / 1000, 1.0, 10.0, 55 / 1000]  # "a": 5 prompt tokens + its new one
     assert step_kind(1, 10) == "mixed" and step_kind(0, 10) == "prefill" and step_kind(3, 0) == "decode"
 
 
