@@ -62,7 +62,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 # ---------------------------------------------------------------- runtime bases
 FROM ${PYTHON_IMAGE} AS runtime-cpu
-# g++: the CPU decode-attention kernel (model/decode_attention.cpp, built for the host CPU at first start)
+# g++: the CPU attention and elementwise kernels (model/*.cpp, built for the host CPU at first start)
 # and torch.compile's C++ code generation for the compiled layers (--compile, model/compile.py)
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -1,4 +1,4 @@
-// Shared by the native kernels (decode_attention.cpp, fused_ops.cpp): 16-lane float vectors
+// Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp): 16-lane float vectors
 // (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native), float32 / bfloat16
 // loads and stores, a fixed-order lane sum and e^x.
 #pragma once
