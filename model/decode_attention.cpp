@@ -19,8 +19,9 @@
 
 #include "native_common.h"
 
-static const int MAX_CHUNKS = 16;  // head_dim <= 256
+static inline bool head_chunks_built(int c) { return c == 2 || c == 4 || c == 5 || c == 6 || c == 8 || c == 16; }
 static const int MAX_GROUP = 16;   // query heads per kv head
+static const int PREFETCH_BLOCKS = 2;  // key blocks fetched ahead of their scores
 
 // 16 vectors (one per key) -> one vector of their 16 lane sums, key l in lane l. Every round adds
 // lanes of the same key only, so a key's sum does not depend on the keys beside it.
@@ -39,48 +40,66 @@ static inline v16f lane_sums(const v16f a[16]) {
            __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-template <class L>
+// One (row, kv head) pair: G query heads over keys 0..n-1, head_dim 16 * C (a constant, so the
+// accumulators of one query head stay in registers). Keys and values are taken 16 rows at a time,
+// widened to float32 once into `rows` (shared by the G query heads) and fetched ahead of use.
+template <class L, int C>
 static void attend_pair(const typename L::T* q, const typename L::T* K, const typename L::T* V, int n, int G,
-                        int d, float scale, typename L::T* out, std::vector<float>& work) {
+                        float scale, typename L::T* out, std::vector<float>& work) {
     typedef typename L::T T;
-    const int C = d / 16;
+    const int d = 16 * C;
     const int blocks = (n + 15) / 16;
-    work.resize((size_t)G * blocks * 16);
-    float* scores = work.data();  // [G, blocks * 16]
     const size_t stride = (size_t)blocks * 16;
+    work.resize((size_t)G * stride + (size_t)G * d + 16 * (size_t)d);
+    float* scores = work.data();  // [G, blocks * 16]
+    float* o_acc = scores + (size_t)G * stride;  // [G, d]
+    float* rows = o_acc + (size_t)G * d;  // [16, d]: the block's keys or values in float32
+    const size_t row_bytes = (size_t)d * sizeof(T);
 
-    v16f qv[MAX_GROUP][MAX_CHUNKS];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) qv[g][c] = L::load(q + (size_t)g * d + 16 * c);
+    auto widen = [&](const T* src, int j0, int m) {  // rows j0 .. j0 + m - 1 of src; the rest zero
+        for (int l = 0; l < 16; ++l)
+            for (int c = 0; c < C; ++c)
+                F32::store(rows + l * d + 16 * c, l < m ? L::load(src + (size_t)(j0 + l) * d + 16 * c) : v16f{});
+    };
+    auto fetch = [&](const T* src, int j0) {  // rows j0 .. j0 + 15 of src on their way into the cache
+        for (int l = 0; l < 16 && j0 + l < n; ++l)
+            for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch((const char*)(src + (size_t)(j0 + l) * d) + off);
+    };
 
-    v16f acc[MAX_GROUP][16];
-    v16f kc[MAX_CHUNKS];
+    for (int blk = 0; blk < PREFETCH_BLOCKS; ++blk) fetch(K, blk * 16);
     for (int blk = 0; blk < blocks; ++blk) {
         const int j0 = blk * 16, m = std::min(16, n - j0);
-        for (int l = 0; l < 16; ++l) {
-            if (l >= m) {
-                for (int g = 0; g < G; ++g) acc[g][l] = v16f{};
-                continue;
-            }
-            const T* k = K + (size_t)(j0 + l) * d;
-            for (int c = 0; c < C; ++c) kc[c] = L::load(k + 16 * c);
-            for (int g = 0; g < G; ++g) {
-                v16f a = qv[g][0] * kc[0];
-                for (int c = 1; c < C; ++c) a = a + qv[g][c] * kc[c];
-                acc[g][l] = a;
-            }
-        }
+        fetch(K, j0 + 16 * PREFETCH_BLOCKS);
+        fetch(V, j0);  // read after the softmax
+        widen(K, j0, m);
         for (int g = 0; g < G; ++g) {
-            v16f s = lane_sums(acc[g]) * scale;
-            memcpy(scores + g * stride + j0, &s, sizeof s);
+            v16f qg[C];
+            for (int c = 0; c < C; ++c) qg[c] = L::load(q + (size_t)g * d + 16 * c);
+            v16f acc[16];
+            for (int l = 0; l < 16; ++l) {
+                const float* k = rows + l * d;
+                v16f a = qg[0] * F32::load(k);
+                for (int c = 1; c < C; ++c) a = a + qg[c] * F32::load(k + 16 * c);
+                acc[l] = a;
+            }
+            const v16f sc = lane_sums(acc) * scale;
+            memcpy(scores + g * stride + j0, &sc, sizeof sc);
         }
     }
 
     float inv[MAX_GROUP];
     for (int g = 0; g < G; ++g) {
         float* s = scores + g * stride;
-        float mx = s[0];
-        for (int j = 1; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+        for (int j = n; j < blocks * 16; ++j) s[j] = s[0];  // past the last key: no effect on the maximum
+        v16f mv;
+        memcpy(&mv, s, sizeof mv);
+        for (int blk = 1; blk < blocks; ++blk) {
+            v16f x;
+            memcpy(&x, s + blk * 16, sizeof x);
+            mv = x > mv ? x : mv;
+        }
+        float mx = mv[0];
+        for (int l = 1; l < 16; ++l) mx = mv[l] > mx ? mv[l] : mx;
         v16f sum = v16f{};
         for (int blk = 0; blk < blocks; ++blk) {
             v16f x;
@@ -94,19 +113,32 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
         inv[g] = 1.0f / total(sum);
     }
 
-    v16f o[MAX_GROUP][MAX_CHUNKS];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) o[g][c] = v16f{};
-    for (int j = 0; j < n; ++j) {
-        const T* v = V + (size_t)j * d;
-        for (int c = 0; c < C; ++c) kc[c] = L::load(v + 16 * c);
+    for (int i = 0; i < G * d; ++i) o_acc[i] = 0.0f;
+    for (int blk = 0; blk < blocks; ++blk) {
+        const int j0 = blk * 16, m = std::min(16, n - j0);
+        widen(V, j0, m);
         for (int g = 0; g < G; ++g) {
-            const float p = scores[g * stride + j];
-            for (int c = 0; c < C; ++c) o[g][c] = o[g][c] + p * kc[c];
+            v16f o[C];
+            for (int c = 0; c < C; ++c) o[c] = F32::load(o_acc + g * d + 16 * c);
+            const float* p = scores + g * stride + j0;
+            for (int l = 0; l < m; ++l)
+                for (int c = 0; c < C; ++c) o[c] = o[c] + p[l] * F32::load(rows + l * d + 16 * c);
+            for (int c = 0; c < C; ++c) F32::store(o_acc + g * d + 16 * c, o[c]);
         }
     }
     for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) L::store(out + (size_t)g * d + 16 * c, o[g][c] * inv[g]);
+        for (int c = 0; c < C; ++c) L::store(out + (size_t)g * d + 16 * c, F32::load(o_acc + g * d + 16 * c) * inv[g]);
+}
+
+template <class L>
+static void attend_pair(const typename L::T* q, const typename L::T* K, const typename L::T* V, int n, int G,
+                        int d, float scale, typename L::T* out, std::vector<float>& work) {
+    switch (d / 16) {
+#define CASE(c) \
+    case c: attend_pair<L, c>(q, K, V, n, G, scale, out, work); break;
+        CASE(2) CASE(4) CASE(5) CASE(6) CASE(8) CASE(16)  // head_dim 32, 64, 80, 96, 128, 256 (HEAD_CHUNKS)
+#undef CASE
+    }
 }
 
 template <class L>
@@ -146,7 +178,7 @@ extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const
                                    const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
                                    const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
                                    int64_t max_len, float scale, int threads) {
-    if (d % 16 != 0 || d / 16 > MAX_CHUNKS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP) return 1;
+    if (d % 16 != 0 || !head_chunks_built(d / 16) || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP) return 1;
     for (int b = 0; b < B; ++b)
         if (slots[b] < 0 || slots[b] >= num_slots || pos[b] < 0 || pos[b] >= max_len) return 2;
     if (bf16)

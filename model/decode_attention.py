@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # compiled for these (decode_attention.cpp); others keep SDPA
 
 
 class DecodeAttention:
@@ -32,7 +33,7 @@ class DecodeAttention:
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-        return (dtype in DTYPES and head_dim % 16 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+        return (dtype in DTYPES and head_dim in HEAD_DIMS and num_heads % num_kv_heads == 0
                 and num_heads // num_kv_heads <= 16)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -101,4 +101,5 @@ def test_shapes_it_does_not_take_are_declared():
     assert DecodeAttention.supports(torch.bfloat16, 64, 9, 3)
     assert not DecodeAttention.supports(torch.float16, 64, 9, 3)
     assert not DecodeAttention.supports(torch.float32, 40, 8, 8)  # head_dim not a multiple of 16
+    assert not DecodeAttention.supports(torch.float32, 48, 8, 8)  # nor one the kernel is compiled for
     assert not DecodeAttention.supports(torch.float32, 64, 9, 4)  # heads not a multiple of kv heads
