@@ -88,30 +88,7 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
     }
 
     float inv[MAX_GROUP];
-    for (int g = 0; g < G; ++g) {
-        float* s = scores + g * stride;
-        for (int j = n; j < blocks * 16; ++j) s[j] = s[0];  // past the last key: no effect on the maximum
-        v16f mv;
-        memcpy(&mv, s, sizeof mv);
-        for (int blk = 1; blk < blocks; ++blk) {
-            v16f x;
-            memcpy(&x, s + blk * 16, sizeof x);
-            mv = x > mv ? x : mv;
-        }
-        float mx = mv[0];
-        for (int l = 1; l < 16; ++l) mx = mv[l] > mx ? mv[l] : mx;
-        v16f sum = v16f{};
-        for (int blk = 0; blk < blocks; ++blk) {
-            v16f x;
-            memcpy(&x, s + blk * 16, sizeof x);
-            v16f p = exp_clamped(x - mx);
-            const int m = std::min(16, n - blk * 16);
-            for (int l = m; l < 16; ++l) p[l] = 0.0f;
-            memcpy(s + blk * 16, &p, sizeof p);
-            sum = sum + p;
-        }
-        inv[g] = 1.0f / total(sum);
-    }
+    for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(scores + g * stride, n);
 
     for (int i = 0; i < G * d; ++i) o_acc[i] = 0.0f;
     for (int blk = 0; blk < blocks; ++blk) {

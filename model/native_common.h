@@ -1,6 +1,6 @@
 // Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp): 16-lane float vectors
 // (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native), float32 / bfloat16
-// loads and stores, a fixed-order lane sum and e^x.
+// loads and stores, a fixed-order lane sum, e^x and the softmax numerators of one row.
 #pragma once
 
 #include <stdint.h>
@@ -80,3 +80,30 @@ static inline v16f exp_clamped(v16f x) {
     return y * scale;
 }
 
+
+// s[0 .. n) -> e^(s[j] - max) in place, zeros on to the next multiple of 16 (s has room for them);
+// returns 1 / their sum, taken over blocks of 16 from index 0 and then by one fixed lane tree, so
+// the result depends only on s[0 .. n).
+static inline float softmax_numerators(float* s, int n) {
+    const int blocks = (n + 15) / 16;
+    for (int j = n; j < blocks * 16; ++j) s[j] = s[0];  // past the last: no effect on the maximum
+    v16f m;
+    memcpy(&m, s, sizeof m);
+    for (int b = 1; b < blocks; ++b) {
+        v16f x;
+        memcpy(&x, s + b * 16, sizeof x);
+        m = x > m ? x : m;
+    }
+    float mx = m[0];
+    for (int l = 1; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
+    v16f sum = v16f{};
+    for (int b = 0; b < blocks; ++b) {
+        v16f x;
+        memcpy(&x, s + b * 16, sizeof x);
+        v16f p = exp_clamped(x - mx);
+        for (int l = n - b * 16; l < 16; ++l) p[l] = 0.0f;  // a no-op but in the last block
+        memcpy(s + b * 16, &p, sizeof p);
+        sum = sum + p;
+    }
+    return 1.0f / total(sum);
+}

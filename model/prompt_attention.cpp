@@ -86,12 +86,14 @@ static inline void pack_values(const uint16_t* V, int d, int j0, int valid, v16u
     }
 }
 
+typedef uint32_t pair_t __attribute__((may_alias));  // two bfloat16 of a query row, read as one word
+
 static inline __m512bh as_bh(v16u x) { return (__m512bh)(__m512i)x; }
 static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1_epi32((int)x); }
 
 // Raw scores of NR query rows against the 16 packed keys: out[r] lane l = q_r . k_l in float32.
 template <int NR>
-static inline void score_rows(const uint32_t* const* q, const v16u* Kp, int pairs, v16f* out) {
+static inline void score_rows(const pair_t* const* q, const v16u* Kp, int pairs, v16f* out) {
     __m512 even[NR], odd[NR];
     for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p += 2) {
@@ -104,7 +106,7 @@ static inline void score_rows(const uint32_t* const* q, const v16u* Kp, int pair
     for (int r = 0; r < NR; ++r) out[r] = (v16f)_mm512_add_ps(even[r], odd[r]);
 }
 
-static void score_group(const uint32_t* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
+static void score_group(const pair_t* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
     switch (n) {
         case 8: score_rows<8>(q, Kp, pairs, out); break;
         case 7: score_rows<7>(q, Kp, pairs, out); break;
@@ -170,11 +172,11 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
     w.kp.resize(MAX_PAIRS);
     w.vp.resize((size_t)8 * C);
 
-    const uint32_t* rows[BLOCK_ROWS];
+    const pair_t* rows[BLOCK_ROWS];
     int len[BLOCK_ROWS];
     for (int i = 0; i < blk.n; ++i)
         for (int g = 0; g < G; ++g) {
-            rows[i * G + g] = (const uint32_t*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
+            rows[i * G + g] = (const pair_t*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
             len[i * G + g] = (int)(blk.p0 + i + 1);
         }
 
@@ -193,32 +195,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
     }
 
     float inv[BLOCK_ROWS];
-    for (int r = 0; r < R; ++r) {  // softmax numerators and their sum
-        float* s = w.scores.data() + (size_t)r * stride;
-        const int n = len[r];
-        const int full = n / 16, own = (n + 15) / 16;  // blocks wholly / partly the row's
-        for (int j = n; j < own * 16; ++j) s[j] = s[0];  // past the row's position: no effect on the maximum
-        v16f m;
-        memcpy(&m, s, sizeof m);
-        for (int b = 1; b < own; ++b) {
-            v16f x;
-            memcpy(&x, s + b * 16, sizeof x);
-            m = x > m ? x : m;
-        }
-        float mx = m[0];
-        for (int l = 1; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
-        v16f sum = v16f{};
-        for (int b = 0; b < own; ++b) {
-            v16f x;
-            memcpy(&x, s + b * 16, sizeof x);
-            v16f p = exp_clamped(x - mx);
-            if (b >= full)
-                for (int l = n - b * 16; l < 16; ++l) p[l] = 0.0f;
-            memcpy(s + b * 16, &p, sizeof p);
-            sum = sum + p;
-        }
-        inv[r] = 1.0f / total(sum);
-    }
+    for (int r = 0; r < R; ++r) inv[r] = softmax_numerators(w.scores.data() + (size_t)r * stride, len[r]);
 
     for (int b = 0; b < blocks; ++b) {  // probabilities x V
         const int j0 = b * 16;
