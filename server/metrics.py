@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                    7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+# a step and the gap between two tokens: milliseconds on a GPU, tens of them on a CPU, seconds in a stall; fine
+# enough between 1 and 100 ms that histogram_quantile tells a 40 ms stall from a 16 ms pace
+STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
+                0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -33,13 +37,13 @@ class Metrics:
         self.ttft = Histogram("lmserve_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("lmserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             buckets=STEP_BUCKETS, registry=r)
         self.e2e = Histogram("lmserve_request_duration_seconds", "Arrival to finish of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("lmserve_queue_time_seconds", "Arrival to first scheduled step",
                                buckets=LATENCY_BUCKETS, registry=r)
         self.step = Histogram("lmserve_engine_step_duration_seconds", "Duration of one engine step (model + sampling)",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=STEP_BUCKETS, registry=r)
         self.prompt_hist = Histogram("lmserve_request_prompt_tokens", "Prompt tokens per request",
                                      buckets=TOKEN_BUCKETS, registry=r)
         self.gen_hist = Histogram("lmserve_request_generated_tokens", "Generated tokens per request",
@@ -56,7 +60,7 @@ class Metrics:
         # stalls: a long prompt's chunk makes a "mixed" step; its streams wait for all of it
         self.step_by_kind = Histogram("lmserve_step_duration_seconds", "Duration of one engine step by kind: "
                                       "decode (decode rows only), mixed (decode rows + prefill), prefill (prefill only)",
-                                      ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+                                      ["kind"], buckets=STEP_BUCKETS, registry=r)
         self.step_prefill = Histogram("lmserve_step_prefill_tokens", "Prompt tokens prefilled by a step that prefills, by kind",
                                       ["kind"], buckets=TOKEN_BUCKETS, registry=r)
         for kind in KINDS:
