@@ -180,3 +180,34 @@ async def test_prefix_cache_off_keeps_nothing(random_tiny):
         await results_of(engine, [Request(prompt, greedy(4)), Request(prompt, greedy(4))])
         st = engine.stats()
     assert st.prefix_cache_entries == 0 and st.prefix_hit_tokens_total == 0 and st.prefix_queried_tokens_total == 0
+
+
+@pytest.fixture(scope="module")
+def trained_bf16(trained_model_dir, tmp_path_factory):
+    """The memorizing model in bfloat16 with the native kernels the loader installs on this CPU."""
+    from lmserve.model.loader import load_model
+
+    loaded = load_model(trained_model_dir, dtype=torch.bfloat16, device="cpu",
+                        cache_dir=tmp_path_factory.mktemp("cache"))
+    if loaded.model.prompt_attention is None:  # SDPA serves prompts there; the property below is the kernel's
+        pytest.skip("no prompt-attention kernel on this CPU (it needs AVX-512 BF16)")
+    return loaded
+
+
+async def test_bfloat16_prompt_kernel_gives_the_same_bits_however_the_prompt_is_cut(trained_bf16):
+    """On the prompt-attention kernel a token's attention depends only on its own keys: a prompt served
+    after a prefix hit and then in 16-token chunks gives the first logits of the same prompt prefilled
+    whole on a cold engine, bit for bit (through SDPA in bfloat16 the chunked prefill rounds differently)."""
+    rng = random.Random(3)
+    vocab = trained_bf16.config.vocab_size
+    shared, tail = random_prompt(rng, 40, vocab), random_prompt(rng, 50, vocab)
+    with running(trained_bf16, token_budget=16) as engine:
+        logits = capture_first_logits(engine, "b")
+        await collect(engine, Request(shared + random_prompt(rng, 7, vocab), greedy(3, ignore_eos=True)))
+        hot, _ = await collect(engine, Request(shared + tail, greedy(8, ignore_eos=True), request_id="b"))
+        assert engine.stats().prefix_hit_tokens_total >= 40
+    with running(trained_bf16, prefix_cache=False) as engine:
+        cold_logits = capture_first_logits(engine, "b")
+        cold, _ = await collect(engine, Request(shared + tail, greedy(8, ignore_eos=True), request_id="b"))
+    assert hot.token_ids == cold.token_ids
+    assert torch.equal(logits["b"], cold_logits["b"])
