@@ -25,6 +25,8 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .machine import lscpu
+
 
 def chat_prompts(n: int) -> list[list[dict]]:
     from lmserve.client.bench import synthetic_workload
@@ -104,16 +106,6 @@ def bench_hf(gguf_path: Path, concurrencies, max_new, device, dtype) -> list[dic
         print(f"transformers  c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
     del model
     return rows
-
-
-def lscpu() -> dict:
-    """CPU model name and flags, as lscpu reports them (written into every report)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {k: fields[k].strip() for k in ("Model name", "CPU(s)", "Flags", "L3 cache") if k in fields}
 
 
 def bench_quality(path: Path, window: int = 512) -> dict:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .machine import lscpu
+
 BANK_ROWS = 512
 DEFAULT_CONCURRENCY = (1, 8, 64)
 
@@ -207,20 +209,6 @@ def bench_grpc(args) -> list[dict]:
     return rows
 
 
-def cpu_description() -> dict:
-    """The CPU as lscpu names it, with its flags (machines differ from run to run)."""
-    info = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "Flags", "CPU(s)"):
-                info[key.strip()] = value.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="checkpoint whose config and tokenizer are used")
@@ -239,7 +227,7 @@ def main(argv=None) -> int:
     if args.serve:
         return serve_stand_in(args)
 
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_description(),
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": lscpu(),
               "cpus": os.cpu_count(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
               "concurrency": args.concurrency, "model_stand_in_for": args.model}
     if "engine" not in args.skip:

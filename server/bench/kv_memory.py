@@ -34,6 +34,8 @@ from lmserve.client import AsyncClient
 from lmserve.client.bench_prefix import shared_system_prompt
 from lmserve.client.types import ChatMessage, SamplingParams
 
+from .machine import lscpu
+
 GiB = 2**30
 
 
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(run(args.model))
     report["date"] = datetime.date.today().isoformat()
     report["host"] = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "lscpu": lscpu()}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report))
     return 0
