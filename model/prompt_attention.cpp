@@ -29,7 +29,8 @@
 static const int MAX_PAIRS = 128;  // head_dim <= 256
 static const int GROUP_ROWS = 8;   // query rows scored together (they share each K vector load)
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
-static const int BLOCK_ROWS = 24;  // query rows per task: tokens per block = BLOCK_ROWS / heads per kv head
+static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
+static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
 
 // Transposing 16 x 16 32-bit lanes by swapping off-diagonal blocks of 8, 4, 2, 1.
 #define LO_(s, j) (((j) & (s)) ? 16 + (j) - (s) : (j))
@@ -225,17 +226,8 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         }
 }
 
-extern "C" int lm_prompt_attention_built(void) { return 1; }
-
-// 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
-// outside the cache.
-extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
-                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
-                                   int64_t num_slots, int64_t max_len, float scale, int threads) {
-    if (d % 32 != 0 || d / 2 > MAX_PAIRS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > BLOCK_ROWS) return 1;
-    for (int t = 0; t < T; ++t)
-        if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
-    const int per_block = std::max(1, BLOCK_ROWS / (H / Hkv));
+// Consecutive tokens of one slot at consecutive positions, at most per_block of them, into blocks.
+static std::vector<Block> make_blocks(const int64_t* slots, const int64_t* pos, int T, int per_block) {
     std::vector<Block> blocks;
     for (int t = 0; t < T; ++t) {
         Block* last = blocks.empty() ? nullptr : &blocks.back();
@@ -244,6 +236,23 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
         else
             blocks.push_back(Block{t, 1, slots[t], pos[t]});
     }
+    return blocks;
+}
+
+extern "C" int lm_prompt_attention_built(void) { return 1; }
+
+// 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
+// outside the cache.
+extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
+                                   int64_t num_slots, int64_t max_len, float scale, int threads) {
+    if (d % 32 != 0 || d / 2 > MAX_PAIRS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > SMALL_BLOCK_ROWS) return 1;
+    for (int t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
+    // larger blocks share each packed key block among more rows; smaller ones keep a short chunk's few
+    // blocks spread over the threads (a row's arithmetic is the same in any block)
+    std::vector<Block> blocks = make_blocks(slots, pos, T, std::max(1, BLOCK_ROWS / (H / Hkv)));
+    if ((int)blocks.size() * Hkv < 4 * threads) blocks = make_blocks(slots, pos, T, std::max(1, SMALL_BLOCK_ROWS / (H / Hkv)));
     const int tasks = (int)blocks.size() * Hkv;
     int64_t work = 0;
     for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
