@@ -192,9 +192,14 @@ def parameter_bytes(cfg, dtype) -> int:
     return sum(math.prod(s) for s in expected_shapes(cfg).values()) * torch.finfo(dtype).bits // 8
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
-               param_bytes: int | None, device, dtype: str, quantization: str) -> dict:
-    """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory."""
+               device, dtype: str, quantization: str) -> dict:
+    """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory.
+    Runs before anything is loaded in this process, whose threads and memory would otherwise share
+    the machine with the server."""
     from lmserve.client import Client
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
@@ -221,7 +226,10 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
                 except Exception:  # noqa: BLE001 - not listening yet
                     pass
                 time.sleep(0.1)
+            info = client.model_info()
         result["start_to_ready_seconds"] = time.perf_counter() - t0
+        result["served"] = {"dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels}
+        param_bytes = info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)
         print(f"server ready in {result['start_to_ready_seconds']:.1f} s", flush=True)
         items = [it for it in synthetic_workload()]
         target = f"127.0.0.1:{port}"
@@ -391,6 +399,9 @@ def main(argv=None) -> int:
         "parameter_bytes": None,
         "cuda_graphs": device.type == "cuda" and EngineSettings().cuda_graphs,
     }
+    if "grpc" not in args.skip:  # first: a server of its own, with nothing loaded in this process yet
+        report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
+                                    args.max_model_len, device, args.dtype, args.quantization)
     if "kernels" not in args.skip and device.type == "cpu" and path.suffix == ".gguf":
         from lmserve.model.gguf_reader import read_gguf
 
@@ -432,10 +443,7 @@ def main(argv=None) -> int:
             report["ratio_bound_over_transformers"] = {
                 str(h["concurrency"]): report["matmul_bounds"]["by_concurrency"][str(h["concurrency"])][
                     "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
-    if "grpc" not in args.skip:
-        report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
-                                    args.max_model_len, report.get("parameter_bytes"), device, args.dtype,
-                                    args.quantization)
+    if "grpc" in report:
         kb = report.get("kernel_bounds", {}).get("bound_tokens_per_s", {})
         if kb:
             report["ratio_grpc_over_kernel_bound"] = {
