@@ -181,18 +181,13 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def parameter_bytes(cfg, dtype) -> int:
-    """Bytes of the checkpoint's parameters at the serving dtype (the memory allowance counts these)."""
-    import math
-
+def parameter_bytes(count: int, dtype) -> int:
+    """Bytes of `count` parameters at the serving dtype (a torch dtype or its name, as GetModelInfo gives
+    it): what the memory allowance counts."""
     import torch
 
-    from lmserve.model.loader import expected_shapes
-
-    return sum(math.prod(s) for s in expected_shapes(cfg).values()) * torch.finfo(dtype).bits // 8
-
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return count * torch.finfo(dtype).bits // 8
 
 
 def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
@@ -229,7 +224,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
             info = client.model_info()
         result["start_to_ready_seconds"] = time.perf_counter() - t0
         result["served"] = {"dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels}
-        param_bytes = info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)
+        param_bytes = parameter_bytes(info.num_parameters, info.dtype)
         print(f"server ready in {result['start_to_ready_seconds']:.1f} s", flush=True)
         items = [it for it in synthetic_workload()]
         target = f"127.0.0.1:{port}"
@@ -422,7 +417,7 @@ def main(argv=None) -> int:
                             "choice": loaded.plan.how if loaded.plan else "default"}
         dtype = loaded.dtype
         print(f"served mode {loaded.mode}, kernels {loaded.kernels} ({report['served']['choice']})", flush=True)
-        report["parameter_bytes"] = parameter_bytes(loaded.config, loaded.dtype)
+        report["parameter_bytes"] = parameter_bytes(loaded.num_parameters, loaded.dtype)
         if "prefill" not in args.skip:
             report["prefill"] = bench_prefill(loaded)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
