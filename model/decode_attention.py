@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from .native import rows_packed
+
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # compiled for these (decode_attention.cpp); others keep SDPA
 
@@ -43,7 +45,7 @@ class DecodeAttention:
         (slots[b], pos[b]); its attention over keys 0..pos[b] comes back as [B, 1, H * d]."""
         B, _, H, d = q.shape
         Hkv = k.shape[2]
-        q, k, v = (self._rows(x) for x in (q, k, v))
+        q, k, v = (rows_packed(x) for x in (q, k, v))
         out = torch.empty(B, 1, H * d, dtype=q.dtype)
         rc = self._fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), pos.data_ptr(),
@@ -55,13 +57,6 @@ class DecodeAttention:
             raise IndexError(f"decode attention: a row's slot or position lies outside the cache "
                              f"({k_cache.shape[0]} slots x {k_cache.shape[2]} positions)")
         return out
-
-    @staticmethod
-    def _rows(x: Tensor) -> Tensor:
-        """[B, 1, heads, d] with heads and d packed (each row may sit anywhere: its stride is passed)."""
-        if x.stride(3) != 1 or x.stride(2) != x.shape[3]:
-            x = x.contiguous()
-        return x
 
 
 __all__ = ["DecodeAttention"]

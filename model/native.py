@@ -69,4 +69,12 @@ def build(cache_dir: Path) -> tuple[ctypes.CDLL | None, str]:
         return None, f"loading the native kernels failed: {exc}"
 
 
-__all__ = ["build", "SOURCES"]
+def rows_packed(x):
+    """x with its last two dimensions (heads, head_dim) packed, as the kernels read them; the rows
+    before them may sit anywhere (their stride is passed). A copy only when they are not."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        x = x.contiguous()
+    return x
+
+
+__all__ = ["build", "rows_packed", "SOURCES"]

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from .native import rows_packed
+
 
 class PromptAttention:
     """The loaded kernel: `__call__` attends every given token over its slot's cached keys."""
@@ -44,8 +46,7 @@ class PromptAttention:
         [slots, Hkv, max_len, d] holding every key the tokens see; slots/pos [T] int64. Token t
         attends to keys 0..pos[t] of slot slots[t]; returns [T, H * d]."""
         T, H, d = q.shape
-        if q.stride(2) != 1 or q.stride(1) != d:
-            q = q.contiguous()
+        q = rows_packed(q)
         slots, pos = slots.contiguous(), pos.contiguous()
         out = torch.empty(T, H * d, dtype=q.dtype)
         rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
