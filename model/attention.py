@@ -38,7 +38,7 @@ class AttentionMetadata:
 
     q_lens: Tensor  # [B] real (unpadded) query tokens per sequence
     mask: Tensor | None  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache);
-    # None with prompt_kernel (it takes each token's slot and position instead)
+    # None with a kernel (it takes each token's slot and position instead)
     read_cache: bool = False
     slots: Tensor | None = None  # [B] cache slot of each sequence; None = no cache at all
     starts: Tensor | None = None  # [B] tokens already in the cache before this chunk
@@ -158,12 +158,15 @@ class AttentionMetadata:
         keys 0..starts[b]): the same attention as `for_cache(slots, starts, ones, 1)` with every
         start > 0, built from host lists in a handful of tensor ops (a decode step's input cost
         is all host time on a fast device). kernel: a DecodeAttention (CPU) that writes and attends
-        for every row in one call per layer; then no SDPA plan is made."""
+        for every row in one call per layer; then neither mask nor SDPA plan is made."""
         B = len(slots)
-        lo, hi = min(slots), max(slots) + 1
-        kv_len = [s + 1 for s in starts]
         slots_t = torch.tensor(slots, device=device)
         starts_t = torch.tensor(starts, device=device)
+        if kernel is not None:  # it writes and attends from the slots and positions alone
+            return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=None, read_cache=True,
+                       slots=slots_t, starts=starts_t, kernel=kernel)
+        lo, hi = min(slots), max(slots) + 1
+        kv_len = [s + 1 for s in starts]
         row_len = [1] * (hi - lo)  # slots outside the batch: one harmless key, no NaN
         for s, n in zip(slots, kv_len):
             row_len[s - lo] = n
@@ -174,7 +177,7 @@ class AttentionMetadata:
         return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
                    slots=slots_t, starts=starts_t, lo=lo, hi=hi, rows=None if identity else slots_t - lo,
                    write_b=ar, write_j=torch.zeros_like(ar), write_slot=slots_t, write_pos=starts_t,
-                   calls=() if kernel is not None else cache_calls(slots, kv_len, 1, device, call_cost), kernel=kernel)
+                   calls=cache_calls(slots, kv_len, 1, device, call_cost))
 
     @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,
