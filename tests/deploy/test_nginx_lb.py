@@ -112,17 +112,23 @@ def test_bench_through_nginx_spreads_calls_over_both_replicas(nginx, replicas, p
 def test_sigterm_on_one_replica_loses_no_request(nginx, replicas, prompts_file, tmp_path):
     doomed, survivor = replicas
     out = tmp_path / "bench.json"
-    # Streams long enough (~100 tokens, most of the trained model's 128-token context) that the
-    # doomed replica is still mid-stream when it handles the signal, even on a busy machine.
-    total, tokens = 48, 100
+    # Streams long enough (~100 tokens, most of the trained model's 128-token context) and a load long
+    # enough (each replica serves ~4 streams at a time for a few seconds) that the doomed replica is
+    # mid-stream when it handles the signal, even on a busy machine: it is sent once the doomed replica
+    # has finished a few requests (the load is under way) and is decoding, far from the load's tail.
+    total, tokens = 160, 100
+    survivor_before, doomed_before = finished_requests(survivor), finished_requests(doomed)
     bench = subprocess.Popen(bench_cmd(nginx.target, prompts_file, out, requests=total, max_new_tokens=tokens, max_retries=10),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def mid_load() -> bool:
+        m = doomed.metrics()
+        return (m.get("lmserve_running_requests") > 0 and m.total("lmserve_requests_total") >= doomed_before + 8) \
+            or bench.poll() is not None
+
     try:
-        # SIGTERM while the doomed replica is decoding and requests are still to come.
-        server_harness.wait_until(lambda: doomed.metrics().get("lmserve_running_requests") > 0 or bench.poll() is not None,
-                                  timeout=60, interval=0.02, what="the doomed replica to be decoding")
+        server_harness.wait_until(mid_load, timeout=60, interval=0.02, what="the doomed replica to be decoding mid-load")
         assert bench.poll() is None, "the load finished before the replica could be stopped"
-        survivor_before = finished_requests(survivor)
         doomed.signal(signal.SIGTERM)
         _, stderr = bench.communicate(timeout=180)
     finally:
