@@ -107,6 +107,8 @@ HELP = {
                    "chunks that fit it, sized from measured step costs (default: 2.5x the measured decode-only "
                    "step; 0: off, every chunk is --token-budget)",
     "cuda_graphs": "on CUDA, replay decode steps from CUDA graphs captured at start-up: true or false",
+    "overlap_steps": "launch each engine step before the previous one's tokens are read back, so the host's "
+                     "scheduling and output work overlaps the device's compute: auto (on CUDA only), true or false",
     "threads": "torch CPU threads (default: torch's choice)",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
@@ -177,7 +179,9 @@ def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings
             continue
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         try:
-            if kind == "bool":
+            if kind == "bool | None" and str(raw).strip().lower() == "auto":
+                continue  # None: the setting's automatic choice
+            if kind.startswith("bool"):
                 values[owner][f.name] = _boolean(raw)
             elif kind.startswith("int"):
                 values[owner][f.name] = int(raw)
@@ -186,7 +190,7 @@ def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings
             else:
                 values[owner][f.name] = str(raw)
         except ValueError:
-            hint = " (true or false)" if kind == "bool" else ""
+            hint = {"bool": " (true or false)", "bool | None": " (auto, true or false)"}.get(kind, "")
             raise ValueError(f"--{f.name.replace('_', '-')} / {_env_name(f.name)}: {raw!r} is not a valid {kind.split()[0]}{hint}")
     try:
         engine = EngineSettings(**values[EngineSettings])

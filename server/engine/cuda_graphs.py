@@ -59,14 +59,19 @@ class DecodeGraphs:
         meta = AttentionMetadata.static_decode(slots, positions, self.cache.num_slots, self.cache.max_len)
         return self.model(ids[:, None], positions[:, None], meta, self.cache)[:, 0]  # [b, V]
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> Tensor:
-        """Logits [n, V] of one decode step for n <= max_batch sequences."""
-        n = len(ids)
+    def run(self, ids: Tensor, positions: list[int], slots: list[int]) -> Tensor:
+        """Logits [n, V] of one decode step for n <= max_batch sequences; `ids` [n] on the device (the
+        previous step's sampled tokens can feed it without a round trip). Nothing here waits for the
+        device: positions and slots travel from pinned memory without blocking."""
+        n = ids.shape[0]
         b = next(size for size in self.buckets if size >= n)
         pad = b - n
-        host = torch.tensor([ids + ids[:1] * pad, positions + positions[:1] * pad, slots + slots[:1] * pad],
-                            dtype=torch.long)
-        self._inputs[:, :b].copy_(host)
+        host = torch.tensor([positions + positions[:1] * pad, slots + slots[:1] * pad], dtype=torch.long,
+                            pin_memory=True)
+        self._inputs[1:, :b].copy_(host, non_blocking=True)
+        self._inputs[0, :n].copy_(ids)
+        if pad:
+            self._inputs[0, n:b].copy_(ids[:1].expand(pad))
         self._graphs[b].replay()
         self.replays += 1
         return self._outputs[b][:n]

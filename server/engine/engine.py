@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
@@ -56,6 +57,22 @@ class PhaseTimes:
         base = since or PhaseTimes()
         steps = max(1, self.steps - base.steps)
         return {k: 1e3 * (v - base.seconds[k]) / steps for k, v in self.seconds.items()}
+
+
+@dataclass
+class _Launched:
+    batch: ScheduledBatch
+    run: RunOutput
+    seconds: float  # host time of the launch: the whole step where the call computes it (CPU)
+    timing: tuple | None = None  # CUDA events around an overlapped step, whose launch returns at once
+
+    def duration(self) -> float:
+        """The step's time: on an accelerator from its events (waits until it ran), else the call's."""
+        if self.timing is None:
+            return self.seconds
+        start, end = self.timing
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 class EngineUnavailableError(Exception):
@@ -174,7 +191,12 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink | ChunkStream] = {}
-        self._pending: tuple[ScheduledBatch, RunOutput, float] | None = None  # ran, not yet postprocessed
+        # steps launched and not yet postprocessed (at most one left between loop turns; overlapped: two)
+        self._inflight: deque[_Launched] = deque()
+        self._unadvanced: ScheduledBatch | None = None  # the newest launch, its scheduler bookkeeping not done
+        # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
+        # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
+        self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
         self.phase_times = PhaseTimes()  # host time per step phase, for benchmarks
         self._delivering = 0  # finished requests whose final chunk is being handed off
         self._cancels: list[Sequence] = []
@@ -329,49 +351,78 @@ class Engine:
         """One engine step; False when there was nothing to do.
 
         The heart is three calls: schedule, run (model + sampler), postprocess (record tokens, stop
-        checks, detokenize). The previous step's postprocess and this step's schedule share one
-        acquisition of the lock; its outputs reach the event loops in one hand-off per loop."""
+        checks, detokenize). The last launch's bookkeeping, the postprocess due and the next schedule
+        share one acquisition of the lock; outputs reach the event loops in one hand-off per loop.
+
+        Overlapped steps (`overlap_steps`, on CUDA by default) keep one step in flight: step k+1 is
+        scheduled and launched before step k's tokens are read back (its decode rows read them on the
+        device), and step k-1's postprocess and delivery run while the device computes. A sequence
+        that ends at step k (eos, a stop string) has already been given a row in step k+1, whose token
+        is dropped; a length limit is known in advance and costs no row."""
         t0 = time.perf_counter()
         with self._lock:
-            outputs = self._postprocess_pending()
+            if self._unadvanced is not None:
+                self.scheduler.advance(self._unadvanced)
+                self._unadvanced = None
+            outputs = []
+            while len(self._inflight) > (1 if self.overlap else 0):
+                outputs += self._postprocess(self._inflight.popleft())
             t_processed = time.perf_counter()
             retired = self._apply_cancels()
             batch = self.scheduler.schedule()
+            if batch.empty and self._inflight:  # nothing to launch behind it: read the last step back now
+                outputs += self._postprocess(self._inflight.popleft())
         t1 = time.perf_counter()
         self.phase_times.add("process", t_processed - t0)
         self.phase_times.add("schedule", t1 - t_processed)
-        self._deliver_step(outputs, retired + [(s, s.finish_reason) for s in batch.dropped])
+        retired += [(s, s.finish_reason) for s in batch.dropped]
+        if not self.overlap or batch.empty:
+            self._deliver_step(outputs, retired)
         t2 = time.perf_counter()
         self.phase_times.add("deliver", t2 - t1)
         if batch.empty:
-            return bool(outputs or retired or batch.dropped)
+            return bool(outputs or retired)
+        launched = self._launch(batch)
+        if self.overlap:
+            t3 = time.perf_counter()
+            self._deliver_step(outputs, retired)  # before a failed step's final chunks
+            self.phase_times.add("deliver", time.perf_counter() - t3)
+        if not launched:
+            self._fail_batch(batch)
+        return True
 
+    def _launch(self, batch: ScheduledBatch) -> bool:
+        """Run (overlapped: launch) a step, postprocessed by a later _step_once; False if it failed."""
+        previous = self._inflight[-1].run if self._inflight else None
+        timing = None
+        if self.overlap and self.loaded.device.type == "cuda":  # the step's device time, read after its tokens
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
         self._step_started = time.monotonic()
+        t0 = time.perf_counter()
         try:
-            run = self.runner.run(batch)
+            run = self.runner.run(batch, previous)
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed; failing its %d request(s)", len(batch.prefill) + len(batch.decode))
             self._step_started = None
-            self._fail_batch(batch)
-            return True
+            return False
         self._step_started = None
-        t3 = time.perf_counter()
-        self.phase_times.add("inputs", t3 - t2 - run.model_seconds - run.sample_seconds)
+        seconds = time.perf_counter() - t0
+        if timing is not None:
+            timing[1].record()
+        self.phase_times.add("inputs", seconds - run.model_seconds - run.sample_seconds)
         self.phase_times.add("model", run.model_seconds)
         self.phase_times.add("sample", run.sample_seconds)
         self.phase_times.steps += 1
-        self._pending = (batch, run, t3 - t2)
+        self._inflight.append(_Launched(batch, run, seconds, timing))
+        self._unadvanced = batch
         return True
 
-    def _postprocess_pending(self) -> list[StepOutput]:
-        """The last step's tokens recorded and turned into chunks (under the lock)."""
-        if self._pending is None:
-            return []
-        batch, run, seconds = self._pending
-        self._pending = None
+    def _postprocess(self, step: "_Launched") -> list[StepOutput]:
+        """A launched step's tokens recorded and turned into chunks (under the lock)."""
         for obs in self.observers:
-            obs.on_step(seconds, batch)
-        return self.processor.postprocess(self.scheduler, batch, run.out, run.sampled, time.monotonic())
+            obs.on_step(step.duration(), step.batch)
+        return self.processor.postprocess(self.scheduler, step.batch, step.run.out, step.run.sampled, time.monotonic())
 
     def _apply_cancels(self) -> list[tuple[Sequence, FinishReason]]:
         cancels, self._cancels = self._cancels, []

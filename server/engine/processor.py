@@ -38,15 +38,15 @@ class OutputProcessor:
 
     def postprocess(self, scheduler: Scheduler, batch: ScheduledBatch, out: SampleOutput | None,
                     sampled: list[Sequence], now: float) -> list[StepOutput]:
-        """Record a step in the scheduler and build each sampled sequence's chunk; sequences that
-        are done (a stop, the length, a non-finite row, a processing error) are finished there.
-        Runs under the engine lock."""
+        """Record a launched step's tokens in the scheduler (Scheduler.advance ran at its launch) and
+        build each sampled sequence's chunk; sequences that are done (a stop, the length, a non-finite
+        row, a processing error) are finished there. Runs under the engine lock."""
         ok = {} if out is None else {s: t for s, t, good in zip(sampled, out.token_ids, out.ok) if good}
-        scheduler.update(batch, ok)
+        scheduler.record(batch, ok)
         results = []
         for i, seq in enumerate(sampled):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # cancelled while the step ran
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled while the step ran, or (overlapped steps) done at the step before
             if not out.ok[i]:
                 scheduler.finish(seq, FinishReason.ERROR)
                 results.append(StepOutput(seq, None, FinishReason.ERROR))

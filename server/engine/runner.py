@@ -46,20 +46,36 @@ class ModelRunner:
         # prompt tokens likewise (bfloat16 on a CPU with AVX-512 BF16; each token independent of its chunk and batch)
         self._prompt_kernel = getattr(model, "prompt_attention", None) if device.type == "cpu" else None
 
-    def run(self, batch: ScheduledBatch) -> RunOutput:
-        """The model over the batch, then one sampled token per sequence due one."""
+    def run(self, batch: ScheduledBatch, previous: RunOutput | None = None) -> RunOutput:
+        """The model over the batch, then one sampled token per sequence due one.
+
+        `previous`: the step launched before this one, when its tokens are not read back yet
+        (overlapped steps); decode rows whose input is such a token read it from its `tokens` on the
+        device. On CUDA nothing here waits for the device when every row is plain greedy."""
         sampled = batch.sampled()
         self._model_seconds = 0.0
-        logits = self.step(batch)
+        logits = self.step(batch, previous.out if previous is not None else None)
         t0 = time.perf_counter()
         out = self.sampler(logits, sampled) if sampled else None
         return RunOutput(sampled, out, self._model_seconds, time.perf_counter() - t0)
 
     def _tensor(self, rows: list[int]) -> Tensor:
+        if self.device.type == "cuda":  # from pinned memory without blocking: a plain copy would wait for the stream
+            return torch.tensor(rows, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+    def _decode_ids(self, seqs: list[Sequence], previous: SampleOutput | None) -> Tensor:
+        """Each decode row's input token [B]: the sequence's latest token, read from the previous step's
+        sampled tokens on the device when it has not been read back yet."""
+        ids = self._tensor([0 if s.pending else s.token_at(s.num_cached) for s in seqs])
+        late = [(i, s.pending_row) for i, s in enumerate(seqs) if s.pending]
+        if late:
+            rows, src = zip(*late)
+            ids[self._tensor(list(rows))] = previous.tokens[self._tensor(list(src))]
+        return ids
+
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> Tensor:
+    def step(self, batch: ScheduledBatch, previous: SampleOutput | None = None) -> Tensor:
         """Logits [n, V] for batch.sampled(): prefill chunks that complete their prompt, then decodes.
 
         The whole step is one forward (LlamaForCausalLM.forward_segments): decodes, each continued
@@ -69,7 +85,7 @@ class ModelRunner:
         for src, dst, n in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
             self.cache.copy_prefix(src, dst, n)
         if not batch.prefill and self.graphs is not None:
-            return self._decode_graph(batch.decode)
+            return self._decode_graph(batch.decode, previous)
         segments, last, offset = [], {}, 0
         for c in batch.prefill:
             if c.start > 0:  # a chunk continuing a long prompt: alone, so its cache view spans one slot
@@ -84,7 +100,7 @@ class ModelRunner:
                 last[c] = offset - 1
         decode_rows = list(range(offset, offset + len(batch.decode)))
         if batch.decode:
-            segments.append(self._decode(batch.decode))
+            segments.append(self._decode(batch.decode, previous))
         index = [last[c] for c in batch.prefill if c.completes_prompt] + decode_rows
         t0 = time.perf_counter()
         logits = self.model.forward_segments(segments, self.cache, self._tensor(index))  # [n, V]
@@ -112,16 +128,15 @@ class ModelRunner:
                                                    self._tensor([c.length for c in chunks]), self._prompt_kernel)
         return Segment(ids, positions, meta)
 
-    def _decode(self, seqs: list[Sequence]) -> Segment:
+    def _decode(self, seqs: list[Sequence], previous: SampleOutput | None) -> Segment:
         starts = [s.num_cached for s in seqs]
-        ids = self._tensor([s.token_at(n) for s, n in zip(seqs, starts)])[:, None]  # [B, 1]
+        ids = self._decode_ids(seqs, previous)[:, None]  # [B, 1]
         meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device, self._call_cost,
                                             kernel=self._decode_kernel)
         return Segment(ids, meta.starts[:, None], meta)
 
-    def _decode_graph(self, seqs: list[Sequence]) -> Tensor:
+    def _decode_graph(self, seqs: list[Sequence], previous: SampleOutput | None) -> Tensor:
         t0 = time.perf_counter()
-        logits = self.graphs.run([s.token_at(s.num_cached) for s in seqs], [s.num_cached for s in seqs],
-                                 [s.slot for s in seqs])
+        logits = self.graphs.run(self._decode_ids(seqs, previous), [s.num_cached for s in seqs], [s.slot for s in seqs])
         self._model_seconds += time.perf_counter() - t0
         return logits

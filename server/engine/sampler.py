@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,9 +24,43 @@ from .request import SamplingParams
 
 @dataclass
 class SampleOutput:
-    token_ids: list[int]
-    ok: list[bool]  # False: the row's logits were not finite; the request must fail
+    """One step's tokens. `tokens` [N] stays on the logits' device, where the next step's decode inputs
+    can read it without a round trip; `token_ids` and `ok` are read back to the host on first use, in
+    one copy (on CUDA started without blocking when the sampler finished, so reading waits only for
+    the step itself)."""
+
+    tokens: Tensor | None
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None]  # chosen logprob, top-n
+    host: tuple[list[int], list[bool]] | None = None  # token ids; ok (False: the row's logits were not finite)
+    _copy: Any = None  # (host tensor [2, N] being filled, CUDA event) until read
+
+    @classmethod
+    def greedy(cls, tokens: Tensor, row_max: Tensor) -> "SampleOutput":
+        """An all-greedy step's output: the argmax tokens and the row maxima (a NaN row's is not finite)."""
+        n = tokens.shape[0]
+        if tokens.device.type != "cuda":
+            return cls(tokens, [None] * n, host=(tokens.tolist(), [math.isfinite(m) for m in row_max.tolist()]))
+        both = torch.stack([tokens, torch.isfinite(row_max).to(tokens.dtype)])  # [2, N]
+        event = torch.cuda.Event()
+        copy = both.to("cpu", non_blocking=True)  # into pinned memory: returns at once
+        event.record()
+        return cls(tokens, [None] * n, _copy=(copy, event))
+
+    def _read(self) -> tuple[list[int], list[bool]]:
+        if self.host is None:
+            both, event = self._copy
+            event.synchronize()
+            ids, finite = both.tolist()
+            self.host, self._copy = (ids, [bool(f) for f in finite]), None
+        return self.host
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._read()[0]
+
+    @property
+    def ok(self) -> list[bool]:
+        return self._read()[1]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -88,6 +123,11 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """The row's token is its argmax and nothing else is asked of it."""
+    return p.temperature == 0 and p.logprobs is None and not has_penalties(p)
+
+
 def _filtered(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
@@ -125,13 +165,15 @@ class Sampler:
         Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
         generator and penalty tallies, which are updated with the sampled token."""
         row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
+        if all(_plain_greedy(seq.request.params) for seq in seqs):  # the max is the whole answer: no sync here
+            return SampleOutput.greedy(tokens, row_max)
         ok = [math.isfinite(m) for m in row_max.tolist()]
         token_list = tokens.tolist()
         lps: list = [None] * len(seqs)
         V, dev = logits.shape[1], logits.device
         for i, seq in enumerate(seqs):
             p = seq.request.params
-            if not ok[i] or (p.temperature == 0 and p.logprobs is None and not has_penalties(p)):
+            if not ok[i] or _plain_greedy(p):
                 continue  # greedy: the max above is the whole answer
             raw = logits[i].float()  # [V] a copy only for rows that need one
             row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
@@ -149,7 +191,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if ok[i] and seq.penalties is not None:
                 seq.penalties.add(token_list[i])
-        return SampleOutput(token_ids=token_list, ok=ok, logprobs=lps)
+        return SampleOutput(torch.tensor(token_list, device=dev), lps, host=(token_list, ok))
 
 
 def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -176,4 +218,4 @@ def general_sample(logits: Tensor, params: list[SamplingParams], generators: lis
     token_list = tokens.tolist()
     lp = [None if p.logprobs is None else _top_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
           for i, p in enumerate(params)]
-    return SampleOutput(token_ids=token_list, ok=ok.tolist(), logprobs=lp)
+    return SampleOutput(None, lp, host=(token_list, ok.tolist()))

@@ -55,6 +55,7 @@ class ScheduledBatch:
     dropped: list[Sequence] = field(default_factory=list)  # finished without compute (deadline, cancel)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # prefix hits: (src slot, dst slot, tokens), run first
     preempted: list[Sequence] = field(default_factory=list)  # back to waiting, to be recomputed
+    awaiting: list[Sequence] = field(default_factory=list)  # launched: sampled sequences whose token is pending
 
     @property
     def empty(self) -> bool:
@@ -234,7 +235,8 @@ class Scheduler:
         """Back to the head of the queue; prompt + output are prefilled again when it is readmitted."""
         self.running.remove(seq)
         self._give_back_slot(seq)
-        seq.resume_len = seq.total_len if seq.output_ids else 0
+        # a token still in flight (overlapped steps) is recorded when its step is read back, before readmission
+        seq.resume_len = seq.total_len + seq.pending if seq.output_ids or seq.pending else 0
         seq.num_cached, seq.slot, seq.status = 0, None, SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.preemptions_total += 1
@@ -283,6 +285,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted in this loop
             if not seq.in_prefill:
+                if seq.pending and seq.out_of_tokens:
+                    continue  # its token in flight is its last (overlapped steps): nothing more to compute
                 if self._hold(seq, seq.num_cached + 1, seq.num_cached + 1):
                     batch.decode.append(seq)
             elif budget > 0:  # chunked prompts already holding a slot go before new ones
@@ -338,17 +342,35 @@ class Scheduler:
         self._pinned = []
 
     def update(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
-        """Record a step's results: the chunk/decode K/V are cached, sampled tokens appended."""
-        self._unpin()  # the step's prefix copies are done
+        """Record a step that ran to completion: advance(batch), then record(batch, tokens)."""
+        self.advance(batch)
+        self.record(batch, tokens)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """A step was launched: its chunks' and decodes' K/V are cached (or being written, in order, on
+        the device), and the sequences it samples await their token (`pending`)."""
+        self._unpin()  # the step's prefix copies are done, or queued ahead of anything that could reuse the slot
         for chunk in batch.prefill:
             if chunk.seq.status is SeqStatus.RUNNING:
                 chunk.seq.num_cached = chunk.start + chunk.length
         for seq in batch.decode:
             if seq.status is SeqStatus.RUNNING:
                 seq.num_cached += 1
-        now = self.clock()
-        for seq, tok in tokens.items():
+        for row, seq in enumerate(batch.sampled()):
             if seq.status is SeqStatus.RUNNING:
+                seq.pending += 1
+                seq.pending_row = row
+                batch.awaiting.append(seq)
+
+    def record(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
+        """A launched step's sampled tokens, read back: appended to their sequences (also to one
+        preempted since, whose recompute includes it), unless the sequence finished meanwhile."""
+        now = self.clock()
+        for seq in batch.awaiting:
+            seq.pending -= 1
+        batch.awaiting = []
+        for seq, tok in tokens.items():
+            if seq.status is not SeqStatus.FINISHED:
                 seq.output_ids.append(tok)
                 if seq.first_token is None:
                     seq.first_token = now

@@ -26,6 +26,10 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the cache
     resume_len: int = 0  # after a preemption: prompt + output tokens to prefill again before sampling
     output_ids: list[int] = field(default_factory=list)
+    # tokens sampled by launched steps and not read back yet (overlapped steps: up to 2 for a moment),
+    # and the newest one's row in its step's sampled tokens (the next decode reads its input there)
+    pending: int = 0
+    pending_row: int | None = None
     finish_reason: FinishReason | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -54,6 +58,11 @@ class Sequence:
     def prefill_len(self) -> int:
         """Tokens to cache before the next sample: the prompt, or everything so far after a preemption."""
         return max(self.prompt_len, self.resume_len)
+
+    @property
+    def out_of_tokens(self) -> bool:
+        """Its recorded and in-flight tokens are all that max_new_tokens allows."""
+        return len(self.output_ids) + self.pending >= self.request.params.max_new_tokens
 
     @property
     def in_prefill(self) -> bool:

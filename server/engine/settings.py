@@ -18,6 +18,7 @@ class EngineSettings:
     default_max_new_tokens: int = 256
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck
     cuda_graphs: bool = True  # on CUDA, replay decode steps from graphs captured at start (cuda_graphs.py)
+    overlap_steps: bool | None = None  # launch step k+1 before step k's tokens are read back; None = on CUDA only
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -138,7 +138,7 @@ def test_graph_replayed_decode_matches_the_eager_decode(trained_model_dir, dtype
         pos_t = torch.tensor(positions, device=CUDA)
         meta = AttentionMetadata.for_cache(torch.tensor(slots, device=CUDA), pos_t, torch.ones_like(pos_t), 1)
         want = loaded.model(torch.tensor(ids, device=CUDA)[:, None], pos_t[:, None], meta, eager)[:, 0].float()
-        got = graphs.run(ids, positions, slots).float()
+        got = graphs.run(torch.tensor(ids, device=CUDA), positions, slots).float()
         scale = float(want.abs().max())
         print(f"{dtype} n={n}: max |graph - eager| / max |logit| = {float((got - want).abs().max()) / scale:.2e}")
         assert float((got - want).abs().max()) <= tol * scale
@@ -165,3 +165,35 @@ async def test_engine_on_cuda_reproduces_the_memorized_corpus(trained_model_dir,
     assert not wrong, wrong
     assert stats.slots_allocated_total == stats.slots_freed_total == len(prompts)
     assert (replays > 50) is graphs  # the decode steps did run from graphs
+
+
+async def test_overlapped_decode_steps_launch_without_waiting_for_the_device(trained_model_dir):
+    """The engine's default on CUDA: each decode step is launched while the one before it runs. Its
+    inputs (fed by the previous step's tokens on the device), the graph replay and greedy sampling run
+    under CUDA's sync debug mode set to error, so any call among them that waits for the device
+    raises and fails the step's requests; the corpus must still come out word for word."""
+    loaded = load_model(trained_model_dir, dtype=torch.bfloat16, device=CUDA)
+    pairs = prompt_continuations()
+    prompts = [corpus_prompt(loaded.tokenizer, prefix) for prefix, _ in pairs]
+    with running(loaded, max_batch=len(prompts)) as engine:
+        assert engine.overlap and engine.runner.graphs is not None
+        inner, guarded = engine.runner.run, []
+
+        def run(batch, previous=None):
+            if previous is None or batch.prefill:
+                return inner(batch, previous)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = inner(batch, previous)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            guarded.append(len(batch.decode))
+            return out
+
+        engine.runner.run = run
+        results = await results_of(engine, [Request(p, greedy(120 - len(p))) for p in prompts])
+    wrong = [(prefix, res.text, res.error) for (prefix, continuation), res in zip(pairs, results)
+             if res.finish_reason is not FinishReason.EOS or res.text != continuation]
+    print(f"{len(guarded)} decode steps launched without a device sync")
+    assert not wrong, wrong
+    assert len(guarded) > 50

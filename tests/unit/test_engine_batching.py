@@ -124,12 +124,12 @@ async def test_tokens_identical_alone_and_among_others(pools, model_name, case, 
     with running(loaded, **settings) as engine:
         inner = engine.runner.step
 
-        def step(batch):
+        def step(batch, previous=None):
             ids = [c.seq.request_id for c in batch.prefill] + [s.request_id for s in batch.decode]
             if "target" in ids and len(ids) > 1:
                 shared_steps.append(ids)
             split_prompts.extend(c.seq.request_id for c in batch.prefill if c.start > 0)
-            return inner(batch)
+            return inner(batch, previous)
 
         engine.runner.step = step
         results = await run_staggered(engine, pool, n_others)

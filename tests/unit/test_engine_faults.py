@@ -202,7 +202,7 @@ async def test_non_finite_logits_fail_only_their_request(random_tiny):
 
     def after(batch, logits):
         for i, seq in enumerate(batch.sampled()):
-            if seq.request_id == "poisoned" and len(seq.output_ids) >= 2:
+            if seq.request_id == "poisoned" and len(seq.output_ids) + seq.pending >= 2:
                 logits = logits.clone()
                 logits[i, :: 7] = float("nan")
         return logits
@@ -263,7 +263,7 @@ async def test_an_output_processing_error_fails_only_its_request(random_tiny):
         inner = engine.processor.on_token
 
         def on_token(seq, token, logprob):
-            if seq.request_id == "bad" and len(seq.output_ids) >= 2:
+            if seq.request_id == "bad" and len(seq.output_ids) + seq.pending >= 2:
                 raise ValueError("injected detokenizer failure")
             return inner(seq, token, logprob)
 
@@ -362,7 +362,7 @@ async def test_ids_beyond_the_tokenizer_but_inside_the_model_vocabulary(trained)
 
     def after(batch, logits):
         for i, seq in enumerate(batch.sampled()):
-            if seq.request_id == "forced" and len(seq.output_ids) < 2:
+            if seq.request_id == "forced" and len(seq.output_ids) + seq.pending < 2:
                 logits = logits.clone()
                 logits[i, pad_id] = logits[i].max() + 5.0
         return logits

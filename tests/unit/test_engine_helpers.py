@@ -183,11 +183,11 @@ def wrap_step(engine: Engine, after: Callable | None = None, before: Callable | 
     inner = engine.runner.step
     seen: list[list[str]] = []
 
-    def step(batch):
+    def step(batch, previous=None):
         seen.append([c.seq.request_id for c in batch.prefill] + [s.request_id for s in batch.decode])
         if before is not None:
             before(batch)
-        logits = inner(batch)
+        logits = inner(batch, previous)
         if after is not None:
             replaced = after(batch, logits)
             if replaced is not None:

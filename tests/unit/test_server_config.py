@@ -44,6 +44,16 @@ def test_boolean_settings_take_words_and_digits(raw, expected):
         parse(["--cuda-graphs", "maybe"])
 
 
+@pytest.mark.parametrize("raw,expected", [("auto", None), ("AUTO", None), ("true", True), ("off", False)])
+def test_automatic_boolean_settings_also_take_auto(raw, expected):
+    assert ServerSettings().engine.overlap_steps is None
+    assert parse(["--overlap-steps", raw]).engine.overlap_steps is expected
+    assert parse([], {"LMSERVE_OVERLAP_STEPS": raw}).engine.overlap_steps is expected
+    with pytest.raises(ValueError, match=r"--overlap-steps / LMSERVE_OVERLAP_STEPS: 'maybe' is not a valid bool "
+                                         r"\(auto, true or false\)"):
+        parse(["--overlap-steps", "maybe"])
+
+
 def test_token_file_ignores_comments_and_rejects_empty(tmp_path):
     f = tmp_path / "tokens"
     f.write_text("# ops team\n  alpha  \n\nbeta\n")
