@@ -63,16 +63,18 @@ class PhaseTimes:
 class _Launched:
     batch: ScheduledBatch
     run: RunOutput
-    seconds: float  # host time of the launch: the whole step where the call computes it (CPU)
+    seconds: float  # the call's host time (the whole step where the call computes it); after wait(), the step's
     timing: tuple | None = None  # CUDA events around an overlapped step, whose launch returns at once
 
-    def duration(self) -> float:
-        """The step's time: on an accelerator from its events (waits until it ran), else the call's."""
-        if self.timing is None:
-            return self.seconds
-        start, end = self.timing
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+    def wait(self) -> None:
+        """Until the step ran and its tokens are back (at once where the call computed it); its
+        duration then comes from its CUDA events."""
+        if self.timing is not None:
+            start, end = self.timing
+            end.synchronize()
+            self.seconds, self.timing = start.elapsed_time(end) / 1e3, None
+        if self.run.out is not None:
+            _ = self.run.out.token_ids  # reads the copy back
 
 
 class EngineUnavailableError(Exception):
@@ -360,6 +362,10 @@ class Engine:
         that ends at step k (eos, a stop string) has already been given a row in step k+1, whose token
         is dropped; a length limit is known in advance and costs no row."""
         t0 = time.perf_counter()
+        if len(self._inflight) > 1:  # overlapped: the oldest step's tokens, waited for outside the lock
+            self._step_started = time.monotonic()  # (a device that hangs here shows as a stuck step)
+            self._inflight[0].wait()
+            self._step_started = None
         with self._lock:
             if self._unadvanced is not None:
                 self.scheduler.advance(self._unadvanced)
@@ -420,8 +426,9 @@ class Engine:
 
     def _postprocess(self, step: "_Launched") -> list[StepOutput]:
         """A launched step's tokens recorded and turned into chunks (under the lock)."""
+        step.wait()
         for obs in self.observers:
-            obs.on_step(step.duration(), step.batch)
+            obs.on_step(step.seconds, step.batch)
         return self.processor.postprocess(self.scheduler, step.batch, step.run.out, step.run.sampled, time.monotonic())
 
     def _apply_cancels(self) -> list[tuple[Sequence, FinishReason]]:
