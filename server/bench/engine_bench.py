@@ -39,13 +39,15 @@ def prompt_ids(tok, c: int) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(m)) for m in chat_prompts(c)]
 
 
-def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
+def bench_engine(loaded, concurrencies, max_new, max_model_len, overlap_steps: bool | None = None) -> list[dict]:
+    """Waves of c requests through the engine's async API; `overlap_steps` None: the device's default loop."""
     from ..engine import Engine, EngineSettings, Request, SamplingParams
 
     tok = loaded.tokenizer
     # no prefix cache: every wave sends the same prompts, and transformers gets no such reuse either
     engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), max_model_len=max_model_len,
-                                           prefix_cache=False)).start()
+                                           prefix_cache=False, overlap_steps=overlap_steps)).start()
+    label = "engine" if overlap_steps is None else ("overlapped" if overlap_steps else "sequential")
 
     async def wave(c: int, n_tokens: int) -> float:
         prompts = prompt_ids(tok, c)
@@ -67,7 +69,7 @@ def bench_engine(loaded, concurrencies, max_new, max_model_len) -> list[dict]:
         for c in concurrencies:
             dt = asyncio.run(wave(c, max_new))
             rows.append({"concurrency": c, "seconds": dt, "output_tokens_per_s": c * max_new / dt})
-            print(f"engine        c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
+            print(f"{label:13s} c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
     finally:
         engine.shutdown()
     return rows
@@ -304,6 +306,12 @@ def markdown_summary(report: dict) -> str:
                  f"{g['ttft_p50_ms'] / 1e3:.1f} / {g['ttft_p99_ms'] / 1e3:.1f}" if g else dash,
                  f"{g['itl_p50_ms']:.0f} / {g['itl_p99_ms']:.0f}" if g else dash]
         lines.append("| " + " | ".join(cells) + " |")
+    other = report.get("engine_other_loop")
+    if other and eng:
+        names = ("sequential", "overlapped") if other["overlap_steps"] else ("overlapped", "sequential")
+        pairs = ", ".join(f"c={r['concurrency']}: {eng[r['concurrency']]['output_tokens_per_s']:.1f} / "
+                          f"{r['output_tokens_per_s']:.1f}" for r in other["rows"] if r["concurrency"] in eng)
+        lines += ["", f"Engine steps {names[0]} (the default here) / {names[1]}, tok/s: {pairs}."]
     mem = report.get("grpc", {}).get("memory")
     if mem:
         gib = 2**30
@@ -358,7 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: measured, as the server does)")
     p.add_argument("--quantization", default="auto", help="auto, none, int8 or int4")
-    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "grpc", "kernels", "quality", "prefill"],
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "other-loop", "hf", "grpc", "kernels", "quality", "prefill"],
                    help="sections to leave out")
     p.add_argument("--out", default="reports/engine_bench.json")
     p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
@@ -421,6 +429,10 @@ def main(argv=None) -> int:
         if "prefill" not in args.skip:
             report["prefill"] = bench_prefill(loaded)
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
+        if "other-loop" not in args.skip:  # the loop this device does not default to, side by side
+            other = device.type != "cuda"
+            report["engine_other_loop"] = {"overlap_steps": other, "rows": bench_engine(
+                loaded, args.concurrency, args.max_new_tokens, args.max_model_len, overlap_steps=other)}
         report["matmul_bounds"] = bounds = matmul_bounds(
             loaded.model, {c: sum(map(len, prompt_ids(loaded.tokenizer, c))) for c in args.concurrency},
             args.max_new_tokens, EngineSettings().token_budget, loaded.dtype, loaded.device)

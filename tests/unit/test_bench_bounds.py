@@ -51,6 +51,10 @@ def test_markdown_summary_ratios_come_from_the_report_rows():
     rows = [line.split(" | ") for line in markdown_summary(report).splitlines()[2:]]
     assert rows[0][1:6] == ["12.0", "10.0", "1.20x", "25.0", "2.50x"]
     assert rows[1][1:4] == ["40.0", "–", "–"]
+    # the loop the device does not default to, side by side with the default one
+    report["engine_other_loop"] = {"overlap_steps": True, "rows": [{"concurrency": 8, "output_tokens_per_s": 38.5}]}
+    assert markdown_summary(report).splitlines()[-1] == \
+        "Engine steps sequential (the default here) / overlapped, tok/s: c=8: 40.0 / 38.5."
 
 
 def scrape(**extra) -> dict[str, float]:
