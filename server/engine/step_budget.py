@@ -52,7 +52,9 @@ FORGET = 0.95  # per step of the same kind: the last ~20 steps of each kind domi
 OUTLIER = 3.0  # once fitted, an observation is clipped to [pred / OUTLIER, pred * OUTLIER]
 RIDGE = 1e-3
 KINDS = ("decode", "mixed", "prefill")
-_N = 7  # any step, has_decode, decode_rows, decode_keys_k, has_prefill, prefill_tokens, prefill_pairs_k
+# the features' (and coefficients') positions
+ANY_STEP, HAS_DECODE, DECODE_ROWS, DECODE_KEYS_K, HAS_PREFILL, PREFILL_TOKENS, PREFILL_PAIRS_K = range(7)
+_N = 7
 
 
 def step_kind(decode_rows: int, prefill_tokens: int) -> str:
@@ -68,8 +70,11 @@ def prefill_pairs(start: int, length: int) -> int:
 
 
 def features(decode_rows: int, decode_keys: int, prefill_tokens: int, pairs: int) -> list[float]:
-    return [float(decode_rows > 0 or prefill_tokens > 0), float(decode_rows > 0), float(decode_rows),
-            decode_keys / 1000.0, float(prefill_tokens > 0), float(prefill_tokens), pairs / 1000.0]
+    x = [0.0] * _N
+    x[ANY_STEP] = float(decode_rows > 0 or prefill_tokens > 0)
+    x[HAS_DECODE], x[DECODE_ROWS], x[DECODE_KEYS_K] = float(decode_rows > 0), float(decode_rows), decode_keys / 1000.0
+    x[HAS_PREFILL], x[PREFILL_TOKENS], x[PREFILL_PAIRS_K] = float(prefill_tokens > 0), float(prefill_tokens), pairs / 1000.0
+    return x
 
 
 class StepCostModel:
@@ -94,7 +99,7 @@ class StepCostModel:
     def observe(self, x: list[float], ms: float) -> None:
         if not (ms >= 0 and math.isfinite(ms)):
             return
-        kind = step_kind(int(x[2]), int(x[5]))
+        kind = step_kind(int(x[DECODE_ROWS]), int(x[PREFILL_TOKENS]))
         if self.counts[kind] >= 5:  # a step slowed by something else (another process) must not swing the fit
             if self._last is None or self._unsolved >= 32:
                 self.coef  # refit now and then; between refits the last fit serves (a solve costs ~0.2 ms)
@@ -192,8 +197,8 @@ class StepBudget:
             self.last_target_ms = None
             return floor
         coef = self.model.coef
-        base = self.model.predict(features(decode_rows, decode_keys, 0, 0)) + coef[4]
-        c, d = coef[5], coef[6] / 1000.0  # per token, per query-key pair
+        base = self.model.predict(features(decode_rows, decode_keys, 0, 0)) + coef[HAS_PREFILL]
+        c, d = coef[PREFILL_TOKENS], coef[PREFILL_PAIRS_K] / 1000.0  # per token, per query-key pair
 
         def step_ms(n: int) -> float:
             return base + c * n + d * prefill_pairs(context, n)
