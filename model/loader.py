@@ -298,5 +298,6 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     if compiled.compiled or compiled.timings:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
+    model.freeze_attributes()  # last: the serving model's module tree is final now
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
                        device=device, plan=plan, compiled=compiled)

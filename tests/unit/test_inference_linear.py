@@ -102,3 +102,30 @@ def test_prepare_is_idempotent():
     _, _, fast = make_pair(False, True)
     head = fast.lm_head
     assert fast.prepare_for_inference().lm_head is head
+
+
+def forward_once(model, cfg, ids):
+    cache = KVCache(cfg, ids.shape[0], 16, next(model.parameters()).dtype)
+    meta = AttentionMetadata.for_cache(torch.arange(ids.shape[0]), torch.zeros(ids.shape[0], dtype=torch.long),
+                                       torch.full((ids.shape[0],), ids.shape[1]), ids.shape[1])
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand(*ids.shape), meta, cache)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_attributes_serve_the_same_logits_and_a_conversion_drops_them(bias):
+    """freeze_attributes only changes how attributes are found (the instance dict, not nn.Module's
+    registries): the same logits, bit for bit. A later conversion replaces buffers and parameters;
+    the plain copies must go with it, or the model would compute with the old tensors."""
+    cfg, model, _ = make_pair(bias, False)  # unprepared: its linears convert between dtypes
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    before = forward_once(model, cfg, ids)
+    model.freeze_attributes()
+    layer = model.model.layers[0]
+    assert "q_proj" in layer.self_attn.__dict__ and "weight" in layer.input_layernorm.__dict__
+    assert torch.equal(forward_once(model, cfg, ids), before)
+    model.to(torch.bfloat16)
+    assert "q_proj" not in layer.self_attn.__dict__ and layer.input_layernorm.weight.dtype == torch.bfloat16
+    converted = forward_once(model, cfg, ids)
+    assert converted.dtype == torch.bfloat16
+    assert_close(converted.float(), before, rtol=0.1, atol=0.1)
