@@ -363,9 +363,7 @@ class Engine:
         is dropped; a length limit is known in advance and costs no row."""
         t0 = time.perf_counter()
         if len(self._inflight) > 1:  # overlapped: the oldest step's tokens, waited for outside the lock
-            self._step_started = time.monotonic()  # (a device that hangs here shows as a stuck step)
-            self._inflight[0].wait()
-            self._step_started = None
+            self._wait_oldest()
         with self._lock:
             if self._unadvanced is not None:
                 self.scheduler.advance(self._unadvanced)
@@ -376,7 +374,9 @@ class Engine:
             t_processed = time.perf_counter()
             retired = self._apply_cancels()
             batch = self.scheduler.schedule()
-            if batch.empty and self._inflight:  # nothing to launch behind it: read the last step back now
+        if batch.empty and self._inflight:  # nothing to launch behind it: read the last step back now
+            self._wait_oldest()
+            with self._lock:
                 outputs += self._postprocess(self._inflight.popleft())
         t1 = time.perf_counter()
         self.phase_times.add("process", t_processed - t0)
@@ -396,6 +396,13 @@ class Engine:
         if not launched:
             self._fail_batch(batch)
         return True
+
+    def _wait_oldest(self) -> None:
+        """Until the oldest launched step ran (submissions and scrapes, which take the lock, never wait
+        on the device); counted as a running step, so a device that hangs shows as a stuck engine."""
+        self._step_started = time.monotonic()
+        self._inflight[0].wait()
+        self._step_started = None
 
     def _launch(self, batch: ScheduledBatch) -> bool:
         """Run (overlapped: launch) a step, postprocessed by a later _step_once; False if it failed."""

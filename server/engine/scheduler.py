@@ -296,6 +296,8 @@ class Scheduler:
                     batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if self.waiting[0].pending:  # preempted with a token in flight (overlapped steps): its recompute
+                break  # needs that token's id, recorded when its step is read back, before the next schedule
             if not self._admit(self.waiting[0], budget, now):
                 break
             budget -= batch.prefill[-1].length

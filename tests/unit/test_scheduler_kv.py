@@ -150,3 +150,36 @@ def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
     s.update(batch, {a: 1})
     batch = s.schedule()  # the copy has run: now the entry may go
     assert [c.seq for c in batch.prefill] == [b] and len(s.prefix_cache) == 0
+
+
+def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_an_unknown_one():
+    """The engine's overlapped loop, by hand: step k is scheduled and advanced before step k-1's tokens
+    are recorded. Preemption then meets sequences whose newest token is still in flight: each must
+    resume with it (recorded while it waits), and no prefill chunk may reach past the tokens known
+    when it is scheduled (its ids could not be built)."""
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_blocks=6, kv_block_tokens=4)
+    seqs = [s.add(req(range(10 * i + 1, 10 * i + 5), f"r{i}")) for i in range(3)]
+    counter = iter(range(1000))
+    outputs, preempted, in_flight = {}, [], None
+    for _ in range(80):
+        batch = s.schedule()
+        for c in batch.prefill:
+            assert c.start + c.length <= len(c.seq.all_tokens), f"{c.seq.request_id} prefilled past its known tokens"
+        s.advance(batch)
+        preempted += batch.preempted
+        if in_flight is not None:  # the step before this one, read back now
+            done, toks = in_flight
+            s.record(done, toks)
+            for seq, t in toks.items():
+                outputs.setdefault(seq.request_id, []).append(t)
+                if len(seq.output_ids) == 6 and seq.status is not SeqStatus.FINISHED:
+                    s.finish(seq, FinishReason.LENGTH)
+        in_flight = (batch, {seq: 100 + next(counter) for seq in batch.sampled()})
+        assert s.blocks_used <= 6 and balanced(s)
+        if not s.num_unfinished:
+            break
+    assert preempted and any(p.resume_len > p.prompt_len for p in preempted)
+    for seq in seqs:
+        assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 6
+        # every token recorded once, in order; tokens sampled for a finished sequence's extra row are dropped
+        assert outputs[seq.request_id][:6] == seq.output_ids
