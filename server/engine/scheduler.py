@@ -296,9 +296,13 @@ class Scheduler:
                     batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            if self.waiting[0].pending:  # preempted with a token in flight (overlapped steps): its recompute
-                break  # needs that token's id, recorded when its step is read back, before the next schedule
-            if not self._admit(self.waiting[0], budget, now):
+            head = self.waiting[0]
+            # Not a sequence preempted by this very schedule: it lost its blocks to the running ones,
+            # and readmitting it now would recompute a chunk only to lose it at their next block; with
+            # overlapped steps its newest token may also be in flight still, its id unknown until read back.
+            if head in batch.preempted:
+                break
+            if not self._admit(head, budget, now):
                 break
             budget -= batch.prefill[-1].length
         return batch

@@ -183,3 +183,33 @@ def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_
         assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 6
         # every token recorded once, in order; tokens sampled for a finished sequence's extra row are dropped
         assert outputs[seq.request_id][:6] == seq.output_ids
+
+
+def test_a_sequence_preempted_by_a_step_is_not_readmitted_by_the_same_step():
+    """Random small budgets (seeded): preemption happens, yet no step prefills a sequence it has just
+    preempted (that chunk would be lost at the running ones' next block), and every request still
+    gets all its tokens."""
+    import random
+
+    preempted_total = 0
+    for trial in range(40):
+        rng = random.Random(trial)
+        bt = rng.choice([2, 4])
+        specs = [(rng.randint(1, 2 * bt), rng.randint(3, 12)) for _ in range(rng.randint(2, 5))]  # prompt, new
+        fits = max(-(-(p + n) // bt) for p, n in specs)  # blocks of the longest request: the budget holds it
+        s = Scheduler(num_slots=6, max_queue=20, token_budget=rng.choice([4, 8, 64]), min_prefill_chunk=1,
+                      kv_blocks=fits + rng.randint(0, 4), kv_block_tokens=bt)
+        seqs = [s.add(req(range(10 * i + 1, 10 * i + 1 + p), f"r{i}")) for i, (p, _) in enumerate(specs)]
+        wanted = {q: n for q, (_, n) in zip(seqs, specs)}
+        outputs = {}
+        for _ in range(400):
+            b = run_step(s, outputs)
+            preempted_total += len(b.preempted)
+            assert not [c.seq.request_id for c in b.prefill if c.seq in b.preempted], f"trial {trial}"
+            for q in b.sampled():
+                if len(q.output_ids) == wanted[q]:
+                    s.finish(q, FinishReason.LENGTH)
+            if not s.num_unfinished:
+                break
+        assert all(len(q.output_ids) == wanted[q] for q in seqs), f"trial {trial}"
+    assert preempted_total > 20
