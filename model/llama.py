@@ -258,6 +258,10 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights held, prepacked copies included (a tied LM head's packed copy counts)."""
         return held_bytes(self)
 
+    @property
+    def uses_fused_ops(self) -> bool:
+        return self.model.norm.fused is not None
+
     def use_fused_ops(self, ops) -> None:
         """Route bfloat16 RMSNorm, RoPE and SwiGLU on CPU through fused_ops.FusedOps (None: torch ops)."""
         for m in self.modules():

@@ -56,7 +56,7 @@ class LoadedModel:
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
         text += ", decode-attention kernel" if self.model.decode_attention is not None else ""
         text += ", prompt-attention kernel" if self.model.prompt_attention is not None else ""
-        return text + (", fused elementwise" if self.model.model.norm.fused is not None else "")
+        return text + (", fused elementwise" if self.model.uses_fused_ops else "")
 
 
 def _glibc():

@@ -1,0 +1,26 @@
+"""The host-ceiling benchmark end to end (server/bench/host_ceiling.py): the real engine and gRPC edge
+around its zero-cost stand-in model, engine phase and gRPC phase, a tiny run. It checks that the tool
+runs and that its report is consistent with what was asked (every request completed, each with its
+tokens), not how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_host_ceiling_reports_both_phases(smollm2_gguf_path, tmp_path):
+    out = tmp_path / "host_ceiling.json"
+    proc = subprocess.run([sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--model", str(smollm2_gguf_path),
+                           "--concurrency", "1", "4", "--max-new-tokens", "8", "--waves", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["engine"]] == [1, 4]
+    assert [r["tokens"] for r in report["engine"]] == [8, 32]
+    for row in report["engine"]:
+        assert row["tok_per_s"] > 0 and row["steps"] >= 8 and set(row["host_ms_per_step"]) >= {"schedule", "sample"}
+    assert [(r["concurrency"], r["completed"], r["failed"]) for r in report["grpc"]] == [(1, 1, 0), (4, 4, 0)]
+    assert all(r["tok_per_s"] > 0 and r["itl_p50_ms"] is not None for r in report["grpc"])
+    assert report["cpu"]["Model name"]
