@@ -272,7 +272,8 @@ class LlamaForCausalLM(nn.Module):
         """Serving: every module's submodules, parameters and buffers also become plain instance
         attributes, so the ~800 attribute reads of a decode step find them directly instead of
         through nn.Module.__getattr__ (~0.7 ms of a 7 ms batch-1 step on the 2-core EPYC). The
-        loader calls it last. A conversion (.to(), .float(), ...) drops the copies first (_apply
+        loader calls it once the module tree is final, before compiling (a compiled layer's guards
+        read the attributes, so freezing later would recompile it). A conversion (.to(), .float(), ...) drops the copies first (_apply
         below), since it replaces buffers; assigning a module, parameter or buffer afterwards is not
         meant for a frozen model (nn.Module drops a stale copy for modules and parameters only)."""
         for m in self.modules():

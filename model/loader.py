@@ -294,10 +294,10 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     del tensors, q41
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
+    model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes
     compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
     if compiled.compiled or compiled.timings:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
-    model.freeze_attributes()  # last: the serving model's module tree is final now
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
                        device=device, plan=plan, compiled=compiled)
