@@ -35,16 +35,14 @@ class SampleOutput:
     _copy: Any = None  # (host tensor [2, N] being filled, CUDA event) until read
 
     @classmethod
-    def greedy(cls, tokens: Tensor, row_max: Tensor) -> "SampleOutput":
-        """An all-greedy step's output: the argmax tokens and the row maxima (a NaN row's is not finite)."""
-        n = tokens.shape[0]
-        if tokens.device.type != "cuda":
-            return cls(tokens, [None] * n, host=(tokens.tolist(), [math.isfinite(m) for m in row_max.tolist()]))
+    def deferred(cls, tokens: Tensor, row_max: Tensor) -> "SampleOutput":
+        """An all-greedy step's output on CUDA: the argmax tokens, and their ids and finiteness flags
+        (a NaN row's maximum is not finite) on their way to the host, not waited for."""
         both = torch.stack([tokens, torch.isfinite(row_max).to(tokens.dtype)])  # [2, N]
         event = torch.cuda.Event()
         copy = both.to("cpu", non_blocking=True)  # into pinned memory: returns at once
         event.record()
-        return cls(tokens, [None] * n, _copy=(copy, event))
+        return cls(tokens, [None] * tokens.shape[0], _copy=(copy, event))
 
     def _read(self) -> tuple[list[int], list[bool]]:
         if self.host is None:
@@ -165,16 +163,18 @@ class Sampler:
         Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
         generator and penalty tallies, which are updated with the sampled token."""
         row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
-        if all(_plain_greedy(seq.request.params) for seq in seqs):  # the max is the whole answer: no sync here
-            return SampleOutput.greedy(tokens, row_max)
+        if logits.device.type == "cuda" and all(_plain_greedy(seq.request.params) for seq in seqs):
+            return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
         ok = [math.isfinite(m) for m in row_max.tolist()]
         token_list = tokens.tolist()
         lps: list = [None] * len(seqs)
         V, dev = logits.shape[1], logits.device
+        worked = False  # some row's token may differ from the max: `tokens` is rebuilt from the list
         for i, seq in enumerate(seqs):
             p = seq.request.params
             if not ok[i] or _plain_greedy(p):
                 continue  # greedy: the max above is the whole answer
+            worked = True
             raw = logits[i].float()  # [V] a copy only for rows that need one
             row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
             if p.temperature > 0:
@@ -191,7 +191,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if ok[i] and seq.penalties is not None:
                 seq.penalties.add(token_list[i])
-        return SampleOutput(torch.tensor(token_list, device=dev), lps, host=(token_list, ok))
+        return SampleOutput(torch.tensor(token_list, device=dev) if worked else tokens, lps, host=(token_list, ok))
 
 
 def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
