@@ -161,7 +161,7 @@ class Int8Linear(ServingLinear):
         if torch.compiler.is_compiling():
             y = int8_mm(flat, self.qweight, self.scale)  # [M, N]
         else:
-            y = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scale)
+            y = int8_mm_eager(flat, self.qweight, self.scale)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -180,7 +180,7 @@ class Int4Linear(ServingLinear):
         if torch.compiler.is_compiling():
             y = int4_mm(flat, self.packed, self.scale_zero)  # [M, N]
         else:
-            y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scale_zero)
+            y = int4_mm_eager(flat, self.packed, self.scale_zero)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

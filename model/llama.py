@@ -273,9 +273,10 @@ class LlamaForCausalLM(nn.Module):
         attributes, so the ~800 attribute reads of a decode step find them directly instead of
         through nn.Module.__getattr__ (~0.7 ms of a 7 ms batch-1 step on the 2-core EPYC). The
         loader calls it once the module tree is final, before compiling (a compiled layer's guards
-        read the attributes, so freezing later would recompile it). A conversion (.to(), .float(), ...) drops the copies first (_apply
-        below), since it replaces buffers; assigning a module, parameter or buffer afterwards is not
-        meant for a frozen model (nn.Module drops a stale copy for modules and parameters only)."""
+        read the attributes, so freezing later would recompile it). A conversion (.to(), .float(),
+        ...) drops the copies first (_apply below), since it replaces buffers; assigning a module,
+        parameter or buffer afterwards is not meant for a frozen model (nn.Module drops a stale copy
+        for modules and parameters only)."""
         for m in self.modules():
             for registry in (m._modules, m._parameters, m._buffers):
                 m.__dict__.update(registry)  # None entries too (a linear's absent bias)
