@@ -147,6 +147,15 @@ def int4_mm_eager(x: Tensor, packed: Tensor, scale_zero: Tensor) -> Tensor:
     return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP, scale_zero)
 
 
+def weight_only(linear: ServingLinear, x: Tensor, op, eager, *weights: Tensor) -> Tensor:
+    """x [..., K] through a weight-only kernel: `op` (the custom op) inside a compiled graph, `eager`
+    (torch's C binding) otherwise; bias added."""
+    flat = x.reshape(-1, linear.in_features)
+    y = (op if torch.compiler.is_compiling() else eager)(flat, *weights)  # [M, N]
+    y = y.view(*x.shape[:-1], linear.out_features)
+    return y if linear.bias is None else y + linear.bias
+
+
 class Int8Linear(ServingLinear):
     kernel = "int8"
 
@@ -157,13 +166,7 @@ class Int8Linear(ServingLinear):
         self.register_buffer("scale", scale, persistent=False)  # [N]
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            y = int8_mm(flat, self.qweight, self.scale)  # [M, N]
-        else:
-            y = int8_mm_eager(flat, self.qweight, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return weight_only(self, x, int8_mm, int8_mm_eager, self.qweight, self.scale)
 
 
 class Int4Linear(ServingLinear):
@@ -176,13 +179,7 @@ class Int4Linear(ServingLinear):
         self.register_buffer("scale_zero", scale_zero, persistent=False)  # [K/32, N, 2]
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            y = int4_mm(flat, self.packed, self.scale_zero)  # [M, N]
-        else:
-            y = int4_mm_eager(flat, self.packed, self.scale_zero)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return weight_only(self, x, int4_mm, int4_mm_eager, self.packed, self.scale_zero)
 
 
 @dataclass
