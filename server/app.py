@@ -116,6 +116,7 @@ class Server:
         await self._set_health(False)
         await self._set_liveness(True)
         await self.grpc.start()
+        log.info("lmserve bound %s:%d; loading %s", self.settings.host, self.port, self.settings.model)
         t0 = time.monotonic()
         self.engine, self.metrics = await asyncio.to_thread(self._load)
         s = self.settings

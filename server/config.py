@@ -24,7 +24,7 @@ class ServerSettings:
     cache_dir: str | None = None  # kernel choices (and compiled code) per machine; None = $XDG_CACHE_HOME/lmserve
     device: str | None = None  # None: cuda if available, else cpu
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = 50051  # 0: any free port, logged when bound
     metrics_host: str | None = None  # None: same as host
     metrics_port: int = 9400  # 0 disables the metrics endpoint
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -47,8 +47,8 @@ class ServerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self):
-        if not (0 < self.port < 65536) or not (0 <= self.metrics_port < 65536):
-            raise ValueError("ports must be in 1..65535 (metrics_port 0 disables metrics)")
+        if not (0 <= self.port < 65536) or not (0 <= self.metrics_port < 65536):
+            raise ValueError("ports must be in 0..65535 (port 0: any free port; metrics_port 0 disables metrics)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -90,7 +90,7 @@ HELP = {
                  "are cached (default: $XDG_CACHE_HOME/lmserve)",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "host": "address the gRPC server binds (0.0.0.0 for all interfaces)",
-    "port": "gRPC port",
+    "port": "gRPC port (0: any free port, logged when bound)",
     "metrics_host": "address of the /metrics endpoint (default: --host)",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
     "max_batch": "most requests admitted at once (the KV budget limits the tokens they hold)",

@@ -13,6 +13,7 @@ logs to a file (``srv.log``), and is stopped with SIGTERM, then SIGKILL after a 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,7 +38,8 @@ class ServerStartError(RuntimeError):
 
 
 def free_port() -> int:
-    """A port free right now on the loopback interface (another process may still take it)."""
+    """A port free right now on the loopback interface (another process may still take it before it is
+    bound: use it only where a bind that loses that race fails loudly and is retried)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
@@ -126,18 +128,20 @@ class ServerProcess:
         self._probe: grpc.Channel | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self, *, wait: bool = True, attempts: int = 3, **flags) -> str:
+    def start(self, *, wait: bool = True, attempts: int = 3, **flags) -> str | None:
         """Spawn the server with these flags (ServerSettings names; None leaves a flag out) and return its target.
 
-        `metrics_port=None` disables /metrics; by default a free port is chosen. A start that loses a port
-        race is retried on fresh ports. With wait=False, call wait_ready() yourself.
+        The gRPC server binds port 0 and logs the port it got. `metrics_port=None` disables /metrics; by
+        default a free port is chosen, and a start that loses that port to another process is retried on a
+        fresh one. With wait=False, call wait_ready() yourself (the target is known once the port is bound,
+        and start returns None).
         """
         if self.proc is not None:
             raise RuntimeError("this ServerProcess was already started")
-        for attempt in range(attempts):
+        for attempt in range(attempts):  # only the metrics port can lose a race: gRPC binds port 0
             self._spawn(dict(flags))
             if not wait:
-                return self.target
+                return None
             try:
                 self.wait_ready()
                 return self.target
@@ -148,7 +152,7 @@ class ServerProcess:
         raise AssertionError("unreachable")
 
     def _spawn(self, flags: dict) -> None:
-        self.port = free_port()
+        self.port = None  # the server binds port 0 and logs the port it got (see _bound_port)
         want_metrics = flags.pop("metrics_port", 0) is not None
         flags.setdefault("device", "cpu")  # the same everywhere; CUDA servers are asked for by name
         if flags["device"] == "cpu":  # the token-exact reference mode the tests' expectations are computed in,
@@ -156,7 +160,7 @@ class ServerProcess:
             flags.setdefault("compile", "false")
         self.metrics_port = free_port() if want_metrics else None
         args = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", self.model, "--host", HOST,
-                "--port", str(self.port), "--metrics-port", str(self.metrics_port or 0)]
+                "--port", "0", "--metrics-port", str(self.metrics_port or 0)]
         for name, value in flags.items():
             if value is not None:
                 args += ["--" + name.replace("_", "-"), str(value)]
@@ -173,6 +177,13 @@ class ServerProcess:
         self.kill()
         self._close_probe()
         self.proc = None
+
+    def _bound_port(self) -> int | None:
+        """The gRPC port this process bound, from its log line `lmserve bound HOST:PORT`; None until then."""
+        if self.port is None:
+            found = re.search(rf"lmserve bound {re.escape(HOST)}:(\d+)", self.log)
+            self.port = int(found.group(1)) if found else None
+        return self.port
 
     def wait_ready(self, timeout: float | None = None) -> list[str]:
         """Poll grpc.health.v1 until SERVING; returns the distinct states seen (also in health_history)."""
@@ -233,6 +244,8 @@ class ServerProcess:
     # ---- addresses and clients -----------------------------------------------------------
     @property
     def target(self) -> str:
+        if self._bound_port() is None:
+            raise RuntimeError(f"the server has not bound its port yet\n{self.log_tail()}")
         return f"{HOST}:{self.port}"
 
     @property
@@ -254,7 +267,10 @@ class ServerProcess:
         return grpc.aio.secure_channel(self.target, creds, options=list(options))
 
     def health(self, service: str = "", timeout: float = 2.0) -> str:
-        """SERVING / NOT_SERVING / SERVICE_UNKNOWN, or UNREACHABLE when nothing answers."""
+        """SERVING / NOT_SERVING / SERVICE_UNKNOWN, or UNREACHABLE when nothing answers (or the port is not
+        bound yet)."""
+        if self._bound_port() is None:
+            return UNREACHABLE
         if self._probe is None:
             self._probe = self.channel()
         try:

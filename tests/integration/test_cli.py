@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _server import free_port
 
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
@@ -118,7 +118,9 @@ def test_health_exit_codes(server):
     assert (proc.returncode, proc.stdout.strip()) == (0, "SERVING")
     proc = lmserve("health", "--service", "lmserve.v1.TextGeneration", "-t", server.target)
     assert (proc.returncode, proc.stdout.strip()) == (0, "SERVING")
-    down = lmserve("health", "-t", f"127.0.0.1:{free_port()}", "--timeout", "5")
+    with socket.socket() as unlistened:  # bound but not listening: nothing can answer on it while held
+        unlistened.bind(("127.0.0.1", 0))
+        down = lmserve("health", "-t", f"127.0.0.1:{unlistened.getsockname()[1]}", "--timeout", "5")
     assert down.returncode == 1 and down.stdout == ""
     (line,) = error_lines(down)
     assert line.startswith("lmserve: UNAVAILABLE") or line.startswith("lmserve: DEADLINE_EXCEEDED"), line

@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 import pytest
-from _server import HOST, free_port
+from _server import HOST
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmserve.server.app import EXIT_ENGINE_DIED, Server
@@ -21,17 +21,18 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies, by design
 async def test_a_dead_engine_loop_fails_calls_unavailable_and_exits_non_zero(trained_model_dir):
-    settings = ServerSettings(model=str(trained_model_dir), host=HOST, port=free_port(), metrics_port=0,
+    settings = ServerSettings(model=str(trained_model_dir), host=HOST, port=0, metrics_port=0,
                               device="cpu", dtype="float32", compile="false", grace_period=30,
                               engine=EngineSettings(max_batch=4))
     server = Server(settings)
     run = asyncio.create_task(server.run_until_signal())
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as ch:
         stub, health = pb_grpc.TextGenerationStub(ch), health_pb2_grpc.HealthStub(ch)
-        for _ in range(600):
-            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                break
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 300  # loading, on a machine that may be busy
+        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status \
+                != health_pb2.HealthCheckResponse.SERVING:
+            assert loop.time() < end and not run.done(), "the server never became SERVING"
             await asyncio.sleep(0.05)
         engine = server.engine
 

@@ -8,6 +8,7 @@ abort mid-stream, or stream slowly until cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -179,10 +180,12 @@ class LoopbackServer:
         self._loop.close()
 
 
-def unused_port() -> int:
-    """A loopback port with nothing listening on it (bound, then released)."""
+@contextlib.contextmanager
+def unused_port():
+    """A loopback port with nothing listening on it, for as long as the `with` block runs: the port is
+    bound here and never listened on, so no other process can take it meanwhile."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]

@@ -64,7 +64,8 @@ def test_invalid_request_exits_2_with_violations_and_no_traceback(capsys):
 
 
 def test_other_errors_exit_1(capsys):
-    assert cli.main(["info", "-t", f"127.0.0.1:{unused_port()}", "--timeout", "5"]) == 1
+    with unused_port() as port:
+        assert cli.main(["info", "-t", f"127.0.0.1:{port}", "--timeout", "5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("lmserve: UNAVAILABLE") or err.startswith("lmserve: DEADLINE_EXCEEDED")
     assert "Traceback" not in err
@@ -78,7 +79,8 @@ def test_health_exit_code(status, code, capsys):
 
 
 def test_health_of_unreachable_server_is_1():
-    assert cli.main(["health", "-t", f"127.0.0.1:{unused_port()}"]) == 1
+    with unused_port() as port:
+        assert cli.main(["health", "-t", f"127.0.0.1:{port}"]) == 1
 
 
 def test_info_and_tokenize(capsys):

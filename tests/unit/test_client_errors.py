@@ -66,7 +66,7 @@ def test_retry_info_is_recovered():
 
 
 def test_unreachable_server_is_unavailable():
-    with Client(f"127.0.0.1:{unused_port()}", max_retries=0, timeout=10) as client:
+    with unused_port() as port, Client(f"127.0.0.1:{port}", max_retries=0, timeout=10) as client:
         with pytest.raises(errors.UnavailableError):
             client.generate("x")
 
