@@ -17,7 +17,6 @@ import asyncio
 import json
 import mmap
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -156,18 +155,19 @@ def serve_stand_in(args) -> int:
             return engine.start(), Metrics(engine, "stand-in")
 
     logging.basicConfig(level="WARNING")
-    settings = ServerSettings(port=args.port, metrics_port=0, engine=engine_settings(args.max_batch))
+    settings = ServerSettings(port=0, metrics_port=0, engine=engine_settings(args.max_batch))
 
     async def main() -> int:
-        return await StandInServer(settings).run_until_signal()
+        server = StandInServer(settings)  # bound to a free port here; the parent reads it from our stdout
+        print(f"port {server.port}", flush=True)
+        return await server.run_until_signal()
 
     return asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ms(value: float | None) -> str:
+    """A latency for the progress line; None when no gap was measured (a stream's chunks all arrived merged)."""
+    return "n/a" if value is None else f"{value:.3f} ms"
 
 
 def bench_grpc(args) -> list[dict]:
@@ -175,15 +175,17 @@ def bench_grpc(args) -> list[dict]:
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--serve",
            "--max-batch", str(max(args.concurrency)), "--model", args.model]
     if args.models_dir:
         cmd += ["--models-dir", args.models_dir]
-    proc = subprocess.Popen(cmd)
-    target = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows = []
     try:
+        line = proc.stdout.readline()  # "port N" once bound, before the stand-in model loads
+        if not line.startswith("port "):
+            raise RuntimeError(f"the stand-in server did not start (it printed {line!r})")
+        target = f"127.0.0.1:{int(line.split()[1])}"
         with Client(target) as client:
             deadline = time.monotonic() + 120
             while True:
@@ -202,14 +204,15 @@ def bench_grpc(args) -> list[dict]:
             run = asyncio.run(run_bench(target, cfg, synthetic_workload(), progress=False))
             agg = aggregate(run.records, run.duration)
             rows.append({"concurrency": c, "completed": agg.completed, "failed": agg.failed,
-                         "tok_per_s": agg.output_token_throughput,
+                         "tokens": agg.output_tokens, "tok_per_s": agg.output_token_throughput,
                          "itl_p50_ms": 1e3 * agg.itl.p50 if agg.itl else None,
                          "itl_p99_ms": 1e3 * agg.itl.p99 if agg.itl else None})
-            print(f"grpc c={c}: {agg.output_token_throughput:,.0f} tok/s, ITL p50 "
-                  f"{rows[-1]['itl_p50_ms']:.3f} ms", flush=True)
+            print(f"grpc c={c}: {agg.output_token_throughput:,.0f} tok/s, ITL p50 {_ms(rows[-1]['itl_p50_ms'])}",
+                  flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
+        proc.stdout.close()
     return rows
 
 
@@ -224,7 +227,6 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "grpc"])
     ap.add_argument("--out", default=None, help="JSON report path")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

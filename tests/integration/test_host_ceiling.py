@@ -1,7 +1,8 @@
 """The host-ceiling benchmark end to end (server/bench/host_ceiling.py): the real engine and gRPC edge
 around its zero-cost stand-in model, engine phase and gRPC phase, a tiny run. It checks that the tool
 runs and that its report is consistent with what was asked (every request completed, each with its
-tokens), not how fast anything was."""
+tokens), not how fast anything was. Nothing here depends on how a stream's chunks were merged: a fast
+stream may arrive as one message, which leaves no gap to measure, so an ITL may be absent (None)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def test_host_ceiling_reports_both_phases(smollm2_gguf_path, tmp_path):
     assert [r["tokens"] for r in report["engine"]] == [8, 32]
     for row in report["engine"]:
         assert row["tok_per_s"] > 0 and row["steps"] >= 8 and set(row["host_ms_per_step"]) >= {"schedule", "sample"}
-    assert [(r["concurrency"], r["completed"], r["failed"]) for r in report["grpc"]] == [(1, 1, 0), (4, 4, 0)]
-    assert all(r["tok_per_s"] > 0 and r["itl_p50_ms"] is not None for r in report["grpc"])
+    for row in report["engine"] + report["grpc"]:
+        assert row["itl_p50_ms"] is None or row["itl_p50_ms"] >= 0
+    assert [(r["concurrency"], r["completed"], r["failed"], r["tokens"]) for r in report["grpc"]] \
+        == [(1, 1, 0, 8), (4, 4, 0, 32)]
+    assert all(r["tok_per_s"] > 0 for r in report["grpc"])
     assert report["cpu"]["Model name"]
