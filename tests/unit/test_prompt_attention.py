@@ -157,7 +157,22 @@ def model(kernel):
     cfg = ModelConfig(vocab_size=300, hidden_size=H * D, intermediate_size=256, num_layers=2, num_heads=H,
                       num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
     m = LlamaForCausalLM(cfg).init_weights(std=0.05, generator=torch.Generator().manual_seed(3)).bfloat16().eval()
+    for linear in [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]:
+        _one_row_at_a_time(linear)
     return m
+
+
+def _one_row_at_a_time(linear: torch.nn.Linear) -> None:
+    """Make a linear compute each row alone. torch's own bfloat16 GEMM may round a row differently with the
+    number of rows computed beside it (on a Xeon with AMX, 16 or 37 rows differ from 300), which would
+    make a chunked prefill differ from a whole one before attention is reached. That is the serving
+    linears' concern (model/precision.py serves only kernels whose rows do not depend on the batch); here
+    the attention kernel is under test, so the linears are kept out of it."""
+    def forward(x):
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = torch.cat([torch.nn.functional.linear(r, linear.weight, linear.bias) for r in rows.split(1)])  # [N, out]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    linear.forward = forward
 
 
 def _prefill(model, cache, ids, chunks, kernel):
