@@ -7,6 +7,7 @@ addresses and file paths, so every other directive under test is the one that sh
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +22,26 @@ import yaml
 HOST = "127.0.0.1"
 UPSTREAM_SERVER = re.compile(r"^(\s*)server\s+lmserve-\d+:\d+([^;]*);\s*$", re.M)
 LISTEN = re.compile(r"^(\s*)listen\s+\d+(\s+http2)?\s*;", re.M)
+
+
+def owns_listener(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the socket listening on HOST:port (from /proc). nginx and Prometheus
+    take a port picked free beforehand, which another process may have taken meanwhile: a check that
+    something answers on the port could then reach that other process."""
+    want = f"{HOST}:{port:04X}".replace("127.0.0.1", "0100007F")
+    inodes = {fields[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+              if (fields := line.split())[1] == want and fields[3] == "0A"}  # 0A: LISTEN
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    held = set()
+    for fd in fds:
+        try:
+            held.add(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            pass
+    return any(f"socket:[{inode}]" in held for inode in inodes)
 
 
 # ---------------------------------------------------------------- nginx
@@ -64,20 +85,16 @@ class Nginx:
         """`nginx -t`: parse the config and open its files, without serving."""
         return subprocess.run(self._cmd("-t"), capture_output=True, text=True, timeout=30)
 
-    def start(self, timeout: float = 15.0) -> "Nginx":
-        import socket
-
+    def start(self, timeout: float = 60.0) -> "Nginx":
         self.proc = subprocess.Popen(self._cmd(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+            if owns_listener(self.proc.pid, self.port):
+                return self
+            time.sleep(0.05)
         raise RuntimeError(f"nginx did not listen on {HOST}:{self.port} within {timeout}s:\n{self.log()}")
 
     @property
@@ -134,7 +151,7 @@ class Prometheus:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Prometheus":
+    def start(self, timeout: float = 120.0) -> "Prometheus":
         cmd = [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'data'}",
                f"--web.listen-address={HOST}:{self.port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"]
         with open(self.log_path, "wb") as log:
@@ -145,11 +162,13 @@ class Prometheus:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
+                if owns_listener(self.proc.pid, self.port):
+                    with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as r:
+                        if r.status == 200:
+                            return self
             except OSError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         raise RuntimeError(f"prometheus not ready within {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
