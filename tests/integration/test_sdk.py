@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -251,7 +252,9 @@ def _duration_alone(client: Client) -> float:
 async def test_per_call_timeout_raises_deadline_exceeded(server):
     policy = fast_retries(5)
     with Client(server.target, timeout=60, retry_policy=policy) as client:
-        budget = _duration_alone(client) / 4  # a quarter of what the generation needs alone
+        # far below what the generation needs alone, even if this shared machine speeds up meanwhile; the
+        # deadline may even pass before the server sees the call: the SDK's behaviour is the same
+        budget = min(_duration_alone(client), _duration_alone(client)) / 20
         with pytest.raises(DeadlineExceededError):
             client.generate("A red fox", timeout=budget, **SLOW)
         assert policy.attempts() == 1  # DEADLINE_EXCEEDED is not retried
@@ -349,76 +352,120 @@ def test_plaintext_or_untrusting_client_cannot_reach_the_tls_server(extra_server
 
 # ---- overload and retries ----------------------------------------------------------------------------
 
+# The overload tests need the only slot held while the other calls arrive. A holder is not held up by
+# its reader (the engine finishes it however slowly it is read), so a client delayed by a busy machine can
+# arrive after it finished: such a run is inconclusive and runs again; its outputs are checked every time.
+HOLD_TRIES = 3
+
+
 async def test_overload_is_retried_before_the_first_chunk_until_a_slot_frees(extra_servers, training_prompts):
     srv = extra_servers["one_slot"]
     prefix, continuation = training_prompts[4]
-    unary_policy, stream_policy = fast_retries(), fast_retries()
-    async with AsyncClient(srv.target, timeout=60, max_retries=0) as plain, \
-            AsyncClient(srv.target, timeout=60, retry_policy=unary_policy) as retrying_unary, \
-            AsyncClient(srv.target, timeout=60, retry_policy=stream_policy) as retrying_stream:
-        holder = plain.stream("The baker", **SLOW)
-        first = await holder.__anext__()  # the only slot is taken for ~120 slow steps
-        assert not first.is_last
-        with pytest.raises(OverloadedError):  # max_retries=0: the overload reaches the caller
-            await plain.generate(prefix, max_new_tokens=100)
+    for _ in range(HOLD_TRIES):
+        unary_policy, stream_policy = fast_retries(), fast_retries()
+        async with AsyncClient(srv.target, timeout=60, max_retries=0) as plain, \
+                AsyncClient(srv.target, timeout=60, retry_policy=unary_policy) as retrying_unary, \
+                AsyncClient(srv.target, timeout=60, retry_policy=stream_policy) as retrying_stream:
+            holder = plain.stream("The baker", **SLOW)
+            first = await holder.__anext__()  # the only slot is taken for ~120 slow steps
+            try:  # max_retries=0: the overload reaches the caller
+                await plain.generate(prefix, max_new_tokens=100)
+                overloaded = False
+            except OverloadedError:
+                overloaded = True
 
-        async def stream_all():
-            return [c async for c in retrying_stream.stream(prefix, max_new_tokens=100)]
+            async def stream_all():
+                return [c async for c in retrying_stream.stream(prefix, max_new_tokens=100)]
 
-        unary, chunks, rest = await asyncio.gather(
-            retrying_unary.generate(prefix, max_new_tokens=100), stream_all(), _drain(holder))
-    assert rest[-1].finish_reason == "length"
-    assert sum(len(c.token_ids) for c in [first, *rest]) == SLOW["max_new_tokens"]
-    assert unary.text == continuation and unary.finish_reason == "eos"
-    assert_stream_matches(chunks, unary)  # a retried stream delivers each token once
+            unary, chunks, rest = await asyncio.gather(
+                retrying_unary.generate(prefix, max_new_tokens=100), stream_all(), _drain(holder))
+        held = [first, *rest]
+        assert held[-1].finish_reason == "length" and not any(c.is_last for c in held[:-1])
+        assert sum(len(c.token_ids) for c in held) == SLOW["max_new_tokens"]
+        assert unary.text == continuation and unary.finish_reason == "eos"
+        assert_stream_matches(chunks, unary)  # a retried stream delivers each token once
+        srv.wait_idle()
+        if overloaded and unary_policy.attempts() >= 2 and stream_policy.attempts() >= 2:
+            break
+    else:
+        raise AssertionError(f"the holder never held the slot while the other calls arrived ({HOLD_TRIES} runs)")
     for policy in (unary_policy, stream_policy):
-        assert policy.attempts() >= 2 and set(policy.retried()) == {OverloadedError}, policy.calls
-    srv.wait_idle()
+        assert set(policy.retried()) == {OverloadedError}, policy.calls
 
 
 def test_sync_client_retries_overload_too(extra_servers, training_prompts):
     srv = extra_servers["one_slot"]
     prefix, continuation = training_prompts[7]
-    policy = fast_retries()
-    with srv.channel() as channel:
-        holder = pb_grpc.TextGenerationStub(channel).GenerateStream(pb.GenerateRequest(
-            prompt="The baker", params=pb.SamplingParams(max_new_tokens=120, ignore_eos=True, logprobs=20)),
-            timeout=60)
-        head = next(holder)  # running in the only slot
-        with Client(srv.target, timeout=60, retry_policy=policy) as client:
-            chunks = list(client.stream(prefix, max_new_tokens=100))
-        assert len(head.token_ids) + sum(len(m.token_ids) for m in holder) == 120
-    assert "".join(c.text for c in chunks) == continuation
-    assert policy.attempts() >= 2 and set(policy.retried()) == {OverloadedError}
-    srv.wait_idle()
+    for _ in range(HOLD_TRIES):
+        policy = fast_retries()
+        with srv.channel() as channel:
+            holder = pb_grpc.TextGenerationStub(channel).GenerateStream(pb.GenerateRequest(
+                prompt="The baker", params=pb.SamplingParams(max_new_tokens=120, ignore_eos=True, logprobs=20)),
+                timeout=60)
+            head = next(holder)  # running in the only slot
+            with Client(srv.target, timeout=60, retry_policy=policy) as client:
+                chunks = list(client.stream(prefix, max_new_tokens=100))
+            assert len(head.token_ids) + sum(len(m.token_ids) for m in holder) == 120
+        assert "".join(c.text for c in chunks) == continuation
+        srv.wait_idle()
+        if policy.attempts() >= 2:
+            break
+    else:
+        raise AssertionError(f"the holder never held the slot while the stream arrived ({HOLD_TRIES} runs)")
+    assert set(policy.retried()) == {OverloadedError}
 
 
-async def test_stream_broken_mid_way_is_not_retried(extra_servers):
-    """Killing the server mid-stream raises UnavailableError after the chunks already delivered, once each."""
-    srv = extra_servers["doomed"]
+async def _kill_mid_stream(srv):
+    """A sync and an async stream, each read for its first 3 chunks, then the server is killed. Returns the
+    generation's token ids and, per stream, (chunks received, its retry policy); None when a stream ended
+    before the kill (a client that falls behind a fast server gets its chunks merged, and may get them all)."""
     with Client(srv.target, timeout=60) as client:
         expected = client.generate("The baker", **SLOW).token_ids
     sync_policy, async_policy = fast_retries(5), fast_retries(5)
     sync_client = Client(srv.target, timeout=60, retry_policy=sync_policy)
     async_client = AsyncClient(srv.target, timeout=60, retry_policy=async_policy)
+    broken = []
     try:
         sync_stream = sync_client.stream("The baker", **SLOW)
         async_stream = async_client.stream("The baker", **SLOW)
-        sync_chunks = [next(sync_stream) for _ in range(3)]
-        async_chunks = [await async_stream.__anext__() for _ in range(3)]
+        sync_chunks = list(itertools.islice(sync_stream, 3))
+        async_chunks = []
+        for _ in range(3):
+            try:
+                async_chunks.append(await async_stream.__anext__())
+            except StopAsyncIteration:
+                break
         srv.kill()
-        with pytest.raises(UnavailableError):
-            for chunk in sync_stream:
-                sync_chunks.append(chunk)
-        with pytest.raises(UnavailableError):
-            async for chunk in async_stream:
-                async_chunks.append(chunk)
+        try:
+            sync_chunks += list(sync_stream)
+        except UnavailableError:
+            broken.append("sync")
+        try:
+            async_chunks += [chunk async for chunk in async_stream]
+        except UnavailableError:
+            broken.append("async")
     finally:
         sync_client.close()
         await async_client.close()
-    for chunks, policy in ((sync_chunks, sync_policy), (async_chunks, async_policy)):
+    if broken != ["sync", "async"]:
+        assert any(c.is_last for c in sync_chunks + async_chunks), "a stream ended without its last chunk"
+        return None
+    return expected, [(sync_chunks, sync_policy), (async_chunks, async_policy)]
+
+
+async def test_stream_broken_mid_way_is_not_retried(extra_servers, start_server, trained_model_dir):
+    """Killing the server mid-stream raises UnavailableError after the chunks already delivered, once each."""
+    srv = extra_servers["doomed"]
+    for _ in range(3):
+        if (outcome := await _kill_mid_stream(srv)) is not None:
+            break
+        srv = start_server(trained_model_dir, threads=1, metrics_port=None, max_new_tokens_cap=120)  # a fresh one
+    else:
+        raise AssertionError("the streams ended before the server was killed, 3 times")
+    expected, streams = outcome
+    for chunks, policy in streams:
         received = [t for c in chunks for t in c.token_ids]
-        assert not any(c.is_last for c in chunks), "the stream finished before the kill"
+        assert not any(c.is_last for c in chunks)
         assert 3 <= len(received) < len(expected)
         assert received == expected[:len(received)]  # a prefix, nothing repeated
         assert policy.attempts() == 1 and policy.retried() == []

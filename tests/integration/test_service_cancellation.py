@@ -54,7 +54,12 @@ async def test_cancellation_storm_frees_every_slot(server, training_prompts):
                 request_id=f"cancel-{i}", prompt=prefixes[i % len(prefixes)], params=LONG), timeout=120)
             for _ in range(after):
                 msg = await call.read()
-                assert msg is not grpc.aio.EOF and msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+                if msg is grpc.aio.EOF or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    # a reader that falls behind gets chunks merged: this stream finished within `after`
+                    # messages, before the cancel (counted ok, which the totals below allow)
+                    assert msg is grpc.aio.EOF or msg.usage.completion_tokens == LONG.max_new_tokens
+                    call.cancel()
+                    return after
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call.read()
@@ -90,17 +95,32 @@ def _duration_alone(stub, request) -> float:
     return time.monotonic() - t0
 
 
+def _budgets(stub, request, tries: int = 4):
+    """Deadlines below what the generation needs alone: a quarter of its measured time, then a quarter of
+    that for each call that still finished in time (a shared machine can speed up between the measurement
+    and the call: no deadline passed then, and that is not what is tested)."""
+    budget = _duration_alone(stub, request) / 4
+    for _ in range(tries):
+        yield budget
+        budget /= 4
+    raise AssertionError(f"the call finished within every deadline down to {budget * 4:.4f}s")
+
+
 def test_stream_deadline_is_deadline_exceeded_and_frees_the_slot(server):
     request = pb.GenerateRequest(request_id="dl", prompt="A red fox", params=LONG)
     with server.channel() as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        budget = _duration_alone(stub, request) / 4  # a quarter of what the whole generation needs
-        before = server.metrics()
-        received = []
-        with pytest.raises(grpc.RpcError) as info:
-            for msg in stub.GenerateStream(request, timeout=budget):
-                received.append(msg)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for budget in _budgets(stub, request):
+            before = server.metrics()
+            received = []
+            try:
+                for msg in stub.GenerateStream(request, timeout=budget):
+                    received.append(msg)
+            except grpc.RpcError as exc:
+                error = exc
+                break
+            server.wait_idle()  # finished within the budget: try a smaller one
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in received)
         after = server.wait_idle()
         ended_early = sum(ended(after, s) - ended(before, s) for s in ("deadline_exceeded", "cancelled"))
@@ -115,12 +135,19 @@ def test_unary_deadline_is_deadline_exceeded_and_frees_the_slot(server):
     request = pb.GenerateRequest(prompt="The lighthouse keeper", params=LONG)
     with server.channel() as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        budget = _duration_alone(stub, request) / 4
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Generate(request, timeout=budget)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    server.wait_idle()
-    with Client(server.target, max_retries=0) as client:
-        with pytest.raises(DeadlineExceededError):
-            client.generate("The lighthouse keeper", max_new_tokens=110, ignore_eos=True, timeout=budget)
+        for budget in _budgets(stub, request):
+            try:
+                stub.Generate(request, timeout=budget)
+            except grpc.RpcError as exc:
+                error = exc
+                break
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        server.wait_idle()
+        with Client(server.target, max_retries=0) as client:
+            for budget in _budgets(stub, request):  # the SDK raises its own error for the same status
+                try:
+                    client.generate("The lighthouse keeper", max_new_tokens=110, ignore_eos=True, timeout=budget)
+                except DeadlineExceededError:
+                    break
+                server.wait_idle()
     server.wait_idle()

@@ -33,13 +33,18 @@ async def test_burst_refuses_exactly_the_excess(small_server, server_flags):
                 return "refused", chunks, time.monotonic(), error
             return "done", chunks, time.monotonic(), None
 
-        outcomes = await asyncio.gather(*(one(i) for i in range(BURST)))
-        after = await asyncio.to_thread(small_server.wait_idle)
-
-        refused = [o for o in outcomes if o[0] == "refused"]
-        done = [o for o in outcomes if o[0] == "done"]
-        assert max(t for _, _, t, _ in refused) < min(t for _, _, t, _ in done), \
-            "a request finished before the burst was admitted: the counts below would not hold"
+        for _ in range(3):
+            outcomes = await asyncio.gather(*(one(i) for i in range(BURST)))
+            after = await asyncio.to_thread(small_server.wait_idle)
+            refused = [o for o in outcomes if o[0] == "refused"]
+            done = [o for o in outcomes if o[0] == "done"]
+            if refused and max(t for _, _, t, _ in refused) < min(t for _, _, t, _ in done):
+                break
+            # a request finished before the whole burst was admitted (a busy machine delayed the client),
+            # freeing a place: the counts below would not hold, so the burst is sent again
+            before = after
+        else:
+            raise AssertionError("in 3 bursts a request always finished before the burst was admitted")
         assert len(refused) == BURST - capacity and len(done) == capacity
         for _, chunks, _, error in refused:
             assert chunks == [] and error.code.name == "RESOURCE_EXHAUSTED"

@@ -60,7 +60,7 @@ async def test_cancel_mid_stream_frees_the_slot_and_spares_the_others(random_tin
     def before(batch):  # hold the engine once the victim has 3 tokens, until the test has cancelled
         victim = seq_in(batch, "victim")
         if victim is not None and len(victim.output_ids) == 3:
-            gate.wait(30)
+            gate.wait(300)
 
     with running(random_tiny, max_batch=4) as engine:
         wrap_step(engine, before=before)
@@ -92,22 +92,40 @@ async def test_cancel_mid_stream_frees_the_slot_and_spares_the_others(random_tin
 async def test_leaving_the_stream_cancels_the_request(random_tiny, how):
     prompts = prompts_for(random_tiny, 2, (6, 11))
     log = FinishLog()
+    gate = threading.Event()
+
+    def before(batch):  # once "left" has 3 tokens, hold the engine until its stream was left, so it cannot
+        left = seq_in(batch, "left")  # finish first however slowly this test's loop runs
+        if left is not None and len(left.output_ids) >= 3:
+            gate.wait(300)
+
     with running(random_tiny, max_batch=2) as engine:
         engine.observers.append(log)
-        other = asyncio.ensure_future(collect(engine, Request(prompts[1], greedy(25, ignore_eos=True), request_id="other")))
-        if how == "aclose":
-            stream = engine.generate(Request(prompts[0], greedy(200, ignore_eos=True), request_id="left"))
-            for _ in range(3):
-                await stream.__anext__()
-            await stream.aclose()
-        else:
-            async def read_three():
+        cancels = []
+        real_cancel = engine.cancel
+        engine.cancel = lambda request_id: (cancels.append(request_id), real_cancel(request_id))
+        wrap_step(engine, before=before)
+        try:
+            other = asyncio.ensure_future(collect(engine, Request(prompts[1], greedy(25, ignore_eos=True),
+                                                                  request_id="other")))
+            if how == "aclose":
+                stream = engine.generate(Request(prompts[0], greedy(200, ignore_eos=True), request_id="left"))
                 n = 0
-                async for _ in engine.generate(Request(prompts[0], greedy(200, ignore_eos=True), request_id="left")):
-                    n += 1
-                    if n == 3:
-                        break  # the abandoned generator is closed when collected
-            await read_three()
+                while n < 3:  # chunks may arrive merged: count tokens, not chunks
+                    n += len((await stream.__anext__()).token_ids)
+                await stream.aclose()
+            else:
+                async def read_three():
+                    n = 0
+                    async for chunk in engine.generate(Request(prompts[0], greedy(200, ignore_eos=True),
+                                                               request_id="left")):
+                        n += len(chunk.token_ids)
+                        if n >= 3:
+                            break  # the abandoned generator is closed when collected
+                await read_three()
+            await wait_until(lambda: "left" in cancels, "the abandoned stream to cancel its request")
+        finally:
+            gate.set()
         await wait_until(lambda: "left" in log.reasons, "the abandoned request to finish")
         res, _ = await other
         await wait_idle(engine)
@@ -121,7 +139,7 @@ async def test_cancelling_a_waiting_request_and_unknown_ids(random_tiny):
     gate = threading.Event()
     prompts = prompts_for(random_tiny, 3, (5, 5))
     with running(random_tiny, max_batch=1) as engine:
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         try:
             first = asyncio.ensure_future(collect(engine, Request(prompts[0], greedy(6, ignore_eos=True))))
             await wait_until(lambda: engine.stats().running == 1, "the first request to hold the slot")
@@ -147,7 +165,7 @@ async def test_a_stale_cancel_does_not_hit_a_later_request_with_the_same_id(rand
 
     def before(batch):
         if held[0]:
-            gate.wait(30)
+            gate.wait(300)
 
     with running(random_tiny, max_batch=2) as engine:
         wrap_step(engine, before=before)
@@ -175,7 +193,7 @@ async def test_a_request_counts_as_running_until_its_outcome_is_recorded(random_
     class SlowRecorder(FinishLog):
         def on_finish(self, seq, final):
             recording.set()
-            release.wait(30)
+            release.wait(300)
             super().on_finish(seq, final)
 
     log = SlowRecorder()
@@ -183,7 +201,7 @@ async def test_a_request_counts_as_running_until_its_outcome_is_recorded(random_
         engine.observers.append(log)
         task = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(4, ignore_eos=True), request_id="r")))
         try:
-            await asyncio.to_thread(recording.wait, 30)
+            await asyncio.to_thread(recording.wait, 300)
             stats = engine.stats()
             assert stats.slots_used == 0  # the slot is already back ...
             assert stats.running == 1 and "r" not in log.reasons  # ... but the request is not over
@@ -427,7 +445,7 @@ async def test_deadline_expiring_in_the_queue(random_tiny):
     prompts = prompts_for(random_tiny, 10, (6, 6))
     with running(random_tiny, max_batch=1) as engine:
         shift = shifted_clock(engine)
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         try:
             first = asyncio.ensure_future(collect(engine, Request(prompts[0], greedy(8, ignore_eos=True))))
             await wait_until(lambda: engine.stats().running == 1, "the first request to hold the slot")
@@ -449,7 +467,7 @@ async def test_full_queue_rejects_and_admitted_requests_finish(random_tiny):
     gate = threading.Event()
     prompts = prompts_for(random_tiny, 11, (4, 7, 9, 3, 5))
     with running(random_tiny, max_batch=1, max_queue=2) as engine:
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         try:
             tasks = [asyncio.ensure_future(collect(engine, Request(prompts[0], greedy(5, ignore_eos=True))))]
             await wait_until(lambda: engine.stats().running == 1, "the first request to hold the slot")
@@ -473,7 +491,7 @@ async def test_a_burst_fills_the_free_slots_and_then_the_queue(random_tiny):
     gate = threading.Event()
     prompts = prompts_for(random_tiny, 12, (3, 4, 5, 6, 7, 8))
     with running(random_tiny, max_batch=3, max_queue=2) as engine:
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         try:
             tasks = [asyncio.ensure_future(collect(engine, Request(p, greedy(4, ignore_eos=True)))) for p in prompts[:5]]
             await asyncio.sleep(0)  # every task submits before its first await
@@ -500,7 +518,7 @@ async def test_health_reports_a_stuck_step_while_it_runs(random_tiny):
     gate = threading.Event()
     with running(random_tiny, stuck_after_seconds=0.05) as engine:
         assert engine.health().ok
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         try:
             task = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(3, ignore_eos=True))))
             await wait_until(lambda: engine.health().stuck, "the watchdog to flag the step")
@@ -520,7 +538,7 @@ async def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(random_tin
     engine_cm = running(random_tiny, max_batch=2)
     engine = engine_cm.__enter__()
     try:
-        wrap_step(engine, before=lambda batch: gate.wait(30))
+        wrap_step(engine, before=lambda batch: gate.wait(300))
         stream = engine.generate(Request([5, 6, 7], greedy(50, ignore_eos=True)))
         await wait_until(lambda: engine.stats().running == 1, "the request to start")
         stopper = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))

@@ -155,7 +155,7 @@ async def results_of(engine: Engine, requests: list[Request]) -> list[Generation
     return [r for r, _ in await asyncio.gather(*(collect(engine, q) for q in requests))]
 
 
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     """Poll until `condition()` holds; fail (not hang) if it never does."""
     end = time.monotonic() + timeout
     while not condition():

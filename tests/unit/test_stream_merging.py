@@ -8,7 +8,7 @@ import asyncio
 from lmserve.server.engine.outputs import GenerationChunk, GenerationResult, TokenLogprob, merge_chunks
 from lmserve.server.engine.request import FinishReason, Request, SamplingParams
 from lmserve.server.engine.streams import ChunkStream
-from test_engine_helpers import corpus_prompt, one_torch_thread, running, trained  # noqa: F401 - fixtures by name
+from test_engine_helpers import corpus_prompt, one_torch_thread, running, trained, wait_until  # noqa: F401 - fixtures by name
 
 
 def test_merge_keeps_order_and_takes_the_finish_fields_from_the_later_chunk():
@@ -32,19 +32,22 @@ async def test_slow_reader_gets_fewer_chunks_with_the_same_text_ids_and_logprobs
     tok = trained.tokenizer
     params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
 
-    async def read(engine, delay: float):
+    async def read(engine, away: bool):
+        """Read the stream; `away`: after the first chunk, come back only once the engine has finished the
+        request, so everything after it is pending at once (however fast either side runs)."""
         chunks, result = [], GenerationResult("x")
         async for chunk in engine.generate(Request(corpus_prompt(tok, "A red fox"), params)):
             chunks.append(chunk)
             result.add(chunk)
-            await asyncio.sleep(delay)
+            if away and len(chunks) == 1:
+                await wait_until(lambda: engine.stats().running == 0, "the request to finish in the engine")
         return chunks, result
 
     with running(trained) as engine:
-        fast_chunks, fast = await read(engine, 0.0)
-        slow_chunks, slow = await read(engine, 0.05)
+        fast_chunks, fast = await read(engine, away=False)
+        slow_chunks, slow = await read(engine, away=True)
     assert len(slow.token_ids) == len(fast.token_ids) == 40
-    assert len(slow_chunks) < len(fast_chunks)  # merged while the reader slept
+    assert len(slow_chunks) <= 2  # what piled up while the reader was away came as one chunk
     assert any(len(c.token_ids) > 1 for c in slow_chunks)
     assert (slow.text, slow.token_ids) == (fast.text, fast.token_ids)
     assert [(lp.token_id, lp.logprob, lp.top) for lp in slow.logprobs] == [(lp.token_id, lp.logprob, lp.top) for lp in fast.logprobs]
