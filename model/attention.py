@@ -1,4 +1,4 @@
-"""Attention over a slot-indexed KV cache with SDPA, plus the explicit reference.
+"""The SDPA attention backend's per-step metadata: attention over a slot-indexed KV cache with SDPA.
 
 Mask convention everywhere: boolean, True = may attend (SDPA's `attn_mask`). A mask is never
 combined with `is_causal`; a call over exactly one prompt's own tokens uses `is_causal` alone.
@@ -10,14 +10,24 @@ The model hands SDPA the mask in additive form (0 / -inf), converted once per st
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_plan import AttentionCall, cache_calls, packed_calls
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+
+
+def packed_positions(q_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Prompts packed back to back into one row: each token's prompt index and own position [T], [T]."""
+    seg = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)  # [T]
+    pos = torch.arange(seg.shape[0], device=q_lens.device) - (torch.cumsum(q_lens, 0) - q_lens)[seg]  # [T]
+    return seg, pos
 
 
 @dataclass(frozen=True)
@@ -33,12 +43,13 @@ class AttentionMetadata:
 
     `calls` is how the serving path runs the cache layout: several SDPA calls, each over a
     narrower view (attention_plan). `mask`, `lo`, `hi`, `rows` describe the same attention as
-    one call; the explicit reference attention uses that.
+    one call (what a reference implementation of the same step reads).
+
+    Every layer calls `attend` (model/attention_backend.py: the step attention protocol).
     """
 
     q_lens: Tensor  # [B] real (unpadded) query tokens per sequence
-    mask: Tensor | None  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache);
-    # None with a kernel (it takes each token's slot and position instead)
+    mask: Tensor  # [R, 1, L, S] bool, True = may attend (R = B when fresh, hi - lo when cache)
     read_cache: bool = False
     slots: Tensor | None = None  # [B] cache slot of each sequence; None = no cache at all
     starts: Tensor | None = None  # [B] tokens already in the cache before this chunk
@@ -50,8 +61,6 @@ class AttentionMetadata:
     write_slot: Tensor | None = None  # [T] slot of each real token
     write_pos: Tensor | None = None  # [T] cache position of each real token
     calls: tuple[AttentionCall, ...] = ()  # the same attention split into SDPA calls over cache views
-    kernel: object | None = None  # decode_attention.DecodeAttention: one call per layer instead of `calls`
-    prompt_kernel: object | None = None  # prompt_attention.PromptAttention: one call per layer after the write
 
     @functools.cached_property
     def _folded(self) -> dict[tuple, Tensor]:
@@ -75,6 +84,25 @@ class AttentionMetadata:
     def batch_size(self) -> int:
         return self.q_lens.shape[0]
 
+    def write(self, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> None:
+        """This step's real tokens' k/v [B, L, Hkv, d] into the cache, each at its explicit position."""
+        cache.write(layer, self.write_slot, self.write_pos, k[self.write_b, self.write_j], v[self.write_b, self.write_j])
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+        """Rotated q [B, L, H, d], k, v [B, L, Hkv, d] -> attention [B, L, H*d] (before o_proj): the
+        cache write (when there is a cache), then the planned calls over cache views, or one call over
+        the chunk's own keys (fresh layout)."""
+        B, L, H, d = q.shape
+        if cache is not None and self.write_b is not None:
+            self.write(k, v, cache, layer)
+        q = q.transpose(1, 2)  # [B, H, L, d]
+        if self.calls:
+            out = attend_calls(q, cache.k[layer], cache.v[layer], self)  # [B, H, L, d]
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, d]
+            out = sdpa_attention(q, k, v, self.folded_mask(H // k.shape[1], q.dtype))
+        return out.transpose(1, 2).reshape(B, L, H * d)
+
     @staticmethod
     def causal_padded(q_lens: Tensor, L: int | None = None) -> Tensor:
         """mask [B, 1, L, L]: query i sees key j iff j <= i and j < q_len (padding keys blocked)."""
@@ -90,39 +118,17 @@ class AttentionMetadata:
         return cls(q_lens=q_lens, mask=cls.causal_padded(q_lens, L))
 
     @classmethod
-    def for_prompt_kernel(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, kernel,
-                          L: int | None = None) -> "AttentionMetadata":
-        """Prompt tokens (sequence b: q_lens[b] of them from position starts[b] of slot slots[b]) for
-        the prompt-attention kernel: their k/v are written to the cache, then every real token
-        attends over its slot's keys 0..its position in one call per layer. No mask, no plan."""
-        device = q_lens.device
-        L = int(q_lens.max()) if L is None else L
-        j = torch.arange(L, device=device)
-        write_b, write_j = (j[None, :] < q_lens[:, None]).nonzero(as_tuple=True)  # [T], [T]
-        return cls(q_lens=q_lens, mask=None, read_cache=True, slots=slots, starts=starts, write_b=write_b,
-                   write_j=write_j, write_slot=slots[write_b], write_pos=starts[write_b] + write_j,
-                   prompt_kernel=kernel)
-
-    @classmethod
-    def packed(cls, slots: Tensor, q_lens: Tensor, prompt_kernel=None) -> tuple["AttentionMetadata", Tensor]:
+    def packed(cls, slots: Tensor, q_lens: Tensor) -> tuple["AttentionMetadata", Tensor]:
         """Fresh prompts (all from position 0) packed into ONE row with no padding at all.
 
         Token t of the row belongs to sequence seg[t]; it sees key u iff u <= t and seg[u] == seg[t]
         (causal AND same sequence). Returns the metadata and positions [1, T] (each sequence's own
-        0, 1, 2, ...). K/V go to each sequence's slot as with `for_cache`. prompt_kernel: a
-        PromptAttention, which takes the tokens' slots and positions instead of a mask.
+        0, 1, 2, ...). K/V go to each sequence's slot as with `for_cache`.
         """
         device = q_lens.device
         T = int(q_lens.sum())
         ar = torch.arange(T, device=device)
-        seg = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=device), q_lens)  # [T]
-        pos = ar - (torch.cumsum(q_lens, 0) - q_lens)[seg]  # [T]
-        if prompt_kernel is not None:
-            one = torch.full((1,), T, device=device)
-            meta = cls(q_lens=one, mask=None, read_cache=True, slots=slots, starts=torch.zeros_like(slots),
-                       write_b=torch.zeros_like(ar), write_j=ar, write_slot=slots[seg], write_pos=pos,
-                       prompt_kernel=prompt_kernel)
-            return meta, pos[None]
+        seg, pos = packed_positions(q_lens)  # [T], [T]
         mask = (seg[:, None] == seg[None, :]) & (ar[None, :] <= ar[:, None])  # [T, T]
         meta = cls(q_lens=torch.full((1,), T, device=device), mask=mask[None, None], read_cache=False,
                    slots=slots, starts=torch.zeros_like(slots), write_b=torch.zeros_like(ar), write_j=ar,
@@ -153,18 +159,14 @@ class AttentionMetadata:
 
     @classmethod
     def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str,
-                   call_cost: int | None = None, kernel=None) -> "AttentionMetadata":
+                   call_cost: int | None = None) -> "AttentionMetadata":
         """One new token per sequence (b writes slot slots[b] at position starts[b] and attends to
         keys 0..starts[b]): the same attention as `for_cache(slots, starts, ones, 1)` with every
         start > 0, built from host lists in a handful of tensor ops (a decode step's input cost
-        is all host time on a fast device). kernel: a DecodeAttention (CPU) that writes and attends
-        for every row in one call per layer; then neither mask nor SDPA plan is made."""
+        is all host time on a fast device)."""
         B = len(slots)
         slots_t = torch.tensor(slots, device=device)
         starts_t = torch.tensor(starts, device=device)
-        if kernel is not None:  # it writes and attends from the slots and positions alone
-            return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=None, read_cache=True,
-                       slots=slots_t, starts=starts_t, kernel=kernel)
         lo, hi = min(slots), max(slots) + 1
         kv_len = [s + 1 for s in starts]
         row_len = [1] * (hi - lo)  # slots outside the batch: one harmless key, no NaN
@@ -259,18 +261,3 @@ def attend_calls(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMet
             o = o if c.rows is None else o[c.rows]
         out[c.batch, :, c.tokens] = o
     return out
-
-
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Reference attention: softmax(QK^T / sqrt(d), masked over keys) @ V.
-
-    q [N, H, L, d], k/v [N, Hkv, S, d], mask [N, 1, L, S] bool (True = may attend).
-    Returns (output [N, H, L, d], weights [N, H, L, S]).
-    """
-    G = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(G, dim=1)  # [N, H, S, d]
-    v = v.repeat_interleave(G, dim=1)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [N, H, L, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # over keys
-    return weights @ v, weights

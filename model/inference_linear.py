@@ -20,9 +20,6 @@ from torch import Tensor, nn
 
 from .kernels import DenseLinear, OneDNNLinear, ServingLinear, WeightSource, build, onednn_supports
 
-PrepackedLinear = OneDNNLinear  # the float32 oneDNN kernel under its former name
-
-
 def onednn_available(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_supports(torch.float32)
 
@@ -69,5 +66,5 @@ def held_bytes(module: nn.Module) -> int:
     return sum(seen.values()) + extra
 
 
-__all__ = ["PrepackedLinear", "inference_linear", "fuse_linears", "planned_linears", "held_bytes",
+__all__ = ["inference_linear", "fuse_linears", "planned_linears", "held_bytes",
            "onednn_available", "source_of"]

@@ -2,8 +2,9 @@
 
 Parameter names follow Hugging Face's LlamaForCausalLM, so HF safetensors load as-is and
 the trainer's checkpoints are plain HF directories. One forward serves training, prefill
-(many tokens per sequence) and decode (one token per sequence); what differs is the
-AttentionMetadata and whether a KVCache is passed.
+(many tokens per sequence) and decode (one token per sequence); what differs is the step
+attention passed (attention_backend.py: the per-step metadata, which owns the cache write and the
+kernel) and whether a KVCache is passed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionMetadata, attend_calls, explicit_attention, sdpa_attention
+from .attention_backend import StepAttention
 from .config import ModelConfig, rope_inv_freq
 from .inference_linear import fuse_linears, held_bytes
 from .kv_cache import KVCache
@@ -82,8 +83,6 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
         self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # q|k|v in one GEMM, set by fuse_projections()
-        self.reference = False  # True: explicit attention (tests, diagnostics), keeps last weights
-        self.last_weights: Tensor | None = None
 
     def fuse_projections(self, make=fuse_linears) -> None:
         self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
@@ -105,50 +104,8 @@ class Attention(nn.Module):
             qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
         return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
-        return self.o_proj(self.attend(*self.project(x, rope), meta, cache))
-
-    def _prompt_kernel(self, q: Tensor, meta: AttentionMetadata, cache: KVCache) -> Tensor:
-        """Every real token of q [B, L, H, d] over its slot's cached keys: [B, L, H*d] (padding rows 0)."""
-        B, L, H, d = q.shape
-        T = meta.write_b.shape[0]
-        rows = q.reshape(B * L, H, d) if T == B * L else q[meta.write_b, meta.write_j]  # row-major: in order
-        out = meta.prompt_kernel(rows, cache.k[self.layer], cache.v[self.layer], meta.write_slot, meta.write_pos)
-        if T == B * L:
-            return out.view(B, L, H * d)
-        full = out.new_zeros(B, L, H * d)
-        full[meta.write_b, meta.write_j] = out
-        return full
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, cache: KVCache | None) -> Tensor:
-        """Cache write + attention for rotated q [B, L, H, d], k, v [B, L, Hkv, d]: [B, L, H*d] before o_proj."""
-        B, L = q.shape[:2]
-        if meta.kernel is not None and cache is not None and not self.reference:  # decode rows, one call
-            return meta.kernel(q, k, v, cache.k[self.layer], cache.v[self.layer], meta.slots, meta.starts)
-        if cache is not None:
-            # only real tokens are written, each at its explicit position
-            cache.write(self.layer, meta.write_slot, meta.write_pos,
-                        k[meta.write_b, meta.write_j], v[meta.write_b, meta.write_j])  # [T, Hkv, d]
-            if meta.prompt_kernel is not None and not self.reference:  # prompt tokens, one call
-                return self._prompt_kernel(q, meta, cache)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, d]
-        if meta.calls and cache is not None and not self.reference:
-            out = attend_calls(q, cache.k[self.layer], cache.v[self.layer], meta)  # [B, H, L, d]
-            return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
-        if meta.read_cache:
-            k, v = cache.view(self.layer, meta.lo, meta.hi, meta.mask.shape[-1])  # [R, Hkv, S, d] views
-            if meta.rows is not None:
-                q_rows = q.new_zeros(meta.hi - meta.lo, *q.shape[1:])  # [R, H, L, d]
-                q_rows[meta.rows] = q
-                q = q_rows
-
-        if self.reference:
-            out, self.last_weights = explicit_attention(q, k, v, meta.mask)
-        else:
-            out = sdpa_attention(q, k, v, meta.folded_mask(self.n_heads // self.n_kv, q.dtype))  # [R, H, L, d]
-        if meta.read_cache and meta.rows is not None:
-            out = out[meta.rows]  # [B, H, L, d]
-        return out.transpose(1, 2).reshape(B, L, self.n_heads * self.d)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: StepAttention, cache: KVCache | None) -> Tensor:
+        return self.o_proj(meta.attend(*self.project(x, rope), cache, self.layer))
 
 
 class MLP(nn.Module):
@@ -186,7 +143,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, meta, cache):
         q, k, v = self.enter(x, *rope)
-        return self.exit(x, self.self_attn.attend(q, k, v, meta, cache))
+        return self.exit(x, meta.attend(q, k, v, cache, self.self_attn.layer))
 
     # The work between attentions, as two functions of tensors only: what compile.py compiles
     # (the cache write and SDPA stay eager between them).
@@ -220,7 +177,7 @@ class Segment:
 
     input_ids: Tensor
     positions: Tensor
-    meta: AttentionMetadata
+    meta: StepAttention
 
 
 class LlamaForCausalLM(nn.Module):
@@ -230,9 +187,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
-        self.batch_invariant = False  # set by the loader: serve so that rows never depend on the batch
-        self.decode_attention = None  # set by the loader on CPU: decode_attention.DecodeAttention
-        self.prompt_attention = None  # set by the loader on CPU: prompt_attention.PromptAttention
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
@@ -293,12 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self.thaw_attributes()  # conversions replace buffers (and may replace parameters)
         return super()._apply(fn, recurse)
 
-    def set_reference_attention(self, on: bool = True) -> None:
-        """Route every layer through the explicit attention (keeps per-layer weights)."""
-        for layer in self.model.layers:
-            layer.self_attn.reference = on
-
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: StepAttention,
                 cache: KVCache | None = None, logits_index: Tensor | None = None) -> Tensor:
         """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
         x = self.model.embed_tokens(input_ids)  # [B, L, D]
@@ -325,8 +274,8 @@ class LlamaForCausalLM(nn.Module):
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         for layer in self.model.layers:
             q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
-            outs = [layer.self_attn.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
-                                           seg.meta, cache).reshape(1, B * L, H * d)
+            outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
+                                    cache, layer.self_attn.layer).reshape(1, B * L, H * d)
                     for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
                                                        shapes, segments)]
             x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]

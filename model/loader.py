@@ -14,6 +14,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
+from .attention_backend import SdpaBackend, choose_backend
 from .compile import CompileResult, compile_model
 from .inference_linear import fuse_linears, planned_linears
 from .llama import LlamaForCausalLM
@@ -33,6 +34,11 @@ class LoadedModel:
     device: torch.device
     plan: Plan | None = None  # the precision mode and per-role kernels served (precision.py)
     compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
+    attention: SdpaBackend | None = None  # the attention backend (attention_backend.py); None: SDPA
+
+    def __post_init__(self):
+        if self.attention is None:
+            self.attention = SdpaBackend(self.device)
 
     @property
     def weight_bytes(self) -> int:
@@ -54,8 +60,7 @@ class LoadedModel:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
-        text += ", decode-attention kernel" if self.model.decode_attention is not None else ""
-        text += ", prompt-attention kernel" if self.model.prompt_attention is not None else ""
+        text += f", attention: {self.attention.describe()}"
         return text + (", fused elementwise" if self.model.uses_fused_ops else "")
 
 
@@ -222,29 +227,23 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
-def native_kernels(model: LlamaForCausalLM, cache_dir: Path, dtype: torch.dtype, cfg: ModelConfig) -> str:
-    """Install the CPU native kernels this model can use (native.py); returns what was done, to log."""
+def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache_dir: Path, dtype: torch.dtype,
+                            cfg: ModelConfig, batch_invariant: bool) -> SdpaBackend:
+    """The attention backend for this device, and on CPU the fused elementwise ops (native.py) where
+    they apply; what was chosen is logged."""
+    if device.type != "cpu":
+        return choose_backend(device, dtype, cfg, batch_invariant)
     from . import fused_ops, native
-    from .decode_attention import DecodeAttention
-    from .prompt_attention import PromptAttention
 
-    shape = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-    attention = DecodeAttention.supports(dtype, *shape)
-    prompt = PromptAttention.supports(dtype, *shape)
-    fused = dtype == torch.bfloat16 and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
-    if not (attention or prompt or fused):
-        return f"none for {dtype} with head_dim {cfg.head_dim}: SDPA per sequence and torch ops"
     lib, why = native.build(cache_dir)
-    if lib is None:
-        return f"none ({why}): SDPA per sequence and torch ops"
-    model.decode_attention = DecodeAttention(lib) if attention else None
-    prompt = prompt and PromptAttention.built(lib)  # it needs AVX-512 BF16
-    model.prompt_attention = PromptAttention(lib) if prompt else None
+    backend = choose_backend(device, dtype, cfg, batch_invariant, lib)
+    fused = (lib is not None and dtype == torch.bfloat16
+             and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))
     if fused:
         model.use_fused_ops(fused_ops.FusedOps(lib))
-    return (f"{why}: decode attention {'in one call per layer' if attention else 'on SDPA'}, "
-            f"prompt attention {'in one call per layer' if prompt else 'on SDPA'}, "
-            f"{'fused' if fused else 'torch'} RMSNorm/RoPE/SwiGLU")
+    log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU", why, backend.describe(),
+             "fused" if fused else "torch")
+    return backend
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
@@ -288,9 +287,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)
     del probe
     model = build(plan)
-    model.batch_invariant = batch_invariant
-    if device.type == "cpu":
-        log.info("native kernels: %s", native_kernels(model, cache_dir, plan.mode.dtype, cfg))
+    attention = attention_and_fused_ops(model, device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
     del tensors, q41
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
@@ -300,4 +297,4 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
-                       device=device, plan=plan, compiled=compiled)
+                       device=device, plan=plan, compiled=compiled, attention=attention)

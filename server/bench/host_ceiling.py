@@ -37,9 +37,7 @@ class StandInModel:
     Row r of the bank peaks at text_ids[r % len(text_ids)]; successive calls (and successive rows of
     one call) walk through the bank, so each sequence gets varying, real-text tokens."""
 
-    # what the engine and the startup line ask of a model: no native kernels, nothing fused
-    decode_attention = prompt_attention = None
-    uses_fused_ops = False
+    uses_fused_ops = False  # what the startup line asks of a model
 
     def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int):
         gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 A decode step of a small model on a GPU is a few hundred tiny kernels, and launching them from
 Python costs far more than running them. Each batch-size bucket's step (model forward over the
-whole KV cache, `AttentionMetadata.static_decode`) is captured once at start-up and replayed with
+whole KV cache, `CudaGraphsBackend.static_decode`) is captured once at start-up and replayed with
 new token ids, positions and slots copied into its static input buffers: one launch per step.
 
 A batch of n is run in the smallest bucket >= n; the extra rows repeat row 0 (same token, slot and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention_backend import CudaGraphsBackend
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 
@@ -56,7 +56,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> Tensor:
         ids, positions, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
-        meta = AttentionMetadata.static_decode(slots, positions, self.cache.num_slots, self.cache.max_len)
+        meta = CudaGraphsBackend.static_decode(slots, positions, self.cache.num_slots, self.cache.max_len)
         return self.model(ids[:, None], positions[:, None], meta, self.cache)[:, 0]  # [b, V]
 
     def run(self, ids: Tensor, positions: list[int], slots: list[int]) -> Tensor:

@@ -1,7 +1,11 @@
-"""The engine: a thread that runs schedule -> step -> update, and an asyncio API in front of it.
+"""The engine: a thread that loops `batch = scheduler.schedule()`, `out = runner.run(batch)`,
+`scheduler.postprocess(batch, out)`, and an asyncio API in front of it.
 
-The event loop never calls torch. Requests cross into the engine thread under a lock; results
-cross back with `loop.call_soon_threadsafe`.
+Who owns what: the scheduler (scheduler.py) plans steps and owns each sequence's lifecycle
+(admission, KV pages, recorded tokens, finishing); the runner (runner.py) builds a step's tensors,
+runs the model and samples; the output processor (processor.py) turns recorded tokens into chunks
+(stops, detokenizing). The event loop never calls torch. Requests cross into the engine thread
+under a lock; results cross back with `loop.call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ class Engine:
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
                                    max_running=s.max_batch, kv_blocks=kv_blocks, kv_block_tokens=c.block_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_budget=self.step_budget)
+                                   step_budget=self.step_budget, outputs=OutputProcessor(loaded.tokenizer))
         self.max_batch = self.scheduler.max_running  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
@@ -186,16 +190,14 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
-        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, graphs)
-        self.processor = OutputProcessor(loaded.tokenizer, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs)
         self.observers: list[EngineObserver] = [self.step_budget] if self.step_budget else []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink | ChunkStream] = {}
-        # steps launched and not yet postprocessed (at most one left between loop turns; overlapped: two)
+        # overlapped steps launched and not yet postprocessed (one between loop turns, two for a moment)
         self._inflight: deque[_Launched] = deque()
-        self._unadvanced: ScheduledBatch | None = None  # the newest launch, its scheduler bookkeeping not done
         # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
         # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
         self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
@@ -350,52 +352,55 @@ class Engine:
         self._deliver(finals)
 
     def _step_once(self) -> bool:
-        """One engine step; False when there was nothing to do.
+        """One engine step; False when there was nothing to do."""
+        return self._overlapped_step() if self.overlap else self._sequential_step()
 
-        The heart is three calls: schedule, run (model + sampler), postprocess (record tokens, stop
-        checks, detokenize). The last launch's bookkeeping, the postprocess due and the next schedule
-        share one acquisition of the lock; outputs reach the event loops in one hand-off per loop.
-
-        Overlapped steps (`overlap_steps`, on CUDA by default) keep one step in flight: step k+1 is
-        scheduled and launched before step k's tokens are read back (its decode rows read them on the
-        device), and step k-1's postprocess and delivery run while the device computes. A sequence
-        that ends at step k (eos, a stop string) has already been given a row in step k+1, whose token
-        is dropped; a length limit is known in advance and costs no row."""
-        t0 = time.perf_counter()
-        if len(self._inflight) > 1:  # overlapped: the oldest step's tokens, waited for outside the lock
-            self._wait_oldest()
-        with self._lock:
-            if self._unadvanced is not None:
-                self.scheduler.advance(self._unadvanced)
-                self._unadvanced = None
-            outputs = []
-            while len(self._inflight) > (1 if self.overlap else 0):
-                outputs += self._postprocess(self._inflight.popleft())
-            t_processed = time.perf_counter()
-            retired = self._apply_cancels()
-            batch = self.scheduler.schedule()
-        if batch.empty and self._inflight:  # nothing to launch behind it: read the last step back now
-            self._wait_oldest()
-            with self._lock:
-                outputs += self._postprocess(self._inflight.popleft())
-        t1 = time.perf_counter()
-        self.phase_times.add("process", t_processed - t0)
-        self.phase_times.add("schedule", t1 - t_processed)
-        retired += [(s, s.finish_reason) for s in batch.dropped]
-        if not self.overlap or batch.empty:
-            self._deliver_step(outputs, retired)
-        t2 = time.perf_counter()
-        self.phase_times.add("deliver", t2 - t1)
+    def _sequential_step(self) -> bool:
+        """The heart of the engine: `batch = schedule()`, `out = run(batch)` (model + sampler),
+        `postprocess(batch, out)` (record tokens, stops, detokenize, retire), then one hand-off of the
+        step's chunks per event loop. The lock is held only around the scheduler's calls."""
+        retired, batch = self._schedule()
         if batch.empty:
-            return bool(outputs or retired)
-        launched = self._launch(batch)
-        if self.overlap:
-            t3 = time.perf_counter()
-            self._deliver_step(outputs, retired)  # before a failed step's final chunks
-            self.phase_times.add("deliver", time.perf_counter() - t3)
-        if not launched:
+            self._deliver_step([], retired)
+            return bool(retired)
+        step = self._launch(batch)
+        outputs = self._postprocess(step) if step is not None else []
+        self._deliver_step(outputs, retired)
+        if step is None:
             self._fail_batch(batch)
         return True
+
+    def _overlapped_step(self) -> bool:
+        """Overlapped steps (`overlap_steps`, on CUDA by default) keep one step in flight: step k+1 is
+        scheduled and launched before step k's tokens are read back (its decode rows read them on the
+        device), then step k is postprocessed and delivered while the device computes k+1. A sequence
+        that ends at step k (eos, a stop string) has already been given a row in step k+1, whose token
+        is dropped; a length limit is known in advance and costs no row."""
+        retired, batch = self._schedule()
+        step = None
+        if not batch.empty:
+            step = self._launch(batch)
+            if step is not None:
+                with self._lock:
+                    self.scheduler.advance(batch)
+                self._inflight.append(step)
+        outputs = []
+        if len(self._inflight) > (1 if step is not None else 0):  # the step before: its tokens, read back now
+            self._wait_oldest()
+            outputs = self._postprocess(self._inflight.popleft())
+        self._deliver_step(outputs, retired)
+        if not batch.empty and step is None:
+            self._fail_batch(batch)
+        return bool(not batch.empty or outputs or retired)
+
+    def _schedule(self) -> tuple[list[tuple[Sequence, FinishReason]], ScheduledBatch]:
+        """Cancels applied, then the next step planned (under the lock); also what retired without compute."""
+        t0 = time.perf_counter()
+        with self._lock:
+            retired = self._apply_cancels()
+            batch = self.scheduler.schedule()
+        self.phase_times.add("schedule", time.perf_counter() - t0)
+        return retired + [(s, s.finish_reason) for s in batch.dropped], batch
 
     def _wait_oldest(self) -> None:
         """Until the oldest launched step ran (submissions and scrapes, which take the lock, never wait
@@ -404,8 +409,8 @@ class Engine:
         self._inflight[0].wait()
         self._step_started = None
 
-    def _launch(self, batch: ScheduledBatch) -> bool:
-        """Run (overlapped: launch) a step, postprocessed by a later _step_once; False if it failed."""
+    def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
+        """Run (overlapped: launch) a step; None if it failed."""
         previous = self._inflight[-1].run if self._inflight else None
         timing = None
         if self.overlap and self.loaded.device.type == "cuda":  # the step's device time, read after its tokens
@@ -418,7 +423,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
             log.exception("engine step failed; failing its %d request(s)", len(batch.prefill) + len(batch.decode))
             self._step_started = None
-            return False
+            return None
         self._step_started = None
         seconds = time.perf_counter() - t0
         if timing is not None:
@@ -427,16 +432,18 @@ class Engine:
         self.phase_times.add("model", run.model_seconds)
         self.phase_times.add("sample", run.sample_seconds)
         self.phase_times.steps += 1
-        self._inflight.append(_Launched(batch, run, seconds, timing))
-        self._unadvanced = batch
-        return True
+        return _Launched(batch, run, seconds, timing)
 
     def _postprocess(self, step: "_Launched") -> list[StepOutput]:
-        """A launched step's tokens recorded and turned into chunks (under the lock)."""
+        """A launched step's tokens read back, recorded and turned into chunks (scheduler.postprocess)."""
         step.wait()
-        for obs in self.observers:
-            obs.on_step(step.seconds, step.batch)
-        return self.processor.postprocess(self.scheduler, step.batch, step.run.out, step.run.sampled, time.monotonic())
+        t0 = time.perf_counter()
+        with self._lock:
+            for obs in self.observers:
+                obs.on_step(step.seconds, step.batch)
+            outputs = self.scheduler.postprocess(step.batch, step.run.out)
+        self.phase_times.add("process", time.perf_counter() - t0)
+        return outputs
 
     def _apply_cancels(self) -> list[tuple[Sequence, FinishReason]]:
         cancels, self._cancels = self._cancels, []
@@ -450,6 +457,7 @@ class Engine:
 
         A finished request's id is released before its final chunk is handed off (a caller that
         has read it may reuse the id at once); until the hand-off it still counts as running."""
+        t0 = time.perf_counter()
         items: list[tuple[str, GenerationChunk]] = []
         finished: list[Sequence] = []
         for o in outputs:
@@ -477,6 +485,7 @@ class Engine:
         if finished:
             with self._lock:
                 self._delivering -= len(finished)
+        self.phase_times.add("deliver", time.perf_counter() - t0)
 
     def _fail_batch(self, batch: ScheduledBatch) -> None:
         seqs = [c.seq for c in batch.prefill] + list(batch.decode)

@@ -35,7 +35,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     EOS = "eos"  # an end-of-sequence token (or a stop token id)
     STOP = "stop"  # a stop string matched
-    CONTEXT_LENGTH = "context_length"  # the sequence filled the model's context
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"

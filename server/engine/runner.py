@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention_backend import SdpaBackend
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM, Segment
 
@@ -29,22 +29,18 @@ class RunOutput:
 
 
 class ModelRunner:
-    """`graphs`: decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs) when given."""
+    """`attention`: the backend chosen at load (model/attention_backend.py), which builds each batch's
+    step attention; `graphs`: decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs) when given."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, graphs=None):
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, attention: SdpaBackend,
+                 graphs=None):
         self.model = model
         self.cache = cache
         self.device = device
+        self.attention = attention
         self.graphs = graphs
         self.sampler = Sampler()
         self._model_seconds = 0.0
-        # batch-invariant serving: each sequence attends over exactly its own keys (attention.for_cache)
-        self._call_cost = 0 if getattr(model, "batch_invariant", False) else None
-        # decode rows in one call per layer (a CPU kernel, batch-invariant by construction), when the loader
-        # built one for this model's dtype and head shape
-        self._decode_kernel = getattr(model, "decode_attention", None) if device.type == "cpu" else None
-        # prompt tokens likewise (bfloat16 on a CPU with AVX-512 BF16; each token independent of its chunk and batch)
-        self._prompt_kernel = getattr(model, "prompt_attention", None) if device.type == "cpu" else None
 
     def run(self, batch: ScheduledBatch, previous: RunOutput | None = None) -> RunOutput:
         """The model over the batch, then one sampled token per sequence due one.
@@ -111,29 +107,21 @@ class ModelRunner:
         """The next chunk of a prompt whose beginning is already cached (an earlier chunk, or a prefix-cache
         hit copied into the slot): attends to it in place."""
         ids = self._tensor(c.seq.tokens(c.start, c.start + c.length))[None]  # [1, L]
-        starts, q_lens = self._tensor([c.start]), self._tensor([c.length])
-        positions = starts[:, None] + torch.arange(c.length, device=self.device)[None, :]  # [1, L]
-        if self._prompt_kernel is not None:
-            meta = AttentionMetadata.for_prompt_kernel(self._tensor([c.seq.slot]), starts, q_lens, self._prompt_kernel)
-        else:
-            meta = AttentionMetadata.for_cache(self._tensor([c.seq.slot]), starts, q_lens, c.length,
-                                               call_cost=self._call_cost)
+        meta, positions = self.attention.chunk(self._tensor([c.seq.slot]), self._tensor([c.start]), c.length)
         return Segment(ids, positions, meta)
 
     def _packed(self, chunks: list[PrefillChunk]) -> Segment:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
         ids = self._tensor([t for c in chunks for t in c.seq.tokens(0, c.length)])[None]  # [1, T] (a resumed
         # request's prompt and output so far)
-        meta, positions = AttentionMetadata.packed(self._tensor([c.seq.slot for c in chunks]),
-                                                   self._tensor([c.length for c in chunks]), self._prompt_kernel)
+        meta, positions = self.attention.packed(self._tensor([c.seq.slot for c in chunks]),
+                                                self._tensor([c.length for c in chunks]))
         return Segment(ids, positions, meta)
 
     def _decode(self, seqs: list[Sequence], previous: SampleOutput | None) -> Segment:
-        starts = [s.num_cached for s in seqs]
         ids = self._decode_ids(seqs, previous)[:, None]  # [B, 1]
-        meta = AttentionMetadata.for_decode([s.slot for s in seqs], starts, self.device, self._call_cost,
-                                            kernel=self._decode_kernel)
-        return Segment(ids, meta.starts[:, None], meta)
+        meta, positions = self.attention.decode([s.slot for s in seqs], [s.num_cached for s in seqs])
+        return Segment(ids, positions, meta)
 
     def _decode_graph(self, seqs: list[Sequence], previous: SampleOutput | None) -> Tensor:
         t0 = time.perf_counter()

@@ -136,16 +136,32 @@ def _race(probs: Tensor, gen: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
+@dataclass
+class SamplingState:
+    """A sequence's sampling state (Sequence.sampling), made on its first sampled step that needs it."""
+
+    generator: torch.Generator | None = None  # made on the first temperature > 0 step
+    penalties: PenaltyState | None = None  # made on the first penalised step
+
+
+def _state(seq) -> SamplingState:
+    if seq.sampling is None:
+        seq.sampling = SamplingState()
+    return seq.sampling
+
+
 def _penalty_state(seq, vocab: int, device: torch.device) -> PenaltyState:
-    if seq.penalties is None:
-        seq.penalties = PenaltyState(seq.request.prompt_ids, seq.output_ids, vocab, device)
-    return seq.penalties
+    state = _state(seq)
+    if state.penalties is None:
+        state.penalties = PenaltyState(seq.request.prompt_ids, seq.output_ids, vocab, device)
+    return state.penalties
 
 
 def _generator(seq, device: torch.device) -> torch.Generator:
-    if seq.generator is None:
-        seq.generator = make_generator(seq.request.params.seed, device)
-    return seq.generator
+    state = _state(seq)
+    if state.generator is None:
+        state.generator = make_generator(seq.request.params.seed, device)
+    return state.generator
 
 
 def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -189,33 +205,6 @@ class Sampler:
             if p.logprobs is not None:
                 lps[i] = _top_logprobs(raw.log_softmax(dim=-1), token_list[i], p.logprobs)
         for i, seq in enumerate(seqs):
-            if ok[i] and seq.penalties is not None:
-                seq.penalties.add(token_list[i])
+            if ok[i] and seq.sampling is not None and seq.sampling.penalties is not None:
+                seq.sampling.penalties.add(token_list[i])
         return SampleOutput(torch.tensor(token_list, device=dev) if worked else tokens, lps, host=(token_list, ok))
-
-
-def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                   histories: list[list[int]], prompts: list[list[int]]) -> SampleOutput:
-    """The reference: every row through every stage (validity, logprobs, penalties rebuilt from the
-    whole history, temperature and filters with a full sort, the exponential race). The engine uses
-    `Sampler`; the tests hold it to these tokens."""
-    logits = logits.float()
-    ok = torch.isfinite(logits.max(dim=-1).values)  # [N]
-    logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
-    raw_logprobs = logits.log_softmax(dim=-1)
-    logits = logits.clone()
-    V = logits.shape[1]
-    for i, p in enumerate(params):
-        if has_penalties(p):
-            logits[i] = PenaltyState(prompts[i], histories[i], V, logits.device).apply(logits[i], p)
-    tokens = logits.argmax(dim=-1)  # [N]
-    for i, p in enumerate(params):
-        if p.temperature > 0:
-            dev = logits.device
-            filtered = filter_logits(logits[i: i + 1], *(torch.tensor([x], device=dev) for x in
-                                                         (p.temperature, p.top_k, p.top_p, p.min_p)))
-            tokens[i] = _race(filtered[0].softmax(dim=-1), generators[i])
-    token_list = tokens.tolist()
-    lp = [None if p.logprobs is None else _top_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
-          for i, p in enumerate(params)]
-    return SampleOutput(None, lp, host=(token_list, ok.tolist()))

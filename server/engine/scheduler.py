@@ -17,19 +17,27 @@ of the queue, keeping their generated tokens, to be prefilled again (prompt + ou
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .prefix_cache import PrefixCache, PrefixEntry
+from .processor import StepOutput
 from .request import FinishReason, Request
 from .sequence import Sequence, SeqStatus
 from .step_budget import StepBudget, prefill_budget
 
+if TYPE_CHECKING:
+    from .processor import OutputProcessor
+    from .sampler import SampleOutput
+
+log = logging.getLogger("lmserve.engine")
+
 # finishes after which a request's K/V are whole and finite (every written position fed a sampled
 # token's logits), so its slot may become a prefix-cache entry
-CACHEABLE = frozenset({FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH})
+CACHEABLE = frozenset({FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH})
 
 
 class QueueFullError(Exception):
@@ -48,14 +56,16 @@ class PrefillChunk:
         return self.start + self.length == self.seq.prefill_len
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledBatch:
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    dropped: list[Sequence] = field(default_factory=list)  # finished without compute (deadline, cancel)
-    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # prefix hits: (src slot, dst slot, tokens), run first
-    preempted: list[Sequence] = field(default_factory=list)  # back to waiting, to be recomputed
-    awaiting: list[Sequence] = field(default_factory=list)  # launched: sampled sequences whose token is pending
+    """One step's plan, fixed once schedule() returns it. Each row is a decode token or a prefill
+    chunk (a speculative draft's verification tokens will be a row kind of their own)."""
+
+    decode: tuple[Sequence, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    dropped: tuple[Sequence, ...] = ()  # finished without compute (deadline)
+    kv_copies: tuple[tuple[int, int, int], ...] = ()  # prefix hits: (src slot, dst slot, tokens), run first
+    preempted: tuple[Sequence, ...] = ()  # back to waiting, to be recomputed
 
     @property
     def empty(self) -> bool:
@@ -68,6 +78,29 @@ class ScheduledBatch:
     def sampled(self) -> list[Sequence]:
         """Sequences that get a new token from this step, in the runner's logits order."""
         return [c.seq for c in self.prefill if c.completes_prompt] + list(self.decode)
+
+
+@dataclass
+class _Plan:
+    """The step being planned inside schedule() (frozen into a ScheduledBatch at its end)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    dropped: list[Sequence] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def freeze(self) -> ScheduledBatch:
+        return ScheduledBatch(tuple(self.decode), tuple(self.prefill), tuple(self.dropped), tuple(self.kv_copies),
+                              tuple(self.preempted))
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A launched step whose tokens are not recorded yet: its plan and the sequences awaiting a token."""
+
+    batch: ScheduledBatch
+    awaiting: tuple[Sequence, ...]
 
 
 class SlotAllocator:
@@ -115,13 +148,15 @@ class Scheduler:
     `release(slot, positions)`: hands a slot's first positions back (the KV cache's `release`).
     `step_budget`: sizes each step's prefill from measured step costs (step_budget.py) within
     [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
+    `outputs`: turns each recorded token into its chunk and says when a sequence is done (stops,
+    detokenizing; processor.OutputProcessor), for postprocess().
     """
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
                  clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None,
                  max_running: int | None = None, kv_blocks: int | None = None, kv_block_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, outputs: "OutputProcessor | None" = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -136,11 +171,13 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self._release = release or (lambda slot, positions: None)
         self.step_budget = step_budget
+        self.outputs = outputs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
         self._held: dict[Sequence, int] = {}  # KV blocks of each running sequence
         self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
+        self._launched: deque[InFlight] = deque()  # launched steps, oldest first, until their tokens are recorded
         # accounting (tests check that what was handed out came back)
         self.blocks_used = 0  # running sequences' and prefix entries' blocks
         self.blocks_allocated_total = 0
@@ -206,7 +243,7 @@ class Scheduler:
         self.slots.free(entry.slot)
         self._uncharge(entry.blocks)
 
-    def _hold(self, seq: Sequence, want: int, least: int) -> int:
+    def _hold(self, plan: _Plan, seq: Sequence, want: int, least: int) -> int:
         """Hold blocks for positions [0, want) of a running sequence, or at least [0, least): evicts
         prefix entries, then preempts the most recently admitted sequences (seq itself last).
         Returns the positions covered (>= least), or 0 when seq itself had to be preempted."""
@@ -227,7 +264,7 @@ class Scheduler:
                 return min(want, covered)
             victim = self.running[-1]
             self._preempt(victim)
-            self._batch.preempted.append(victim)
+            plan.preempted.append(victim)
             if victim is seq:
                 return 0
 
@@ -273,7 +310,8 @@ class Scheduler:
                               self.min_prefill_chunk)
 
     def schedule(self) -> ScheduledBatch:
-        self._batch = batch = ScheduledBatch()
+        """Plan the next step (see the module docstring)."""
+        batch = _Plan()
         self._unpin()
         now = self.clock()
         for seq in [s for s in (*self.waiting, *self.running) if self._expired(s, now)]:
@@ -287,11 +325,11 @@ class Scheduler:
             if not seq.in_prefill:
                 if seq.pending and seq.out_of_tokens:
                     continue  # its token in flight is its last (overlapped steps): nothing more to compute
-                if self._hold(seq, seq.num_cached + 1, seq.num_cached + 1):
+                if self._hold(batch, seq, seq.num_cached + 1, seq.num_cached + 1):
                     batch.decode.append(seq)
             elif budget > 0:  # chunked prompts already holding a slot go before new ones
                 n = min(seq.prefill_len - seq.num_cached, budget)
-                n = self._hold(seq, seq.num_cached + n, seq.num_cached + 1) - seq.num_cached
+                n = self._hold(batch, seq, seq.num_cached + n, seq.num_cached + 1) - seq.num_cached
                 if n > 0:
                     batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
                     budget -= n
@@ -302,14 +340,13 @@ class Scheduler:
             # overlapped steps its newest token may also be in flight still, its id unknown until read back.
             if head in batch.preempted:
                 break
-            if not self._admit(head, budget, now):
+            if not self._admit(batch, head, budget, now):
                 break
             budget -= batch.prefill[-1].length
-        return batch
+        return batch.freeze()
 
-    def _admit(self, seq: Sequence, budget: int, now: float) -> bool:
+    def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:
         """Give the head of the queue a slot, its prefix-cache hit and blocks for its first chunk."""
-        batch = self._batch
         entry, hit = None, 0
         if self.prefix_cache is not None:
             entry, hit = self.prefix_cache.match(seq.all_tokens, seq.prefill_len - 1)  # >= 1 token computed
@@ -347,14 +384,9 @@ class Scheduler:
             entry.pinned -= 1
         self._pinned = []
 
-    def update(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
-        """Record a step that ran to completion: advance(batch), then record(batch, tokens)."""
-        self.advance(batch)
-        self.record(batch, tokens)
-
     def advance(self, batch: ScheduledBatch) -> None:
         """A step was launched: its chunks' and decodes' K/V are cached (or being written, in order, on
-        the device), and the sequences it samples await their token (`pending`)."""
+        the device), and the sequences it samples await their token (`pending`) until record()."""
         self._unpin()  # the step's prefix copies are done, or queued ahead of anything that could reuse the slot
         for chunk in batch.prefill:
             if chunk.seq.status is SeqStatus.RUNNING:
@@ -362,24 +394,59 @@ class Scheduler:
         for seq in batch.decode:
             if seq.status is SeqStatus.RUNNING:
                 seq.num_cached += 1
+        awaiting = []
         for row, seq in enumerate(batch.sampled()):
             if seq.status is SeqStatus.RUNNING:
                 seq.pending += 1
                 seq.pending_row = row
-                batch.awaiting.append(seq)
+                awaiting.append(seq)
+        self._launched.append(InFlight(batch, tuple(awaiting)))
 
     def record(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
-        """A launched step's sampled tokens, read back: appended to their sequences (also to one
-        preempted since, whose recompute includes it), unless the sequence finished meanwhile."""
+        """The oldest launched step's sampled tokens, read back (advance() first if it was not called:
+        a step that ran to completion): appended to their sequences (also to one preempted since,
+        whose recompute includes it), unless the sequence finished meanwhile."""
+        if not self._launched or self._launched[0].batch is not batch:
+            self.advance(batch)
+        step = self._launched.popleft()
+        assert step.batch is batch, "steps are recorded in launch order"
         now = self.clock()
-        for seq in batch.awaiting:
+        for seq in step.awaiting:
             seq.pending -= 1
-        batch.awaiting = []
         for seq, tok in tokens.items():
             if seq.status is not SeqStatus.FINISHED:
                 seq.output_ids.append(tok)
                 if seq.first_token is None:
                     seq.first_token = now
+
+    def postprocess(self, batch: ScheduledBatch, out: "SampleOutput | None") -> list[StepOutput]:
+        """A step's sampled tokens (`out`, in batch.sampled() order; None when no row sampled): recorded,
+        each turned into its chunk by the output processor (stops, detokenizing), and the sequences
+        that are done (a stop, the length, a non-finite row, a processing error) retired."""
+        sampled = batch.sampled()
+        ok = {} if out is None else {s: t for s, t, good in zip(sampled, out.token_ids, out.ok) if good}
+        self.record(batch, ok)
+        now = self.clock()
+        results = []
+        for i, seq in enumerate(sampled):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled while the step ran, or (overlapped steps) done at the step before
+            chunk = reason = None
+            if out.ok[i]:
+                try:
+                    chunk, reason = self.outputs.on_token(seq, out.token_ids[i], out.logprobs[i])
+                except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
+                    log.exception("output processing failed for %s", seq.request_id)
+            if chunk is None:
+                self.finish(seq, FinishReason.ERROR)
+                results.append(StepOutput(seq, None, FinishReason.ERROR))
+                continue
+            if reason is not None:
+                self.finish(seq, reason)
+            gap = None if seq.last_token_time is None else now - seq.last_token_time
+            seq.last_token_time = now
+            results.append(StepOutput(seq, chunk, reason, gap))
+        return results
 
     # ---- leaving -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -396,12 +463,6 @@ class Scheduler:
             self._give_back_slot(seq, keep_as_prefix=keep)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self._by_id.pop(seq.request_id, None)
-
-    def cancel(self, request_id: str) -> Sequence | None:
-        seq = self._by_id.get(request_id)
-        if seq is not None:
-            self.finish(seq, FinishReason.CANCELLED)
-        return seq
 
     @staticmethod
     def _expired(seq: Sequence, now: float) -> bool:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .request import FinishReason, Request
 
 if TYPE_CHECKING:
-    from .stopping import StopStringMatcher
+    from .processor import OutputState
+    from .sampler import SamplingState
 
 
 class SeqStatus(enum.Enum):
@@ -20,6 +21,9 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
+    """The scheduler owns the lifecycle fields (status, slot, what is cached, the tokens, timings);
+    each later layer keeps its own per-request state in one typed field it creates and reads."""
+
     request: Request
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
@@ -33,14 +37,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
-    last_token_time: float | None = None  # when the latest token was sampled (inter-token gaps)
-    # sampling state, owned by the sampler: a seeded generator, incremental penalty tallies
-    generator: Any = None  # torch.Generator, made on the first sampled (temperature > 0) step
-    penalties: Any = None  # sampler.PenaltyState, made on the first penalised step
-    # output state, owned by the output processor
-    detokenizer: Any = None  # lmserve.model.detokenizer detokenizer, made on the first token
-    stops: "StopStringMatcher | None" = None
-    matched_stop: str | None = None  # with FinishReason.STOP: the stop string that matched
+    last_token_time: float | None = None  # when the latest token was recorded (inter-token gaps)
+    sampling: "SamplingState | None" = None  # the sampler's: seeded generator, penalty tallies
+    output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
 
     @property
     def request_id(self) -> str:

@@ -108,7 +108,7 @@ def test_the_serving_engine_in_float32_matches_transformers_generate(ours, oracl
 
     from lmserve.server.engine import Engine, EngineSettings, Request, SamplingParams
 
-    assert ours.model.decode_attention is not None  # the path under test
+    assert ours.attention.name == "native"  # the path under test: the decode kernel
     ids = chat_ids(ours, CHAT)
     prompt = torch.tensor([ids])
     with torch.no_grad():

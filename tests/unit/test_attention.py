@@ -15,7 +15,8 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lmserve.model.attention import AttentionMetadata, explicit_attention, sdpa_attention
+from lmserve.model.attention import AttentionMetadata, sdpa_attention
+from oracles import ExplicitAttention, explicit_attention
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
@@ -131,14 +132,11 @@ def test_model_sdpa_equals_reference_attention(heads, kv_heads):
     nxt = torch.tensor([[3], [11], [42]])
 
     def prefill_and_decode(reference: bool) -> tuple[Tensor, Tensor]:
-        model.set_reference_attention(reference)
-        try:
-            cache = KVCache(cfg, num_slots=8, max_len=16, dtype=torch.float32)
-            pre = model(ids, positions, AttentionMetadata.for_cache(slots, torch.zeros(3, dtype=torch.long), q_lens), cache)
-            dec = model(nxt, q_lens[:, None], AttentionMetadata.for_cache(slots, q_lens, torch.ones(3, dtype=torch.long)), cache)
-            return pre, dec
-        finally:
-            model.set_reference_attention(False)
+        wrap = ExplicitAttention if reference else (lambda meta: meta)
+        cache = KVCache(cfg, num_slots=8, max_len=16, dtype=torch.float32)
+        pre = model(ids, positions, wrap(AttentionMetadata.for_cache(slots, torch.zeros(3, dtype=torch.long), q_lens)), cache)
+        dec = model(nxt, q_lens[:, None], wrap(AttentionMetadata.for_cache(slots, q_lens, torch.ones(3, dtype=torch.long))), cache)
+        return pre, dec
 
     pre, dec = prefill_and_decode(reference=False)
     pre_ref, dec_ref = prefill_and_decode(reference=True)
@@ -154,11 +152,18 @@ def test_attention_weights_sum_to_one_and_padding_keys_get_exactly_zero():
     model = make_model(cfg)
     ids, positions, q_lens = right_pad(random_seqs([6, 3, 1], cfg.vocab_size, seed=2))
     L = ids.shape[1]
-    model.set_reference_attention(True)
-    model(ids, positions, AttentionMetadata.fresh(q_lens))
+    weights = []
+
+    class Recording(ExplicitAttention):
+        def attend(self, *args):
+            out = super().attend(*args)
+            weights.append(self.last_weights)
+            return out
+
+    model(ids, positions, Recording(AttentionMetadata.fresh(q_lens)))
     future = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)  # [L, L] key after query
-    for layer in model.model.layers:
-        w = layer.self_attn.last_weights  # [B, H, L, L]
+    assert len(weights) == len(model.model.layers)
+    for w in weights:  # [B, H, L, L] of each layer
         assert w is not None and w.shape == (3, cfg.num_heads, L, L)
         assert_close(w.sum(-1), torch.ones(3, cfg.num_heads, L), **TIGHT)
         for b, n in enumerate(q_lens.tolist()):
@@ -384,8 +389,7 @@ def test_all_masked_row_has_no_defined_attention_so_empty_prompts_are_rejected()
     cfg = make_cfg(4, 2)
     model = make_model(cfg)
     seq = random_seqs([3], cfg.vocab_size, seed=15)[0]
-    model.set_reference_attention(True)
-    logits = model(torch.stack([seq, seq]), torch.arange(3).expand(2, 3), meta)
+    logits = model(torch.stack([seq, seq]), torch.arange(3).expand(2, 3), ExplicitAttention(meta))
     assert bool(logits[1].isnan().all())
     assert_close(logits[0], run_alone(model, seq), **TIGHT)
 

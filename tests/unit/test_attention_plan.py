@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata, attend_calls, explicit_attention
+from lmserve.model.attention import AttentionMetadata, attend_calls
+from oracles import explicit_attention
 from lmserve.model.attention_plan import cache_calls, slot_runs
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata, attend_calls, explicit_attention
+from lmserve.model.attention import AttentionMetadata, attend_calls
+from oracles import explicit_attention
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import load_model
 from lmserve.server.engine.cuda_graphs import DecodeGraphs

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lmserve.model.attention import explicit_attention
+from oracles import explicit_attention
 from lmserve.model import native
 from lmserve.model.decode_attention import DecodeAttention
 

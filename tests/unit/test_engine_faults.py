@@ -278,14 +278,14 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(random_ti
 async def test_an_output_processing_error_fails_only_its_request(random_tiny):
     prompts = prompts_for(random_tiny, 6, (5, 9))
     with running(random_tiny, max_batch=2) as engine:
-        inner = engine.processor.on_token
+        inner = engine.scheduler.outputs.on_token
 
         def on_token(seq, token, logprob):
             if seq.request_id == "bad" and len(seq.output_ids) + seq.pending >= 2:
                 raise ValueError("injected detokenizer failure")
             return inner(seq, token, logprob)
 
-        engine.processor.on_token = on_token
+        engine.scheduler.outputs.on_token = on_token
         results = await results_of(engine, [Request(prompts[0], greedy(12, ignore_eos=True), request_id="bad"),
                                             Request(prompts[1], greedy(12, ignore_eos=True), request_id="good")])
         alive = engine.health().alive

@@ -14,7 +14,8 @@ from torch.testing import assert_close
 
 from lmserve.model.attention import AttentionMetadata
 from lmserve.model.config import ModelConfig
-from lmserve.model.inference_linear import PrepackedLinear, inference_linear
+from lmserve.model.inference_linear import inference_linear
+from lmserve.model.kernels import OneDNNLinear
 from lmserve.model.kernels import DenseLinear
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
@@ -61,7 +62,7 @@ def test_cpu_float32_takes_the_prepacked_path_and_other_dtypes_the_dense_kernel(
     _, _, fast = make_pair(False, True)
     attn, mlp = fast.model.layers[0].self_attn, fast.model.layers[0].mlp
     for layer in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, fast.lm_head):
-        assert isinstance(layer, PrepackedLinear)
+        assert isinstance(layer, OneDNNLinear)
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")  # originals released
     _, _, bf16 = make_pair(False, True, dtype=torch.bfloat16)
     assert type(bf16.model.layers[0].self_attn.qkv_proj) is DenseLinear

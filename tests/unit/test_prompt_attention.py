@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lmserve.model import native
-from lmserve.model.attention import AttentionMetadata, explicit_attention
+from lmserve.model.attention_backend import NativeCpuBackend, SdpaBackend
+from oracles import explicit_attention
 from lmserve.model.prompt_attention import PromptAttention
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -179,16 +180,16 @@ def _prefill(model, cache, ids, chunks, kernel):
     """Prefill `ids` into slot 0 chunk by chunk; logits of the last token of each chunk."""
     from lmserve.model.llama import Segment
 
+    backend = NativeCpuBackend(None, kernel) if kernel is not None else SdpaBackend("cpu")
     out, start = [], 0
     for n in chunks:
-        starts, q_lens = torch.tensor([start]), torch.tensor([n])
-        if kernel is not None:
-            meta = AttentionMetadata.for_prompt_kernel(torch.tensor([0]), starts, q_lens, kernel)
-        elif start == 0:
-            meta = AttentionMetadata.packed(torch.tensor([0]), q_lens)[0]
+        slot = torch.tensor([0])
+        if start == 0:
+            meta, positions = backend.packed(slot, torch.tensor([n]))
         else:
-            meta = AttentionMetadata.for_cache(torch.tensor([0]), starts, q_lens, n, call_cost=0)
-        seg = Segment(torch.tensor(ids[start:start + n])[None], torch.arange(start, start + n)[None], meta)
+            meta, positions = backend.chunk(slot, torch.tensor([start]), n)
+        assert torch.equal(positions, torch.arange(start, start + n)[None])
+        seg = Segment(torch.tensor(ids[start:start + n])[None], positions, meta)
         out.append(model.forward_segments([seg], cache, torch.tensor([n - 1]))[0])
         start += n
     return torch.stack(out)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lmserve.server.engine.request import Request, SamplingParams
-from lmserve.server.engine.sampler import Sampler, filter_logits, general_sample, make_generator
+from lmserve.server.engine.sampler import Sampler, SamplingState, filter_logits, make_generator
+from oracles import general_sample
 from lmserve.server.engine.sequence import Sequence
 
 V = 50
@@ -27,7 +28,7 @@ def seqs_for(params, gens=None, hist=None, prompts=None):
     for i, p in enumerate(params):
         seq = Sequence(Request(list(prompts[i]) if prompts else [], p))
         seq.output_ids = list(hist[i]) if hist else []
-        seq.generator = gens[i] if gens else None
+        seq.sampling = SamplingState(generator=gens[i] if gens else None)
         seqs.append(seq)
     return seqs
 

@@ -23,7 +23,7 @@ def req(n, rid=None, deadline=None):
 def run_step(s: Scheduler, token=7):
     """One step with fake outputs: every sampled sequence gets `token`."""
     batch = s.schedule()
-    s.update(batch, {seq: token for seq in batch.sampled()})
+    s.record(batch, {seq: token for seq in batch.sampled()})
     return batch
 
 
@@ -34,12 +34,12 @@ def test_admission_bounded_by_slots_fcfs():
     assert [c.seq for c in b.prefill] == seqs[:2]
     assert [c.seq.slot for c in b.prefill] == [0, 1]
     assert list(s.waiting) == seqs[2:]
-    s.update(b, {q: 5 for q in b.sampled()})
+    s.record(b, {q: 5 for q in b.sampled()})
     s.finish(seqs[0], FinishReason.LENGTH)
     b2 = s.schedule()
     assert [c.seq for c in b2.prefill] == [seqs[2]]  # first come, first served
     assert seqs[2].slot == 0  # the freed slot is reused
-    assert b2.decode == [seqs[1]]
+    assert b2.decode == (seqs[1],)
 
 
 def test_long_prompts_take_slots_from_the_top_so_neighbours_have_similar_lengths():
@@ -89,7 +89,7 @@ def test_chunk_logits_only_for_completed_prompts():
     a = s.add(req(12, "a"))
     b = s.schedule()
     assert b.sampled() == []  # a partial prompt produces no token
-    s.update(b, {})
+    s.record(b, {})
     assert a.num_cached == 8 and a.output_ids == []
 
 
@@ -98,12 +98,13 @@ def test_cancel_waiting_and_running_frees_slot():
     a, b = s.add(req(3, "a")), s.add(req(3, "b"))
     run_step(s)
     assert a.status is SeqStatus.RUNNING and s.slots.used == 1
-    s.cancel("b")
+    s.finish(s.get("b"), FinishReason.CANCELLED)  # what the engine does with a cancel
     assert b.status is SeqStatus.FINISHED and b.finish_reason is FinishReason.CANCELLED and not s.waiting
-    s.cancel("a")
+    s.finish(s.get("a"), FinishReason.CANCELLED)
     assert s.slots.used == 0 and not s.running
     assert s.slots.allocated_total == s.slots.freed_total == 1
-    assert s.cancel("a") is None  # idempotent, unknown ids ignored
+    s.finish(a, FinishReason.CANCELLED)  # idempotent
+    assert s.get("a") is None and a.finish_reason is FinishReason.CANCELLED and s.slots.freed_total == 1
 
 
 def test_deadline_drops_before_compute():
@@ -116,8 +117,8 @@ def test_deadline_drops_before_compute():
     batch = s.schedule()
     assert b in batch.dropped and b.finish_reason is FinishReason.DEADLINE
     assert b.num_cached == 0  # never cost compute
-    assert batch.decode == [a]
-    s.update(batch, {a: 1})
+    assert batch.decode == (a,)
+    s.record(batch, {a: 1})
     clock.t = 6.0
     batch = s.schedule()
     assert a in batch.dropped and batch.empty and s.slots.used == 0

@@ -25,7 +25,7 @@ def run_step(s, outputs, token_of=lambda seq: 7):
     """One step; every sampled sequence gets a token, recorded per request id in `outputs`."""
     batch = s.schedule()
     toks = {seq: token_of(seq) for seq in batch.sampled()}
-    s.update(batch, toks)
+    s.record(batch, toks)
     for seq, t in toks.items():
         outputs.setdefault(seq.request_id, []).append(t)
     return batch
@@ -75,7 +75,7 @@ def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samp
         batch = run_step(s, out)
         if batch.preempted:
             break
-    assert batch.preempted == [b] and b.status is SeqStatus.WAITING and s.waiting[0] is b
+    assert batch.preempted == (b,) and b.status is SeqStatus.WAITING and s.waiting[0] is b
     assert b.num_cached == 0 and b.resume_len == b.total_len and b.output_ids
     s.finish(a, FinishReason.LENGTH)
     n_out = len(b.output_ids)
@@ -83,7 +83,7 @@ def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samp
     (chunk,) = batch.prefill
     assert (chunk.seq, chunk.start, chunk.length) == (b, 0, b.prompt_len + n_out) and chunk.completes_prompt
     assert len(b.output_ids) == n_out + 1 and not b.in_prefill  # sampled the next token, then decodes
-    assert run_step(s, out).decode == [b]
+    assert run_step(s, out).decode == (b,)
 
 
 def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
@@ -99,16 +99,16 @@ def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
     second = s.add(req(system + [40, 41, 42], "second"))
     batch = s.schedule()
     (chunk,) = batch.prefill
-    assert batch.kv_copies == [(first.slot, second.slot, 20)] and second.slot != first.slot
+    assert batch.kv_copies == ((first.slot, second.slot, 20),) and second.slot != first.slot
     assert (chunk.start, chunk.length) == (20, 3) and second.num_cached == 20
     assert s.prefix_hit_tokens_total == 20 and s.prefix_queried_tokens_total == 22 + 23
-    s.update(batch, {second: 9})
+    s.record(batch, {second: 9})
     # the whole prompt cached: at least one token is still computed, so the hit stops one short
     third = s.add(req(system + [40, 41, 42], "third"))
     s.finish(second, FinishReason.LENGTH)  # 23 positions, a longer entry for the same 20 + [40, 41, 42]
     batch = s.schedule()
     assert batch.kv_copies[0][2] == 22 and batch.prefill[0].start == 22 and batch.prefill[0].length == 1
-    s.update(batch, {third: 9})
+    s.record(batch, {third: 9})
     s.finish(third, FinishReason.CANCELLED)  # not kept: a cancelled request's K/V may be incomplete
     assert len(s.prefix_cache) == 2 and balanced(s)
     assert s.drop_prefix_cache() == 2 and s.blocks_used == 0 and s.slots.used == 0
@@ -147,7 +147,7 @@ def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
     b = s.add(req(range(200, 212), "b"))  # would need the entry's blocks
     batch = s.schedule()
     assert [c.seq for c in batch.prefill] == [a] and batch.kv_copies and b.status is SeqStatus.WAITING
-    s.update(batch, {a: 1})
+    s.record(batch, {a: 1})
     batch = s.schedule()  # the copy has run: now the entry may go
     assert [c.seq for c in batch.prefill] == [b] and len(s.prefix_cache) == 0
 

@@ -43,7 +43,7 @@ def drive(sched: Scheduler, budget: StepBudget, device: FakeDevice, steps: int, 
         batch = sched.schedule()
         if batch.empty:
             break
-        sched.update(batch, {seq: 7 for seq in batch.sampled()})
+        sched.record(batch, {seq: 7 for seq in batch.sampled()})
         ms = device.ms(batch)
         budget.on_step(ms / 1000, batch)
         out.append((batch, ms))
@@ -177,10 +177,10 @@ def test_step_kind_and_features_of_a_batch():
     s = Scheduler(num_slots=3, max_queue=10, token_budget=100, min_prefill_chunk=1)
     s.add(req(5, "a"))
     b = s.schedule()
-    s.update(b, {q: 1 for q in b.sampled()})
+    s.record(b, {q: 1 for q in b.sampled()})
     s.add(req(10, "b"))
     b2 = s.schedule()
-    s.update(b2, {q: 1 for q in b2.sampled()})
+    s.record(b2, {q: 1 for q in b2.sampled()})
     x = batch_features(b2.decode, b2.prefill)
     assert x == [1.0, 1.0, 1.0, 6 / 1000, 1.0, 10.0, 55 / 1000]  # "a": 5 prompt tokens + its new one
     assert step_kind(1, 10) == "mixed" and step_kind(0, 10) == "prefill" and step_kind(3, 0) == "decode"
@@ -204,7 +204,7 @@ def test_short_new_prompts_are_never_split_long_ones_are():
         budget.model.observe(features(0, 0, n, prefill_pairs(0, n)), 10 + 3.0 * n)
     s = Scheduler(num_slots=8, max_queue=10, token_budget=512, step_budget=budget)
     s.add(req(5, "d"))
-    run_one = lambda: (lambda b: (s.update(b, {q: 7 for q in b.sampled()}), b)[1])(s.schedule())  # noqa: E731
+    run_one = lambda: (lambda b: (s.record(b, {q: 7 for q in b.sampled()}), b)[1])(s.schedule())  # noqa: E731
     run_one()  # "d" decodes from now on
     for rid, n in (("a", 40), ("b", 50), ("c", 30), ("long", 200)):
         s.add(req(n, rid))

@@ -1,0 +1,168 @@
+"""One attention backend per device, chosen once at load (`choose_backend`).
+
+A backend turns a step's layout (which cache slot, which positions) into a *step attention*: the
+per-step metadata every layer calls with its rotated q, k, v. A step attention writes the new K/V
+into the cache and returns the attention (`StepAttention.attend`), so the model never asks which
+kernel runs. Three backends:
+
+- `SdpaBackend`: SDPA over views of the cache (attention.AttentionMetadata and its call plan);
+  any device. Batch-invariant serving gives every sequence its own call over exactly its own keys.
+- `NativeCpuBackend`: the project's CPU kernels: decode rows in one call per layer
+  (decode_attention.py) and, for a bfloat16 cache on AVX-512 BF16, prompt tokens in one call per
+  layer (prompt_attention.py); SDPA for what they do not take.
+- `CudaGraphsBackend`: SDPA, plus decode steps of static shape over the whole cache so that they
+  can be captured as CUDA graphs (server/engine/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .attention import AttentionMetadata, packed_positions
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+class StepAttention(Protocol):
+    """What every layer of one forward calls: the cache write and the attention of its tokens."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+        """Rotated q [B, L, H, d], k, v [B, L, Hkv, d] -> [B, L, H*d] before o_proj."""
+        ...
+
+
+@dataclass(frozen=True)
+class KernelDecode:
+    """Decode rows (one token each) through the CPU decode kernel: write and attend in one call."""
+
+    kernel: object  # decode_attention.DecodeAttention
+    slots: Tensor  # [B]
+    starts: Tensor  # [B] each row's position (keys 0..starts[b] after the write)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+        return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts)
+
+
+@dataclass(frozen=True)
+class KernelPrompt:
+    """Prompt tokens through the CPU prompt kernel: written to the cache, then each real token
+    attends over its slot's keys 0..its position in one call per layer."""
+
+    kernel: object  # prompt_attention.PromptAttention
+    write_b: Tensor  # [T] batch row of each real token
+    write_j: Tensor  # [T] its offset in the row
+    write_slot: Tensor  # [T]
+    write_pos: Tensor  # [T]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+        B, L, H, d = q.shape
+        b, j = self.write_b, self.write_j
+        cache.write(layer, self.write_slot, self.write_pos, k[b, j], v[b, j])  # [T, Hkv, d]
+        dense = b.shape[0] == B * L
+        rows = q.reshape(B * L, H, d) if dense else q[b, j]  # row-major: in order
+        out = self.kernel(rows, cache.k[layer], cache.v[layer], self.write_slot, self.write_pos)  # [T, H*d]
+        if dense:
+            return out.view(B, L, H * d)
+        full = out.new_zeros(B, L, H * d)  # padding rows stay 0
+        full[b, j] = out
+        return full
+
+
+class SdpaBackend:
+    """SDPA over cache views. `batch_invariant`: every sequence gets its own call over exactly its own
+    keys (SDPA on CPU rounds differently when a row's keys are padded with masked ones)."""
+
+    name = "sdpa"
+
+    def __init__(self, device: torch.device | str, batch_invariant: bool = True):
+        self.device = torch.device(device)
+        self.call_cost = 0 if batch_invariant else None  # None: the device's (attention_plan)
+
+    def describe(self) -> str:
+        return "SDPA over cache views"
+
+    # Each layout returns the step attention and its tokens' positions.
+    def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
+        """One new token per sequence: b writes slot slots[b] at position starts[b] and attends to keys
+        0..starts[b]. Positions [B, 1]."""
+        meta = AttentionMetadata.for_decode(slots, starts, self.device, self.call_cost)
+        return meta, meta.starts[:, None]
+
+    def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:
+        """A continued prompt chunk: `length` tokens from position start [1] of slot [1], attending to
+        the slot's cached prefix in place. Positions [1, L]."""
+        meta = AttentionMetadata.for_cache(slot, start, torch.full((1,), length, device=self.device), length,
+                                           call_cost=self.call_cost)
+        return meta, start[:, None] + torch.arange(length, device=self.device)[None, :]
+
+    def packed(self, slots: Tensor, lengths: Tensor) -> tuple[StepAttention, Tensor]:
+        """New prompts (from position 0) packed into one row, each into its slot. Positions [1, T]."""
+        return AttentionMetadata.packed(slots, lengths)
+
+
+class NativeCpuBackend(SdpaBackend):
+    """The CPU kernels where they apply; SDPA (per sequence when batch-invariant) for the rest."""
+
+    name = "native"
+
+    def __init__(self, decode_kernel, prompt_kernel=None, batch_invariant: bool = True):
+        super().__init__("cpu", batch_invariant)
+        self.decode_kernel = decode_kernel
+        self.prompt_kernel = prompt_kernel
+
+    def describe(self) -> str:
+        return ("native decode-attention kernel, " + ("native prompt-attention kernel" if self.prompt_kernel
+                                                      else "SDPA for prompts"))
+
+    def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
+        starts_t = torch.tensor(starts)
+        return KernelDecode(self.decode_kernel, torch.tensor(slots), starts_t), starts_t[:, None]
+
+    def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:
+        if self.prompt_kernel is None:
+            return super().chunk(slot, start, length)
+        j = torch.arange(length)
+        pos = start + j  # [L]
+        return KernelPrompt(self.prompt_kernel, torch.zeros_like(j), j, slot.expand(length), pos), pos[None]
+
+    def packed(self, slots: Tensor, lengths: Tensor) -> tuple[StepAttention, Tensor]:
+        if self.prompt_kernel is None:
+            return super().packed(slots, lengths)
+        seg, pos = packed_positions(lengths)  # [T], [T]
+        return KernelPrompt(self.prompt_kernel, torch.zeros_like(pos), torch.arange(pos.shape[0]), slots[seg], pos), pos[None]
+
+
+class CudaGraphsBackend(SdpaBackend):
+    """SDPA, with decode steps of static shape (every slot, every position, masked by each slot's
+    length) for capture as CUDA graphs: built from tensor ops alone, no host sync."""
+
+    name = "cuda-graphs"
+
+    def describe(self) -> str:
+        return "SDPA, decode steps captured as CUDA graphs"
+
+    @staticmethod
+    def static_decode(slots: Tensor, positions: Tensor, num_slots: int, max_len: int) -> StepAttention:
+        return AttentionMetadata.static_decode(slots, positions, num_slots, max_len)
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, batch_invariant: bool,
+                   lib=None) -> SdpaBackend:
+    """The backend for this device, dtype and head shape. `lib`: the native library (native.build) on
+    CPU, None when it could not be built. On CUDA the engine captures decode steps as graphs unless
+    told not to (CudaGraphsBackend.static_decode); prefill and eager decode steps take SDPA."""
+    if device.type == "cuda":
+        return CudaGraphsBackend(device, batch_invariant)
+    if device.type != "cpu" or lib is None:
+        return SdpaBackend(device, batch_invariant)
+    from .decode_attention import DecodeAttention
+    from .prompt_attention import PromptAttention
+
+    shape = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    if not DecodeAttention.supports(dtype, *shape):
+        return SdpaBackend(device, batch_invariant)
+    prompt = PromptAttention(lib) if PromptAttention.supports(dtype, *shape) and PromptAttention.built(lib) else None
+    return NativeCpuBackend(DecodeAttention(lib), prompt, batch_invariant)
