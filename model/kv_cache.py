@@ -8,7 +8,7 @@ On CPU the two tensors live in anonymous private mappings reserved without commi
 written, and `release` hands a slot's pages back to the kernel (MADV_DONTNEED), after which
 they read as zeros again. Resident memory thus follows the tokens held, not slots x max_len
 (the vAttention idea, with the kernel's own demand paging doing the work). A page holds
-`block_tokens` positions of one (layer, head), so memory is accounted in blocks of that many
+`page_tokens` positions of one (layer, head), so memory is accounted in KV pages of that many
 tokens. Elsewhere (CUDA) the tensors are allocated in full ("dense") and the number of slots
 is what the budget allows; `release` then zeroes what was written.
 """
@@ -35,7 +35,7 @@ class KVCache:
     """A request owns one slot while it runs (and a prefix-cache entry may keep it afterwards).
 
     Writes go to explicit (slot, position) pairs; reads are views over a slot range. Which slot
-    is free and how many blocks are held is the engine's bookkeeping (server/engine/scheduler.py).
+    is free and how many pages are held is the engine's bookkeeping (server/engine/scheduler.py).
     """
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
@@ -46,9 +46,9 @@ class KVCache:
         self.virtual = device.type == "cpu" and bool(_MAP_NORESERVE) if virtual is None else virtual
         row = cfg.head_dim * _dtype_size(dtype)  # bytes of one position of one (layer, head)
         page = mmap.PAGESIZE
-        # a page holds `block_tokens` positions; a slot's run per (layer, head) starts on a page
-        self.block_tokens = page // math.gcd(page, row) if self.virtual else 1
-        max_len = -(-max_len // self.block_tokens) * self.block_tokens
+        # a page holds `page_tokens` positions; a slot's run per (layer, head) starts on a page
+        self.page_tokens = page // math.gcd(page, row) if self.virtual else 1
+        max_len = -(-max_len // self.page_tokens) * self.page_tokens
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.num_slots, self.max_len, self.shape = num_slots, max_len, shape
         self._row = row
@@ -58,7 +58,7 @@ class KVCache:
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.bytes_per_block = self.block_tokens * self.bytes_per_token(cfg, dtype)
+        self.bytes_per_page = self.page_tokens * self.bytes_per_token(cfg, dtype)
 
     def _mapped(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         size = math.prod(shape) * _dtype_size(dtype)
@@ -75,7 +75,7 @@ class KVCache:
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, max_len: int, max_slots: int,
                     dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
-        """Virtual (CPU): max_slots slots whatever the budget, which then limits blocks held, not slots.
+        """Virtual (CPU): max_slots slots whatever the budget, which then limits pages held, not slots.
         Dense: as many slots of max_len tokens as fit in budget_bytes, at most max_slots."""
         if torch.device(device).type == "cpu" and _MAP_NORESERVE:
             return cls(cfg, max_slots, max_len, dtype, device)
@@ -93,9 +93,9 @@ class KVCache:
         """Bytes the two tensors span (virtual on CPU: mostly never committed)."""
         return self.k.numel() * self.k.element_size() * 2
 
-    def blocks(self, tokens: int) -> int:
+    def pages(self, tokens: int) -> int:
         """Blocks (pages per (layer, head)) that `tokens` positions of one slot occupy."""
-        return -(-tokens // self.block_tokens)
+        return -(-tokens // self.page_tokens)
 
     def write(self, layer: int, slot_idx: Tensor, pos_idx: Tensor, k: Tensor, v: Tensor) -> None:
         """k, v [T, kv_heads, d] go to (slot_idx[t], :, pos_idx[t])."""
@@ -114,7 +114,7 @@ class KVCache:
             return
         layers, _, heads, max_len, _ = self.shape
         run = max_len * self._row  # bytes of one (layer, slot, head) run: a multiple of the page size
-        length = self.blocks(upto) * self.block_tokens * self._row
+        length = self.pages(upto) * self.page_tokens * self._row
         length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
         for mm in self._maps:
             for layer in range(layers):
@@ -124,10 +124,6 @@ class KVCache:
                     continue
                 for head in range(heads):
                     mm.madvise(mmap.MADV_DONTNEED, base + head * run, length)
-
-    def clear(self, slot: int, upto: int | None = None) -> None:
-        """Alias of release (the name the engine used when the cache was always dense)."""
-        self.release(slot, upto)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Positions [0, length) of slot src -> slot dst, every layer and head (a prefix-cache hit)."""

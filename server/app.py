@@ -127,11 +127,11 @@ class Server:
         await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
-        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, kernels %s [%s], max batch %d, KV budget %.1f GiB, "
+        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, kernels %s [%s], max batch %d, KV memory %.1f GiB, "
                  "%s steps, metrics %s) ready in %.1fs",
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
                  lm.mode, lm.kernels, lm.plan.how if lm.plan else "default", s.engine.max_batch,
-                 self.engine.kv_budget / 2**30, "overlapped" if self.engine.overlap else "sequential",
+                 self.engine.kv_cache_bytes / 2**30, "overlapped" if self.engine.overlap else "sequential",
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
                  time.monotonic() - t0)
 

@@ -93,7 +93,7 @@ HELP = {
     "port": "gRPC port (0: any free port, logged when bound)",
     "metrics_host": "address of the /metrics endpoint (default: --host)",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
-    "max_batch": "most requests admitted at once (the KV budget limits the tokens they hold)",
+    "max_batch": "most requests admitted at once (the KV memory limits the tokens they hold)",
     "max_queue": "most requests waiting for admission; beyond it calls get RESOURCE_EXHAUSTED",
     "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
     "default_max_new_tokens": "max_new_tokens when a request leaves it 0",

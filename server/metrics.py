@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from .engine.request import FinishReason
-from .engine.step_budget import KINDS, step_kind
+from .engine.step_cost import KINDS, step_kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -121,15 +121,15 @@ class _LiveCollector:
             _gauge("lmserve_running_requests", "Requests admitted and not yet finished", st.running),
             _gauge("lmserve_waiting_requests", "Requests waiting for admission (or preempted, to be resumed)", st.waiting),
             _gauge("lmserve_kv_slots_used", "KV cache slots held by running requests", st.slots_used),
-            _gauge("lmserve_kv_slots_capacity", "Requests admitted at once at most (--max-batch)", st.slots_capacity),
+            _gauge("lmserve_kv_slots_capacity", "Requests admitted at once at most (--max-batch)", st.max_batch),
             _gauge("lmserve_kv_cache_bytes", "KV cache budget: the most K/V memory held, prefix cache included",
                    st.kv_cache_bytes),
             _gauge("lmserve_kv_cache_used_bytes", "KV cache bytes holding running requests' tokens",
                    eng.cache.bytes_per_token(lm.config, lm.dtype) * st.cached_tokens),
-            _gauge("lmserve_kv_cache_committed_bytes", "KV memory held in blocks: running requests and prefix cache",
-                   st.kv_blocks_used * st.kv_block_bytes),
+            _gauge("lmserve_kv_cache_committed_bytes", "KV memory held in pages: running requests and prefix cache",
+                   st.kv_pages_used * st.kv_page_bytes),
             _gauge("lmserve_prefix_cache_bytes", "KV memory held by prefix-cache entries",
-                   st.prefix_cache_blocks * st.kv_block_bytes),
+                   st.prefix_cache_pages * st.kv_page_bytes),
             _gauge("lmserve_prefix_cache_entries", "Finished requests whose K/V the prefix cache keeps",
                    st.prefix_cache_entries),
             _counter("lmserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
@@ -162,7 +162,7 @@ class _LiveCollector:
 
 
 def _target_seconds(engine) -> float:
-    budget = getattr(engine, "step_budget", None)
+    budget = getattr(engine, "step_pacer", None)
     target = None if budget is None else budget.last_target_ms
     return float("nan") if target is None else target / 1000.0
 

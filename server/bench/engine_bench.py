@@ -253,7 +253,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
     return result
 
 
-MEMORY_HEADROOM = 600 * 2**20  # bytes the serving process may hold beyond its weights and KV budget
+MEMORY_HEADROOM = 600 * 2**20  # bytes the serving process may hold beyond its weights and KV memory
 
 
 def memory_report(m: dict[str, float], param_bytes: int | None) -> dict:
@@ -324,7 +324,7 @@ def markdown_summary(report: dict) -> str:
         lines.append(
             f"Memory at concurrency {max(report['concurrency'])}: "
             f"{what} {mem[checked] / gib:.2f} GiB{host}; "
-            f"allowance = parameters {weights / gib:.2f} GiB + KV budget {mem['kv_cache_budget_bytes'] / gib:.2f} GiB "
+            f"allowance = parameters {weights / gib:.2f} GiB + KV memory {mem['kv_cache_budget_bytes'] / gib:.2f} GiB "
             f"+ 600 MiB = {mem['allowance_bytes'] / gib:.2f} GiB ({'within' if mem['within_allowance'] else 'OVER'}); "
             f"weights held {mem['weights_held_bytes'] / gib:.2f} GiB (with the prepacked LM head copy). "
             f"Start to ready with the model pulled: {report['grpc']['start_to_ready_seconds']:.1f} s.")

@@ -31,7 +31,7 @@ from .runner import ModelRunner, RunOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
-from .step_budget import StepBudget
+from .step_cost import StepPacer
 from .streams import ChunkStream, hand_off
 
 log = logging.getLogger("lmserve.engine")
@@ -109,27 +109,27 @@ class EngineStats:
     running: int
     waiting: int
     slots_used: int  # slots held by running requests
-    slots_capacity: int  # requests admitted at once (max_batch)
+    max_batch: int  # requests admitted at once (max_batch)
     slots_allocated_total: int  # slots handed to requests ...
     slots_freed_total: int  # ... and given back (freed, or kept as a prefix-cache entry)
-    kv_cache_bytes: int  # the KV budget
+    kv_cache_bytes: int  # the KV memory
     cached_tokens: int  # positions held by running requests
     steps: int
-    kv_blocks_used: int = 0  # running requests' and prefix entries' blocks
-    kv_blocks_capacity: int = 0
-    kv_block_bytes: int = 0
-    kv_blocks_allocated_total: int = 0
-    kv_blocks_freed_total: int = 0
+    kv_pages_used: int = 0  # running requests' and prefix entries' KV pages
+    kv_pages_capacity: int = 0
+    kv_page_bytes: int = 0
+    kv_pages_allocated_total: int = 0
+    kv_pages_freed_total: int = 0
     prefix_cache_entries: int = 0
-    prefix_cache_blocks: int = 0
+    prefix_cache_pages: int = 0
     prefix_cache_evictions_total: int = 0
     prefix_queried_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
     preemptions_total: int = 0
 
 
-def default_kv_budget(device: torch.device) -> int:
-    """The KV budget when --kv-cache-gb is not given: on CPU 20% of the memory this process may use
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The KV memory when --kv-cache-gb is not given: on CPU 20% of the memory this process may use
     (RAM, or the container's cgroup limit when lower), so two servers and the rest of the machine fit;
     on CUDA 90% of the device memory still free after the weights (vLLM's choice)."""
     if device.type == "cuda":
@@ -158,7 +158,7 @@ class Engine:
         self.loaded = loaded
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.kv_budget = budget = s.kv_cache_bytes or default_kv_budget(loaded.device)
+        self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
         # On CPU slots are virtual (memory is committed per page written): max_batch for running requests
         # and as many again for prefix-cache entries. Dense (CUDA): the slots the budget holds, at most
         # max_batch, which prefix entries share with running requests (a graph-replayed decode step
@@ -167,20 +167,20 @@ class Engine:
         self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, loaded.dtype, loaded.device)
         c = self.cache
         if not c.virtual:  # allocated up front: the budget is what the slots took
-            self.kv_budget = c.nbytes
-        kv_blocks = budget // c.bytes_per_block if c.virtual else c.num_slots * c.blocks(c.max_len)
-        if kv_blocks < c.blocks(self.max_model_len):
-            raise ValueError(f"KV budget of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
-                             f"({c.blocks(self.max_model_len) * c.bytes_per_block / 2**20:.0f} MiB); raise "
+            self.kv_cache_bytes = c.nbytes
+        kv_pages = budget // c.bytes_per_page if c.virtual else c.num_slots * c.pages(c.max_len)
+        if kv_pages < c.pages(self.max_model_len):
+            raise ValueError(f"KV memory of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
+                             f"({c.pages(self.max_model_len) * c.bytes_per_page / 2**20:.0f} MiB); raise "
                              "--kv-cache-gb or lower --max-model-len")
         # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
-        self.step_budget = None if s.max_step_ms == 0 else StepBudget(s.max_step_ms)
+        self.step_pacer = None if s.max_step_ms == 0 else StepPacer(s.max_step_ms)
         # a quarter of the context: the prompts that would make short neighbours read many empty keys
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
-                                   max_running=s.max_batch, kv_blocks=kv_blocks, kv_block_tokens=c.block_tokens,
+                                   max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_budget=self.step_budget, outputs=OutputProcessor(loaded.tokenizer))
-        self.max_batch = self.scheduler.max_running  # requests admitted at once (what clients are told)
+                                   step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer))
+        self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
@@ -191,7 +191,7 @@ class Engine:
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs)
-        self.observers: list[EngineObserver] = [self.step_budget] if self.step_budget else []
+        self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -300,12 +300,12 @@ class Engine:
             in_flight, waiting = len(self._sinks) + self._delivering, len(sch.waiting)
             return EngineStats(
                 running=in_flight - waiting, waiting=waiting, slots_used=len(sch.running),
-                slots_capacity=sch.max_running, slots_allocated_total=sch.request_slots_total,
-                slots_freed_total=sch.request_slots_returned_total, kv_cache_bytes=self.kv_budget,
+                max_batch=sch.max_batch, slots_allocated_total=sch.request_slots_total,
+                slots_freed_total=sch.request_slots_returned_total, kv_cache_bytes=self.kv_cache_bytes,
                 cached_tokens=sum(s.num_cached for s in sch.running), steps=self.phase_times.steps,
-                kv_blocks_used=sch.blocks_used, kv_blocks_capacity=sch.kv_blocks, kv_block_bytes=self.cache.bytes_per_block,
-                kv_blocks_allocated_total=sch.blocks_allocated_total, kv_blocks_freed_total=sch.blocks_freed_total,
-                prefix_cache_entries=len(pc) if pc else 0, prefix_cache_blocks=pc.blocks_held if pc else 0,
+                kv_pages_used=sch.pages_used, kv_pages_capacity=sch.kv_pages, kv_page_bytes=self.cache.bytes_per_page,
+                kv_pages_allocated_total=sch.pages_allocated_total, kv_pages_freed_total=sch.pages_freed_total,
+                prefix_cache_entries=len(pc) if pc else 0, prefix_cache_pages=pc.pages_held if pc else 0,
                 prefix_cache_evictions_total=pc.evicted_total if pc else 0,
                 prefix_queried_tokens_total=sch.prefix_queried_tokens_total,
                 prefix_hit_tokens_total=sch.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 class PrefixEntry:
     slot: int
     tokens: tuple[int, ...]  # the tokens whose K/V positions [0, len) of `slot` hold
-    blocks: int  # KV blocks it holds (budget accounting, scheduler's unit)
+    pages: int  # KV pages it holds (the scheduler's unit of KV memory)
     hashes: tuple[int, ...] = ()
     pinned: int = 0  # hits copied from it in the step being built: not evictable until that step ran
     hits: int = field(default=0, compare=False)
@@ -56,8 +56,7 @@ class PrefixCache:
         self.block = block
         self._lru: OrderedDict[PrefixEntry, None] = OrderedDict()  # oldest first
         self._index: dict[int, dict[PrefixEntry, None]] = {}
-        self.blocks_held = 0
-        self.inserted_total = 0
+        self.pages_held = 0
         self.evicted_total = 0
 
     def __len__(self) -> int:
@@ -65,10 +64,6 @@ class PrefixCache:
 
     def entries(self) -> list[PrefixEntry]:
         return list(self._lru)
-
-    @property
-    def tokens_held(self) -> int:
-        return sum(e.num_tokens for e in self._lru)
 
     # ---- lookup ---------------------------------------------------------------------
     def match(self, tokens, limit: int) -> tuple[PrefixEntry | None, int]:
@@ -98,20 +93,19 @@ class PrefixCache:
         self._lru.move_to_end(entry)
 
     # ---- insert / evict ---------------------------------------------------------------
-    def insert(self, slot: int, tokens, blocks: int) -> tuple[PrefixEntry, list[PrefixEntry]]:
+    def insert(self, slot: int, tokens, pages: int) -> tuple[PrefixEntry, list[PrefixEntry]]:
         """Add an entry (at least one full block of tokens); returns it and the entries it makes
         redundant (their tokens are a prefix of its own), which the caller frees at once."""
         if len(tokens) < self.block:
             raise ValueError(f"an entry needs at least {self.block} tokens, got {len(tokens)}")
-        entry = PrefixEntry(slot, tuple(tokens), blocks, tuple(block_hashes(tokens, self.block)))
+        entry = PrefixEntry(slot, tuple(tokens), pages, tuple(block_hashes(tokens, self.block)))
         dominated = [e for e in self._covered_by(entry) if not e.pinned]
         for e in dominated:
             self.remove(e)
         self._lru[entry] = None
         for h in entry.hashes:
             self._index.setdefault(h, {})[entry] = None
-        self.blocks_held += blocks
-        self.inserted_total += 1
+        self.pages_held += pages
         return entry, dominated
 
     def _covered_by(self, entry: PrefixEntry) -> list[PrefixEntry]:
@@ -126,7 +120,7 @@ class PrefixCache:
                 bucket.pop(entry, None)
                 if not bucket:
                     del self._index[h]
-        self.blocks_held -= entry.blocks
+        self.pages_held -= entry.pages
 
     def evict_lru(self) -> PrefixEntry | None:
         """Remove and return the least recently used unpinned entry (None: nothing evictable)."""

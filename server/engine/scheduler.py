@@ -2,15 +2,15 @@
 
 Each step runs every running sequence's next decode token, then spends what is left of the
 token budget on prompt prefill: first the unfinished chunked prompts, then new requests in
-arrival order while the request limit and the KV budget allow. A long prompt is cut into
+arrival order while the request limit (max_batch) and KV memory allow. A long prompt is cut into
 chunks, so running streams keep getting a token every step.
 
-KV memory is counted in blocks (`kv_block_tokens` positions of one slot; model/kv_cache.py
+KV memory is counted in pages (`kv_page_tokens` positions of one slot; model/kv_cache.py
 commits memory page by page, and a page holds that many positions of one layer and head).
-Running sequences hold the blocks of the positions they have written or will write this step;
+Running sequences hold the pages of the positions they have written or will write this step;
 prefix-cache entries (prefix_cache.py) hold theirs until evicted. When a running sequence needs a
-block and none is free, the least recently used prefix entries go first, then the most recently
-admitted sequences are preempted: their slot and blocks are handed back and they wait at the head
+page and none is free, the least recently used prefix entries go first, then the most recently
+admitted sequences are preempted: their slot and pages are handed back and they wait at the head
 of the queue, keeping their generated tokens, to be prefilled again (prompt + output) later.
 """
 
@@ -27,7 +27,7 @@ from .prefix_cache import PrefixCache, PrefixEntry
 from .processor import StepOutput
 from .request import FinishReason, Request
 from .sequence import Sequence, SeqStatus
-from .step_budget import StepBudget, prefill_budget
+from .step_cost import StepPacer, prefill_tokens
 
 if TYPE_CHECKING:
     from .processor import OutputProcessor
@@ -143,10 +143,10 @@ class Scheduler:
     calls over runs of neighbouring slots (model/attention_plan.py) read fewer keys for nothing.
     None: always the lowest.
 
-    `max_running`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache
-    entries). `kv_blocks`: the KV budget in blocks of `kv_block_tokens` positions (None: unlimited).
+    `max_batch`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache
+    entries). `kv_pages`: KV memory in pages of `kv_page_tokens` positions (None: unlimited).
     `release(slot, positions)`: hands a slot's first positions back (the KV cache's `release`).
-    `step_budget`: sizes each step's prefill from measured step costs (step_budget.py) within
+    `step_pacer`: sizes each step's prefill from measured step costs (step_cost.py) within
     [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
     `outputs`: turns each recorded token into its chunk and says when a sequence is done (stops,
     detokenizing; processor.OutputProcessor), for postprocess().
@@ -154,9 +154,9 @@ class Scheduler:
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
                  clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None,
-                 max_running: int | None = None, kv_blocks: int | None = None, kv_block_tokens: int = 1,
+                 max_batch: int | None = None, kv_pages: int | None = None, kv_page_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
-                 step_budget: StepBudget | None = None, outputs: "OutputProcessor | None" = None):
+                 step_pacer: StepPacer | None = None, outputs: "OutputProcessor | None" = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -165,23 +165,23 @@ class Scheduler:
         self.min_prefill_chunk = min_prefill_chunk
         self.clock = clock
         self.long_prompt = long_prompt
-        self.max_running = min(num_slots, max_running or num_slots)
-        self.kv_blocks = kv_blocks
-        self.kv_block_tokens = kv_block_tokens
+        self.max_batch = min(num_slots, max_batch or num_slots)
+        self.kv_pages = kv_pages
+        self.kv_page_tokens = kv_page_tokens
         self.prefix_cache = prefix_cache
         self._release = release or (lambda slot, positions: None)
-        self.step_budget = step_budget
+        self.step_pacer = step_pacer
         self.outputs = outputs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
-        self._held: dict[Sequence, int] = {}  # KV blocks of each running sequence
+        self._held: dict[Sequence, int] = {}  # KV pages of each running sequence
         self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
         self._launched: deque[InFlight] = deque()  # launched steps, oldest first, until their tokens are recorded
         # accounting (tests check that what was handed out came back)
-        self.blocks_used = 0  # running sequences' and prefix entries' blocks
-        self.blocks_allocated_total = 0
-        self.blocks_freed_total = 0
+        self.pages_used = 0  # running sequences' and prefix entries' pages
+        self.pages_allocated_total = 0
+        self.pages_freed_total = 0
         self.request_slots_total = 0  # slots handed to requests
         self.request_slots_returned_total = 0  # ... and given up (freed, or kept as a prefix entry)
         self.preemptions_total = 0
@@ -191,7 +191,7 @@ class Scheduler:
     # ---- intake ------------------------------------------------------------------
     def add(self, request: Request) -> Sequence:
         # waiting requests first claim the free places; only the rest count against the queue bound
-        if len(self.waiting) - (self.max_running - len(self.running)) >= self.max_queue:
+        if len(self.waiting) - (self.max_batch - len(self.running)) >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
         seq = Sequence(request)
         self.waiting.append(seq)
@@ -205,28 +205,28 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    # ---- KV blocks -------------------------------------------------------------------
-    def _blocks(self, positions: int) -> int:
-        return -(-positions // self.kv_block_tokens)
+    # ---- KV pages -------------------------------------------------------------------
+    def _pages(self, positions: int) -> int:
+        return -(-positions // self.kv_page_tokens)
 
     @property
-    def blocks_free(self) -> int | None:
-        return None if self.kv_blocks is None else self.kv_blocks - self.blocks_used
+    def pages_free(self) -> int | None:
+        return None if self.kv_pages is None else self.kv_pages - self.pages_used
 
-    def _charge(self, seq: Sequence, blocks: int) -> None:
-        self._held[seq] = self._held.get(seq, 0) + blocks
-        self.blocks_used += blocks
-        self.blocks_allocated_total += blocks
+    def _charge(self, seq: Sequence, pages: int) -> None:
+        self._held[seq] = self._held.get(seq, 0) + pages
+        self.pages_used += pages
+        self.pages_allocated_total += pages
 
-    def _uncharge(self, blocks: int) -> None:
-        self.blocks_used -= blocks
-        self.blocks_freed_total += blocks
+    def _uncharge(self, pages: int) -> None:
+        self.pages_used -= pages
+        self.pages_freed_total += pages
 
-    def _evict_until_free(self, blocks: int) -> bool:
-        """Evict LRU prefix entries until `blocks` are free; False if that is not possible."""
-        if self.kv_blocks is None:
+    def _evict_until_free(self, pages: int) -> bool:
+        """Evict LRU prefix entries until `pages` are free; False if that is not possible."""
+        if self.kv_pages is None:
             return True
-        while self.blocks_free < blocks:
+        while self.pages_free < pages:
             if not self._evict_one():
                 return False
         return True
@@ -239,26 +239,26 @@ class Scheduler:
         return True
 
     def _drop_entry(self, entry: PrefixEntry) -> None:
-        self._release(entry.slot, entry.blocks * self.kv_block_tokens)
+        self._release(entry.slot, entry.pages * self.kv_page_tokens)
         self.slots.free(entry.slot)
-        self._uncharge(entry.blocks)
+        self._uncharge(entry.pages)
 
     def _hold(self, plan: _Plan, seq: Sequence, want: int, least: int) -> int:
-        """Hold blocks for positions [0, want) of a running sequence, or at least [0, least): evicts
+        """Hold pages for positions [0, want) of a running sequence, or at least [0, least): evicts
         prefix entries, then preempts the most recently admitted sequences (seq itself last).
         Returns the positions covered (>= least), or 0 when seq itself had to be preempted."""
-        if self.kv_blocks is None:
+        if self.kv_pages is None:
             return want
         while True:
-            need = self._blocks(want) - self._held.get(seq, 0)
+            need = self._pages(want) - self._held.get(seq, 0)
             if need <= 0:
                 return want
             self._evict_until_free(need)
-            free = self.blocks_free
+            free = self.pages_free
             if free >= need:
                 self._charge(seq, need)
                 return want
-            covered = (self._held.get(seq, 0) + free) * self.kv_block_tokens
+            covered = (self._held.get(seq, 0) + free) * self.kv_page_tokens
             if covered >= least:
                 self._charge(seq, free)
                 return min(want, covered)
@@ -279,16 +279,16 @@ class Scheduler:
         self.preemptions_total += 1
 
     def _give_back_slot(self, seq: Sequence, keep_as_prefix: bool = False) -> None:
-        blocks = self._held.pop(seq, 0)
+        pages = self._held.pop(seq, 0)
         self.request_slots_returned_total += 1
         if keep_as_prefix:
-            entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], blocks)
+            entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], pages)
             for old in dominated:  # a later turn of the same conversation covers these
                 self._drop_entry(old)
             return
-        self._release(seq.slot, blocks * self.kv_block_tokens if self.kv_blocks is not None else seq.total_len + 1)
+        self._release(seq.slot, pages * self.kv_page_tokens if self.kv_pages is not None else seq.total_len + 1)
         self.slots.free(seq.slot)
-        self._uncharge(blocks)
+        self._uncharge(pages)
 
     def _take_slot(self, from_top: bool) -> int | None:
         slot = self.slots.allocate(from_top=from_top)
@@ -306,7 +306,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
     def _prefill_budget(self, decodes: list[Sequence]) -> int:
         """Prompt tokens this step may prefill after its decode rows (the one place that decides it)."""
-        return prefill_budget(self.step_budget, decodes, self.running, self.waiting, self.token_budget,
+        return prefill_tokens(self.step_pacer, decodes, self.running, self.waiting, self.token_budget,
                               self.min_prefill_chunk)
 
     def schedule(self) -> ScheduledBatch:
@@ -319,7 +319,7 @@ class Scheduler:
             batch.dropped.append(seq)
 
         budget = self._prefill_budget([s for s in self.running if not s.in_prefill])
-        for seq in list(self.running):  # oldest first: the newest are preempted when blocks run out
+        for seq in list(self.running):  # oldest first: the newest are preempted when pages run out
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted in this loop
             if not seq.in_prefill:
@@ -333,10 +333,10 @@ class Scheduler:
                 if n > 0:
                     batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             head = self.waiting[0]
-            # Not a sequence preempted by this very schedule: it lost its blocks to the running ones,
-            # and readmitting it now would recompute a chunk only to lose it at their next block; with
+            # Not a sequence preempted by this very schedule: it lost its pages to the running ones,
+            # and readmitting it now would recompute a chunk only to lose it at their next page; with
             # overlapped steps its newest token may also be in flight still, its id unknown until read back.
             if head in batch.preempted:
                 break
@@ -346,14 +346,14 @@ class Scheduler:
         return batch.freeze()
 
     def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:
-        """Give the head of the queue a slot, its prefix-cache hit and blocks for its first chunk."""
+        """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
         entry, hit = None, 0
         if self.prefix_cache is not None:
             entry, hit = self.prefix_cache.match(seq.all_tokens, seq.prefill_len - 1)  # >= 1 token computed
         n = min(seq.prefill_len - hit, budget)
         if entry is not None:
             entry.pinned += 1  # neither evicted nor dominated while this step copies from it
-        need = self._blocks(hit + n)
+        need = self._pages(hit + n)
         headroom = sum(1 for s in self.running if not s.in_prefill)  # next step's decodes need no preemption
         ok = self._evict_until_free(need + headroom)
         slot = self._take_slot(self.long_prompt is not None and seq.prefill_len >= self.long_prompt) if ok else None

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineSettings:
-    max_batch: int = 256  # requests admitted at once; the KV budget limits the tokens they hold
+    max_batch: int = 256  # requests admitted at once; the KV memory limits the tokens they hold
     max_queue: int = 256  # requests waiting for admission; more are rejected
     max_model_len: int | None = None  # tokens per request (prompt + generated); None = min(model's, 4096)
-    kv_cache_gb: float | None = None  # KV budget in GiB; None = a share of RAM on CPU, of free GPU memory on CUDA
+    kv_cache_gb: float | None = None  # KV memory in GiB; None = a share of RAM on CPU, of free GPU memory on CUDA
     prefix_cache: bool = True  # keep finished requests' K/V and reuse them for prompts that share a prefix
     token_budget: int = 512  # tokens per engine step (decodes + prefill chunk): the upper bound
-    max_step_ms: float | None = None  # target step time while requests decode (step_budget.py); None = auto, 0 = off
+    max_step_ms: float | None = None  # target step time while requests decode (step_cost.py); None = auto, 0 = off
     max_new_tokens_cap: int = 4096  # largest max_new_tokens a request may ask for
     default_max_new_tokens: int = 256
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck

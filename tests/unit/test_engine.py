@@ -349,12 +349,12 @@ async def test_kv_budget_limits_the_blocks_held_not_the_slots_and_everyone_still
     prompts = [random_prompt(rng, rng.randint(1, 20), cfg.vocab_size) for _ in range(6)]
     with running(random_tiny, max_batch=8, max_model_len=64, prefix_cache=False, kv_cache_gb=budget / 2**30) as engine:
         st = engine.stats()
-        assert (st.slots_capacity, st.kv_blocks_capacity, st.kv_cache_bytes) == (8, 2, budget)
+        assert (st.max_batch, st.kv_pages_capacity, st.kv_cache_bytes) == (8, 2, budget)
         results = await results_of(engine, [Request(p, greedy(10, ignore_eos=True)) for p in prompts])
         st = engine.stats()
     for res, p in zip(results, prompts):
         assert res.token_ids == greedy_reference(random_tiny.model, p, 10)[0]
-    assert st.kv_blocks_used == 0 and st.kv_blocks_allocated_total == st.kv_blocks_freed_total > 0
+    assert st.kv_pages_used == 0 and st.kv_blocks_allocated_total == st.kv_blocks_freed_total > 0
     with pytest.raises(ValueError, match="holds no request of 64 tokens"):
         Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_gb=(per_slot - 1) / 2**30))
 

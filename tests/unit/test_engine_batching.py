@@ -142,7 +142,7 @@ async def test_tokens_identical_alone_and_among_others(pools, model_name, case, 
         assert got.finish_reason is want.finish_reason
         assert got.text == want.text
     assert stats.slots_allocated_total == n_others + 1  # every request got a slot exactly once
-    assert stats.slots_capacity == settings["max_batch"]
+    assert stats.max_batch == settings["max_batch"]
     # the scenario really batched: the target shared steps with others
     assert shared_steps, "the target never ran in a step with another request"
     if "token_budget" in settings:
@@ -176,5 +176,5 @@ async def test_many_more_requests_than_slots_all_finish_and_slots_come_back(rand
         stats = engine.stats()
     for (res, _), p, n in zip(results, prompts, news):
         assert res.token_ids == greedy_reference(random_tiny.model, p, n)[0]
-    assert stats.slots_capacity == 3
+    assert stats.max_batch == 3
     assert stats.slots_allocated_total == stats.slots_freed_total == 40

@@ -134,10 +134,10 @@ def assert_kv_returned(engine: Engine) -> None:
     and once the cache is dropped every block allocated was freed."""
     s = engine.stats()
     assert s.slots_used == 0 and s.slots_allocated_total == s.slots_freed_total
-    assert s.kv_blocks_used == s.prefix_cache_blocks == s.kv_blocks_allocated_total - s.kv_blocks_freed_total
+    assert s.kv_pages_used == s.prefix_cache_pages == s.kv_pages_allocated_total - s.kv_pages_freed_total
     engine.scheduler.drop_prefix_cache()
     s = engine.stats()
-    assert s.kv_blocks_used == 0 and s.kv_blocks_allocated_total == s.kv_blocks_freed_total
+    assert s.kv_pages_used == 0 and s.kv_pages_allocated_total == s.kv_pages_freed_total
     assert s.prefix_cache_entries == 0 and engine.scheduler.slots.used == 0
 
 
@@ -172,7 +172,7 @@ async def wait_idle(engine: Engine) -> None:
     await wait_until(idle, "the engine to go idle")
     s = engine.stats()
     assert s.slots_allocated_total == s.slots_freed_total
-    assert s.kv_blocks_used == s.prefix_cache_blocks == s.kv_blocks_allocated_total - s.kv_blocks_freed_total
+    assert s.kv_pages_used == s.prefix_cache_pages == s.kv_pages_allocated_total - s.kv_pages_freed_total
 
 
 def wrap_step(engine: Engine, after: Callable | None = None, before: Callable | None = None) -> list:

@@ -98,7 +98,7 @@ async def test_a_conversation_prefills_only_each_new_message(random_tiny):
 async def test_entries_are_evicted_under_memory_pressure_and_results_stay_exact(random_tiny):
     """A budget of 4 blocks of 64 positions: a new prompt family pushes the oldest entries out."""
     cfg = random_tiny.config
-    block_bytes = KVCache(cfg, 1, 64, random_tiny.dtype).bytes_per_block
+    block_bytes = KVCache(cfg, 1, 64, random_tiny.dtype).bytes_per_page
     rng = random.Random(4)
     vocab = cfg.vocab_size
     families = [random_prompt(rng, 40, vocab) for _ in range(5)]
@@ -108,7 +108,7 @@ async def test_entries_are_evicted_under_memory_pressure_and_results_stay_exact(
                 prompt = fam + random_prompt(rng, 4, vocab)
                 res, _ = await collect(engine, Request(prompt, greedy(6, ignore_eos=True)))
                 assert res.token_ids == greedy_reference(random_tiny.model, prompt, 6)[0]
-                assert engine.stats().kv_blocks_used <= 4
+                assert engine.stats().kv_pages_used <= 4
         st = engine.stats()
     assert st.prefix_cache_evictions_total > 0 and st.prefix_cache_entries <= 4
     assert st.prefix_hit_tokens_total == 0  # each family was evicted before it came back (LRU, 5 > 4)
@@ -155,7 +155,7 @@ async def test_preemption_under_a_tiny_budget_loses_and_repeats_no_token(random_
     and recomputed. Greedy results equal the oracle, streamed chunks add up to exactly the result, and a
     seeded sampled request draws the same tokens as when it runs alone."""
     cfg = random_tiny.config
-    block_bytes = KVCache(cfg, 1, 64, random_tiny.dtype).bytes_per_block
+    block_bytes = KVCache(cfg, 1, 64, random_tiny.dtype).bytes_per_page
     rng = random.Random(7)
     prompts = [random_prompt(rng, rng.randint(20, 50), cfg.vocab_size) for _ in range(6)]
     sampled = SamplingParams(max_new_tokens=60, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)

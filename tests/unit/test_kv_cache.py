@@ -25,12 +25,12 @@ def resident_bytes() -> int:
 
 
 def test_block_is_what_one_page_of_one_layer_and_head_holds():
-    assert KVCache(SMOL, 2, 100, torch.float32).block_tokens == mmap.PAGESIZE // (64 * 4)  # 16 with 4 KiB pages
-    assert KVCache(SMOL, 2, 100, torch.bfloat16).block_tokens == mmap.PAGESIZE // (64 * 2)
+    assert KVCache(SMOL, 2, 100, torch.float32).page_tokens == mmap.PAGESIZE // (64 * 4)  # 16 with 4 KiB pages
+    assert KVCache(SMOL, 2, 100, torch.bfloat16).page_tokens == mmap.PAGESIZE // (64 * 2)
     c = KVCache(SMOL, 2, 100, torch.float32)
-    assert c.max_len % c.block_tokens == 0 and c.max_len >= 100  # each slot's run starts on a page
-    assert c.bytes_per_block == c.block_tokens * KVCache.bytes_per_token(SMOL, torch.float32)
-    assert c.blocks(1) == 1 and c.blocks(c.block_tokens) == 1 and c.blocks(c.block_tokens + 1) == 2
+    assert c.max_len % c.page_tokens == 0 and c.max_len >= 100  # each slot's run starts on a page
+    assert c.bytes_per_page == c.page_tokens * KVCache.bytes_per_token(SMOL, torch.float32)
+    assert c.pages(1) == 1 and c.pages(c.page_tokens) == 1 and c.pages(c.page_tokens + 1) == 2
 
 
 def test_virtual_size_beyond_ram_commits_only_what_is_written_and_release_gives_it_back():
@@ -42,7 +42,7 @@ def test_virtual_size_beyond_ram_commits_only_what_is_written_and_release_gives_
     n = 1000
     c.k[:, 5, :, :n] = 1.0
     c.v[:, 5, :, :n] = 2.0
-    written = c.blocks(n) * c.bytes_per_block  # 44 MiB
+    written = c.pages(n) * c.bytes_per_page  # 44 MiB
     grown = resident_bytes() - before
     assert 0.9 * written < grown < written + 32 * 2**20
     c.k[0, 0:64].sum()  # reading untouched slots maps the shared zero page, not new memory

@@ -45,12 +45,12 @@ def test_a_longer_entry_replaces_those_it_covers_and_lru_order():
     turn1, _ = pc.insert(0, list(range(8)), blocks=1)
     other, _ = pc.insert(1, [9] * 8, blocks=1)
     turn2, dominated = pc.insert(2, list(range(12)), blocks=2)
-    assert dominated == [turn1] and pc.entries() == [other, turn2] and pc.blocks_held == 3
+    assert dominated == [turn1] and pc.entries() == [other, turn2] and pc.pages_held == 3
     pc.touch(other)
-    assert pc.evict_lru() is turn2 and pc.blocks_held == 1
+    assert pc.evict_lru() is turn2 and pc.pages_held == 1
     other.pinned = 1
     assert pc.evict_lru() is None  # pinned: a copy from it is pending
     other.pinned = 0
-    assert pc.evict_lru() is other and len(pc) == 0 and pc.blocks_held == 0
+    assert pc.evict_lru() is other and len(pc) == 0 and pc.pages_held == 0
     with pytest.raises(ValueError):
         pc.insert(3, [1, 2], blocks=1)  # shorter than one block: nothing to share

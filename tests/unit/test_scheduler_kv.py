@@ -33,23 +33,23 @@ def run_step(s, outputs, token_of=lambda seq: 7):
 
 def balanced(s):
     """Blocks in use are exactly the running sequences' plus the prefix entries', and allocated - freed."""
-    entries = s.prefix_cache.blocks_held if s.prefix_cache else 0
-    running = sum(s._blocks(max(q.num_cached, 1)) <= s._held[q] for q in s.running) == len(s.running)
-    return running and s.blocks_used == sum(s._held.values()) + entries == s.blocks_allocated_total - s.blocks_freed_total
+    entries = s.prefix_cache.pages_held if s.prefix_cache else 0
+    running = sum(s._pages(max(q.num_cached, 1)) <= s._held[q] for q in s.running) == len(s.running)
+    return running and s.pages_used == sum(s._held.values()) + entries == s.pages_allocated_total - s.pages_freed_total
 
 
 def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
     """Budget 6 blocks of 4 positions; three requests of 4-token prompts grow until one must go."""
     rel = Released()
     s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1,
-                  kv_blocks=6, kv_block_tokens=4, release=rel)
+                  kv_pages=6, kv_page_tokens=4, release=rel)
     seqs = [s.add(req(range(10 * i + 1, 10 * i + 5), f"r{i}")) for i in range(3)]
     outputs, preempted = {}, []
     counter = iter(range(1000))
     for _ in range(60):
         b = run_step(s, outputs, token_of=lambda seq: 100 + next(counter))
         preempted += b.preempted
-        assert s.blocks_used <= 6 and balanced(s)
+        assert s.pages_used <= 6 and balanced(s)
         for seq in b.sampled():
             if len(seq.output_ids) == 6:
                 s.finish(seq, FinishReason.LENGTH)
@@ -61,13 +61,13 @@ def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
     for seq in seqs:
         assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 6
         assert outputs[seq.request_id] == seq.output_ids  # each token sampled once: none lost or repeated
-    assert s.blocks_used == 0 and s.blocks_allocated_total == s.blocks_freed_total
+    assert s.pages_used == 0 and s.pages_allocated_total == s.pages_freed_total
     assert s.request_slots_total == s.request_slots_returned_total == 3 + len(preempted)
     assert s.slots.used == 0 and s.preemptions_total == len(preempted)
 
 
 def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samples():
-    s = Scheduler(num_slots=2, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_blocks=3, kv_block_tokens=4)
+    s = Scheduler(num_slots=2, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_pages=3, kv_page_tokens=4)
     a, b = s.add(req([1, 2, 3, 4], "a")), s.add(req([5, 6, 7], "b"))
     out = {}
     run_step(s, out)  # both prefilled: a holds 1 block, b 1
@@ -87,8 +87,8 @@ def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samp
 
 
 def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
-    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=2,
-                  kv_blocks=100, kv_block_tokens=4, prefix_cache=PrefixCache(block=4))
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, max_batch=2,
+                  kv_pages=100, kv_page_tokens=4, prefix_cache=PrefixCache(block=4))
     system = list(range(1, 21))
     first = s.add(req(system + [30, 31], "first"))
     out = {}
@@ -111,13 +111,13 @@ def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
     s.record(batch, {third: 9})
     s.finish(third, FinishReason.CANCELLED)  # not kept: a cancelled request's K/V may be incomplete
     assert len(s.prefix_cache) == 2 and balanced(s)
-    assert s.drop_prefix_cache() == 2 and s.blocks_used == 0 and s.slots.used == 0
+    assert s.drop_prefix_cache() == 2 and s.pages_used == 0 and s.slots.used == 0
 
 
 def test_entries_are_evicted_lru_when_admission_needs_their_blocks_or_slots():
     rel = Released()
-    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=1,
-                  kv_blocks=8, kv_block_tokens=4, prefix_cache=PrefixCache(block=4), release=rel)
+    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_batch=1,
+                  kv_pages=8, kv_page_tokens=4, prefix_cache=PrefixCache(block=4), release=rel)
     out = {}
     done = []
     for i in range(3):  # three finished requests of 11 tokens (3 blocks each) -> entries, LRU order
@@ -133,12 +133,12 @@ def test_entries_are_evicted_lru_when_admission_needs_their_blocks_or_slots():
     run_step(s, out)
     assert big.status is SeqStatus.RUNNING
     assert [e.tokens[0] for e in s.prefix_cache.entries()] == [101]
-    assert balanced(s) and s.blocks_used <= 8
+    assert balanced(s) and s.pages_used <= 8
 
 
 def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
-    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_running=2,
-                  kv_blocks=7, kv_block_tokens=4, prefix_cache=PrefixCache(block=4))
+    s = Scheduler(num_slots=3, max_queue=10, token_budget=64, min_prefill_chunk=1, max_batch=2,
+                  kv_pages=7, kv_page_tokens=4, prefix_cache=PrefixCache(block=4))
     out = {}
     seq = s.add(req(range(1, 12), "src"))
     run_step(s, out)
@@ -157,7 +157,7 @@ def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_
     are recorded. Preemption then meets sequences whose newest token is still in flight: each must
     resume with it (recorded while it waits), and no prefill chunk may reach past the tokens known
     when it is scheduled (its ids could not be built)."""
-    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_blocks=6, kv_block_tokens=4)
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_pages=6, kv_page_tokens=4)
     seqs = [s.add(req(range(10 * i + 1, 10 * i + 5), f"r{i}")) for i in range(3)]
     counter = iter(range(1000))
     outputs, preempted, in_flight = {}, [], None
@@ -175,7 +175,7 @@ def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_
                 if len(seq.output_ids) == 6 and seq.status is not SeqStatus.FINISHED:
                     s.finish(seq, FinishReason.LENGTH)
         in_flight = (batch, {seq: 100 + next(counter) for seq in batch.sampled()})
-        assert s.blocks_used <= 6 and balanced(s)
+        assert s.pages_used <= 6 and balanced(s)
         if not s.num_unfinished:
             break
     assert preempted and any(p.resume_len > p.prompt_len for p in preempted)
@@ -198,7 +198,7 @@ def test_a_sequence_preempted_by_a_step_is_not_readmitted_by_the_same_step():
         specs = [(rng.randint(1, 2 * bt), rng.randint(3, 12)) for _ in range(rng.randint(2, 5))]  # prompt, new
         fits = max(-(-(p + n) // bt) for p, n in specs)  # blocks of the longest request: the budget holds it
         s = Scheduler(num_slots=6, max_queue=20, token_budget=rng.choice([4, 8, 64]), min_prefill_chunk=1,
-                      kv_blocks=fits + rng.randint(0, 4), kv_block_tokens=bt)
+                      kv_pages=fits + rng.randint(0, 4), kv_page_tokens=bt)
         seqs = [s.add(req(range(10 * i + 1, 10 * i + 1 + p), f"r{i}")) for i, (p, _) in enumerate(specs)]
         wanted = {q: n for q, (_, n) in zip(seqs, specs)}
         outputs = {}

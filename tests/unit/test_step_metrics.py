@@ -39,7 +39,7 @@ def test_steps_are_counted_by_kind_with_their_prefill_tokens(trained):
         obs.on_step(0.02, ScheduledBatch(decode=[seq(5), seq(6)]))
         obs.on_step(0.07, ScheduledBatch(decode=[seq(5)], prefill=[PrefillChunk(long, 100, 40)]))
         obs.on_step(0.50, ScheduledBatch(prefill=[PrefillChunk(long, 0, 100), PrefillChunk(seq(9), 0, 9)]))
-    engine.step_budget.prefill_tokens(decode_rows=2, decode_keys=11, context=0, cap=500, floor=16)
+    engine.step_pacer.prefill_tokens(decode_rows=2, decode_keys=11, context=0, cap=500, floor=16)
     after = samples(m)
     count = {k: after[("lmserve_step_duration_seconds_count", (("kind", k),))] for k in ("decode", "mixed", "prefill")}
     assert count == {"decode": 1, "mixed": 1, "prefill": 1}
@@ -54,5 +54,5 @@ def test_steps_are_counted_by_kind_with_their_prefill_tokens(trained):
 def test_budget_off_means_the_fixed_token_budget_and_no_target(trained):
     engine = Engine(trained, EngineSettings(max_batch=2, max_step_ms=0, token_budget=64))
     m = Metrics(engine, "trained")
-    assert engine.step_budget is None and engine.scheduler.step_budget is None and engine.observers == [m]
+    assert engine.step_pacer is None and engine.scheduler.step_pacer is None and engine.observers == [m]
     assert math.isnan(samples(m)[("lmserve_step_target_seconds", ())])

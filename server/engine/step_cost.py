@@ -1,4 +1,4 @@
-"""Stall-free prefill budget: how many prompt tokens a step may take so that it stays near a target time.
+"""Stall-free prefill: how many prompt tokens a step may take so that it stays near a target time.
 
 A step runs every decoding sequence's next token plus a slice of prompt prefill. Each decoding
 stream waits for the whole step, so a large prefill chunk stalls every stream at once; a tiny
@@ -24,7 +24,7 @@ fit is non-negative least squares (a cost never shrinks with more work). One mod
 per device and precision, with nothing tuned on one machine.
 
 Policy, only when sequences are decoding (otherwise nobody's pace is at stake and the fixed
-token budget applies, as before):
+token budget applies, as without it):
 
 - target = max_step_ms, or by default AUTO_FACTOR x the predicted decode-only step for these rows,
   stretched by (requests waiting for their first token) / (decoding rows) when more wait than
@@ -165,7 +165,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-class StepBudget:
+class StepPacer:
     """Sizes each step's prefill from a StepCostModel fed by the engine (an EngineObserver).
 
     max_step_ms: the target step time while sequences decode; None = AUTO_FACTOR x the predicted
@@ -238,16 +238,16 @@ def batch_features(decode: Iterable, prefill: Iterable) -> list[float]:
                     sum(prefill_pairs(c.start, c.length) for c in chunks))
 
 
-def prefill_budget(budget: StepBudget | None, decode: list, running: list, waiting, token_budget: int,
+def prefill_tokens(pacer: "StepPacer | None", decode: list, running: list, waiting, token_budget: int,
                    min_chunk: int) -> int:
     """The scheduler's prefill tokens for a step: the fixed token budget less the decode rows when
-    `budget` is None, else what StepBudget allows for these decode rows and the next chunk."""
+    `pacer` is None, else what the StepPacer allows for these decode rows and the next chunk."""
     cap = max(token_budget - len(decode), min_chunk)
-    if budget is None or not (waiting or any(s.in_prefill for s in running)):  # no prefill work: no fit needed
+    if pacer is None or not (waiting or any(s.in_prefill for s in running)):  # no prefill work: no fit needed
         return cap
     context = next((s.num_cached for s in running if s.in_prefill), None)
     queued = len(waiting) + sum(1 for s in running if s.in_prefill)
-    n = budget.prefill_tokens(len(decode), sum(s.num_cached + 1 for s in decode), context or 0, cap, min_chunk, queued)
+    n = pacer.prefill_tokens(len(decode), sum(s.num_cached + 1 for s in decode), context or 0, cap, min_chunk, queued)
     return n if context is not None else whole_short_prompts(n, waiting, cap, WHOLE_PROMPT_CHUNKS * min_chunk)
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from lmserve.server.engine.request import Request
 from lmserve.server.engine.scheduler import Scheduler
-from lmserve.server.engine.step_budget import (
-    ANY_STEP, AUTO_FACTOR, StepBudget, StepCostModel, batch_features, features, prefill_pairs, step_kind,
+from lmserve.server.engine.step_cost import (
+    ANY_STEP, AUTO_FACTOR, StepPacer, StepCostModel, batch_features, features, prefill_pairs, step_kind,
 )
 
 
@@ -33,7 +33,7 @@ def req(n, rid):
     return Request(prompt_ids=list(range(1, n + 1)), request_id=rid)
 
 
-def drive(sched: Scheduler, budget: StepBudget, device: FakeDevice, steps: int, until=lambda: False):
+def drive(sched: Scheduler, budget: StepPacer, device: FakeDevice, steps: int, until=lambda: False):
     """Run up to `steps` steps (stop early once `until()`), feeding each step's fake time to the budget.
     Returns [(batch, ms)]."""
     out = []
@@ -51,8 +51,8 @@ def drive(sched: Scheduler, budget: StepBudget, device: FakeDevice, steps: int, 
 
 
 def streams_then_long_prompt(target_ms, device, long_len=3000, token_budget=512, streams=8, warm=30):
-    budget = StepBudget(target_ms)
-    s = Scheduler(num_slots=streams + 1, max_queue=10, token_budget=token_budget, step_budget=budget)
+    budget = StepPacer(target_ms)
+    s = Scheduler(num_slots=streams + 1, max_queue=10, token_budget=token_budget, step_pacer=budget)
     for i in range(streams):
         s.add(req(20, f"s{i}"))
     drive(s, budget, device, warm)  # the streams' prompts (a prefill-only step), then decode-only steps
@@ -150,15 +150,15 @@ def test_a_costly_prefill_pass_is_not_cut_into_tiny_chunks():
 
 
 def test_no_decode_rows_means_the_whole_token_budget():
-    budget = StepBudget(50.0)
-    s = Scheduler(num_slots=2, max_queue=10, token_budget=256, step_budget=budget)
+    budget = StepPacer(50.0)
+    s = Scheduler(num_slots=2, max_queue=10, token_budget=256, step_pacer=budget)
     s.add(req(1000, "alone"))
     (b, _), = drive(s, budget, FakeDevice(), 1)
     assert b.prefill[0].length == 256
 
 
 def test_until_measured_a_step_with_decode_rows_takes_the_smallest_chunk():
-    budget = StepBudget(50.0)
+    budget = StepPacer(50.0)
     assert not budget.model.ready
     assert budget.prefill_tokens(decode_rows=4, decode_keys=400, context=0, cap=500, floor=16) == 16
     assert budget.prefill_tokens(decode_rows=0, decode_keys=0, context=0, cap=500, floor=16) == 500
@@ -194,15 +194,15 @@ def test_settings_validate_max_step_ms():
     with pytest.raises(ValueError):
         EngineSettings(max_step_ms=-1)
     with pytest.raises(ValueError):
-        StepBudget(0)
+        StepPacer(0)
 
 
 def test_short_new_prompts_are_never_split_long_ones_are():
-    budget = StepBudget(1.0)  # nothing fits: the smallest chunk (16) unless a short prompt needs more
+    budget = StepPacer(1.0)  # nothing fits: the smallest chunk (16) unless a short prompt needs more
     for n in (30, 60, 100, 200):  # 50 ms per decode pass, 10 ms per prefill pass, 3 ms per token
         budget.model.observe(features(1, 10, 0, 0), 50.0)
         budget.model.observe(features(0, 0, n, prefill_pairs(0, n)), 10 + 3.0 * n)
-    s = Scheduler(num_slots=8, max_queue=10, token_budget=512, step_budget=budget)
+    s = Scheduler(num_slots=8, max_queue=10, token_budget=512, step_pacer=budget)
     s.add(req(5, "d"))
     run_one = lambda: (lambda b: (s.record(b, {q: 7 for q in b.sampled()}), b)[1])(s.schedule())  # noqa: E731
     run_one()  # "d" decodes from now on
@@ -224,8 +224,8 @@ def test_a_long_queue_stretches_the_automatic_target_but_not_an_explicit_one():
     target the operator set is a hard limit whatever the queue."""
     device = FakeDevice(c=0.5)
     for target_ms, stretches in ((None, True), (120.0, False)):
-        budget = StepBudget(target_ms)
-        s = Scheduler(num_slots=4, max_queue=10, token_budget=512, step_budget=budget)
+        budget = StepPacer(target_ms)
+        s = Scheduler(num_slots=4, max_queue=10, token_budget=512, step_pacer=budget)
         for i in range(2):
             s.add(req(20, f"s{i}"))
         drive(s, budget, device, 10)  # prefill-only, then decode-only steps: the model is fitted
