@@ -182,6 +182,25 @@ class AttentionMetadata:
                    calls=cache_calls(slots, kv_len, 1, device, call_cost))
 
     @classmethod
+    def for_rows(cls, slots: list[int], starts: list[int], device: torch.device | str) -> "AttentionMetadata":
+        """One token per row, rows attending alone: b writes slot slots[b] at position starts[b], then
+        attends over keys 0..starts[b] of that slot in a call of its own. Slots may repeat (a
+        speculative draft verified as consecutive positions of one sequence): every row's K/V is
+        written before any row attends. Each call is exactly the call a decode row of that sequence at
+        that position gets in batch-invariant serving (`for_decode` with call_cost 0)."""
+        B = len(slots)
+        slots_t = torch.tensor(slots, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        S = max(starts) + 1
+        mask = torch.arange(S, device=device)[None, :] <= starts_t[:, None]  # [B, S]
+        ar = torch.arange(B, device=device)
+        calls = tuple(AttentionCall(batch=slice(b, b + 1), tokens=slice(0, 1), lo=s, hi=s + 1, length=p + 1,
+                                    mask_rows=slice(b, b + 1)) for b, (s, p) in enumerate(zip(slots, starts)))
+        return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
+                   slots=slots_t, starts=starts_t, lo=0, hi=0, write_b=ar, write_j=torch.zeros_like(ar),
+                   write_slot=slots_t, write_pos=starts_t, calls=calls)
+
+    @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,
                   call_cost: int | None = None) -> "AttentionMetadata":
         """Tokens of sequence b go to cache slot slots[b] at positions starts[b] + j, j < q_lens[b].

@@ -41,8 +41,11 @@ class KernelDecode:
     kernel: object  # decode_attention.DecodeAttention
     slots: Tensor  # [B]
     starts: Tensor  # [B] each row's position (keys 0..starts[b] after the write)
+    write_first: bool = False  # rows share a slot (a verified draft): every row's K/V written before any attends
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+        if self.write_first:  # the kernel writes each row as it goes; it rewrites the same values
+            cache.write(layer, self.slots, self.starts, k[:, 0], v[:, 0])  # [B, Hkv, d]
         return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts)
 
 
@@ -86,9 +89,13 @@ class SdpaBackend:
 
     # Each layout returns the step attention and its tokens' positions.
     def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
-        """One new token per sequence: b writes slot slots[b] at position starts[b] and attends to keys
-        0..starts[b]. Positions [B, 1]."""
-        meta = AttentionMetadata.for_decode(slots, starts, self.device, self.call_cost)
+        """One new token per row: b writes slot slots[b] at position starts[b] and attends to keys
+        0..starts[b]. A slot may repeat at consecutive positions (a speculative draft's verification
+        rows); each row then computes exactly what a decode row at that position would. Positions [B, 1]."""
+        if len(set(slots)) < len(slots):
+            meta = AttentionMetadata.for_rows(slots, starts, self.device)
+        else:
+            meta = AttentionMetadata.for_decode(slots, starts, self.device, self.call_cost)
         return meta, meta.starts[:, None]
 
     def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:
@@ -119,7 +126,8 @@ class NativeCpuBackend(SdpaBackend):
 
     def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
         starts_t = torch.tensor(starts)
-        return KernelDecode(self.decode_kernel, torch.tensor(slots), starts_t), starts_t[:, None]
+        repeats = len(set(slots)) < len(slots)
+        return KernelDecode(self.decode_kernel, torch.tensor(slots), starts_t, repeats), starts_t[:, None]
 
     def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:
         if self.prompt_kernel is None:

@@ -35,6 +35,7 @@ class LoadedModel:
     plan: Plan | None = None  # the precision mode and per-role kernels served (precision.py)
     compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
     attention: SdpaBackend | None = None  # the attention backend (attention_backend.py); None: SDPA
+    batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
 
     def __post_init__(self):
         if self.attention is None:
@@ -297,4 +298,5 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
-                       device=device, plan=plan, compiled=compiled, attention=attention)
+                       device=device, plan=plan, compiled=compiled, attention=attention,
+                       batch_invariant=batch_invariant)

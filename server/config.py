@@ -109,6 +109,12 @@ HELP = {
     "cuda_graphs": "on CUDA, replay decode steps from CUDA graphs captured at start-up: true or false",
     "overlap_steps": "launch each engine step before the previous one's tokens are read back, so the host's "
                      "scheduling and output work overlaps the device's compute: auto (on CUDA only), true or false",
+    "speculation": "auto, ngram or off: draft tokens for greedy requests from earlier text of the same request "
+                   "(prompt lookup) and verify them in the step, several tokens per step where text repeats; the "
+                   "tokens are exactly those of decoding one at a time. auto: ngram with batch-invariant kernels "
+                   "and the sequential loop (CPU), else off",
+    "draft_tokens": "most tokens drafted per request and step (--speculation)",
+    "draft_max_batch": "draft only while at most this many requests decode (a fuller step gains little)",
     "threads": "torch CPU threads (default: torch's choice)",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",

@@ -140,6 +140,10 @@ class _LiveCollector:
                      st.prefix_cache_evictions_total),
             _counter("lmserve_preemptions", "Running requests preempted (to be recomputed) when KV memory ran out",
                      st.preemptions_total),
+            _counter("lmserve_speculative_draft_tokens", "Tokens drafted by prompt lookup and verified (--speculation)",
+                     st.drafted_tokens_total),
+            _counter("lmserve_speculative_accepted_tokens", "Drafted tokens the model agreed with (each saved a step)",
+                     st.accepted_tokens_total),
             _gauge("lmserve_batch_size", "Sequences in the last engine step", self.m._last_batch),
             _gauge("lmserve_model_weights_bytes", "Bytes of model parameters", lm.weight_bytes),
             _gauge("lmserve_step_target_seconds", "Step time the prefill budget aims at while requests decode "

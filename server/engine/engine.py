@@ -31,6 +31,7 @@ from .runner import ModelRunner, RunOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
+from .ngram import Speculation
 from .step_cost import StepPacer
 from .streams import ChunkStream, hand_off
 
@@ -125,6 +126,8 @@ class EngineStats:
     prefix_cache_evictions_total: int = 0
     prefix_queried_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
+    drafted_tokens_total: int = 0  # speculation: tokens drafted and verified ...
+    accepted_tokens_total: int = 0  # ... and those the model agreed with
     preemptions_total: int = 0
 
 
@@ -175,11 +178,15 @@ class Engine:
                              "--kv-cache-gb or lower --max-model-len")
         # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
         self.step_pacer = None if s.max_step_ms == 0 else StepPacer(s.max_step_ms)
+        # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
+        # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
+        self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
         # a quarter of the context: the prompts that would make short neighbours read many empty keys
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer))
+                                   step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer),
+                                   speculation=self._speculation(s, loaded))
         self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
@@ -198,15 +205,26 @@ class Engine:
         self._sinks: dict[str, Sink | ChunkStream] = {}
         # overlapped steps launched and not yet postprocessed (one between loop turns, two for a moment)
         self._inflight: deque[_Launched] = deque()
-        # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
-        # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
-        self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
         self.phase_times = PhaseTimes()  # host time per step phase, for benchmarks
         self._delivering = 0  # finished requests whose final chunk is being handed off
         self._cancels: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
         self._accepting = True
+
+    def _speculation(self, s: EngineSettings, loaded: LoadedModel) -> Speculation | None:
+        """Prompt-lookup speculation, or None. It needs the sequential loop (drafts are built from tokens
+        read back; overlapped steps have the latest token still on the device) and, to give exactly the
+        tokens of decoding one at a time, kernels whose rows do not depend on the batch."""
+        if s.speculation == "off":
+            return None
+        if self.overlap:
+            if s.speculation == "ngram":
+                raise ValueError("--speculation ngram needs the sequential loop: start with --overlap-steps false")
+            return None
+        if s.speculation == "auto" and not loaded.batch_invariant:
+            return None
+        return Speculation(max_draft=s.draft_tokens, max_batch=s.draft_max_batch)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -308,7 +326,8 @@ class Engine:
                 prefix_cache_entries=len(pc) if pc else 0, prefix_cache_pages=pc.pages_held if pc else 0,
                 prefix_cache_evictions_total=pc.evicted_total if pc else 0,
                 prefix_queried_tokens_total=sch.prefix_queried_tokens_total,
-                prefix_hit_tokens_total=sch.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total)
+                prefix_hit_tokens_total=sch.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total,
+                drafted_tokens_total=sch.drafted_tokens_total, accepted_tokens_total=sch.accepted_tokens_total)
 
     def drop_prefix_cache(self) -> int:
         """Evict every prefix-cache entry (their memory goes back); returns how many."""

@@ -58,6 +58,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()  # any iterable is accepted and held as a set
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)
+    speculate: bool = True  # False: never verify drafted tokens for this request (the output is the same)
 
     def __post_init__(self):
         if 0 < self.temperature < GREEDY_TEMPERATURE:

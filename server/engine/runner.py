@@ -48,7 +48,8 @@ class ModelRunner:
         `previous`: the step launched before this one, when its tokens are not read back yet
         (overlapped steps); decode rows whose input is such a token read it from its `tokens` on the
         device. On CUDA nothing here waits for the device when every row is plain greedy."""
-        sampled = batch.sampled()
+        # one logits row per sampled sequence; k + 1 for one verifying k drafts (each row greedy)
+        sampled = [seq for seq, draft in zip(batch.sampled(), batch.sampled_drafts()) for _ in range(1 + len(draft))]
         self._model_seconds = 0.0
         logits = self.step(batch, previous.out if previous is not None else None)
         t0 = time.perf_counter()
@@ -80,7 +81,7 @@ class ModelRunner:
         decode reads the weights once. A decode-only step on CUDA replays its captured graph."""
         for src, dst, n in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
             self.cache.copy_prefix(src, dst, n)
-        if not batch.prefill and self.graphs is not None:
+        if not batch.prefill and not batch.drafts and self.graphs is not None:
             return self._decode_graph(batch.decode, previous)
         segments, last, offset = [], {}, 0
         for c in batch.prefill:
@@ -94,9 +95,9 @@ class ModelRunner:
             for c in fresh:
                 offset += c.length
                 last[c] = offset - 1
-        decode_rows = list(range(offset, offset + len(batch.decode)))
         if batch.decode:
-            segments.append(self._decode(batch.decode, previous))
+            segments.append(self._decode(batch, previous))
+        decode_rows = list(range(offset, offset + (segments[-1].input_ids.shape[0] if batch.decode else 0)))
         index = [last[c] for c in batch.prefill if c.completes_prompt] + decode_rows
         t0 = time.perf_counter()
         logits = self.model.forward_segments(segments, self.cache, self._tensor(index))  # [n, V]
@@ -118,10 +119,22 @@ class ModelRunner:
                                                 self._tensor([c.length for c in chunks]))
         return Segment(ids, positions, meta)
 
-    def _decode(self, seqs: list[Sequence], previous: SampleOutput | None) -> Segment:
-        ids = self._decode_ids(seqs, previous)[:, None]  # [B, 1]
-        meta, positions = self.attention.decode([s.slot for s in seqs], [s.num_cached for s in seqs])
-        return Segment(ids, positions, meta)
+    def _decode(self, batch: ScheduledBatch, previous: SampleOutput | None) -> Segment:
+        """One row per decode token: a sequence's latest token, then (speculation) one row per drafted
+        token at the following positions of its slot, each attending exactly as a decode row there."""
+        seqs = batch.decode
+        if not batch.drafts:
+            ids = self._decode_ids(list(seqs), previous)[:, None]  # [B, 1]
+            meta, positions = self.attention.decode([s.slot for s in seqs], [s.num_cached for s in seqs])
+            return Segment(ids, positions, meta)
+        tokens, slots, starts = [], [], []
+        for i, s in enumerate(seqs):  # drafts only where the latest token is known on the host
+            row = [s.token_at(s.num_cached), *batch.draft_of(i)]
+            tokens += row
+            slots += [s.slot] * len(row)
+            starts += range(s.num_cached, s.num_cached + len(row))
+        meta, positions = self.attention.decode(slots, starts)
+        return Segment(self._tensor(tokens)[:, None], positions, meta)  # [R, 1]
 
     def _decode_graph(self, seqs: list[Sequence], previous: SampleOutput | None) -> Tensor:
         t0 = time.perf_counter()

@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .ngram import Speculation
+from .outputs import merge_chunks
 from .prefix_cache import PrefixCache, PrefixEntry
 from .processor import StepOutput
 from .request import FinishReason, Request
@@ -66,6 +68,7 @@ class ScheduledBatch:
     dropped: tuple[Sequence, ...] = ()  # finished without compute (deadline)
     kv_copies: tuple[tuple[int, int, int], ...] = ()  # prefix hits: (src slot, dst slot, tokens), run first
     preempted: tuple[Sequence, ...] = ()  # back to waiting, to be recomputed
+    drafts: tuple[tuple[int, ...], ...] = ()  # per decode row, the drafted tokens it verifies (() when none)
 
     @property
     def empty(self) -> bool:
@@ -73,11 +76,20 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.length for c in self.prefill)
+        return len(self.decode) + sum(c.length for c in self.prefill) + sum(map(len, self.drafts))
 
     def sampled(self) -> list[Sequence]:
         """Sequences that get a new token from this step, in the runner's logits order."""
         return [c.seq for c in self.prefill if c.completes_prompt] + list(self.decode)
+
+    def draft_of(self, i: int) -> tuple[int, ...]:
+        """The drafted tokens decode row i verifies (its query tokens are its latest token, then these)."""
+        return self.drafts[i] if self.drafts else ()
+
+    def sampled_drafts(self) -> list[tuple[int, ...]]:
+        """batch.sampled()'s drafts, in order; a sequence with k drafts has k + 1 logits rows."""
+        n = len(self.sampled()) - len(self.decode)
+        return [()] * n + [self.draft_of(i) for i in range(len(self.decode))]
 
 
 @dataclass
@@ -89,10 +101,12 @@ class _Plan:
     dropped: list[Sequence] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[tuple[int, ...]] = field(default_factory=list)  # aligned with decode
 
     def freeze(self) -> ScheduledBatch:
+        drafts = tuple(self.drafts) if any(self.drafts) else ()
         return ScheduledBatch(tuple(self.decode), tuple(self.prefill), tuple(self.dropped), tuple(self.kv_copies),
-                              tuple(self.preempted))
+                              tuple(self.preempted), drafts)
 
 
 @dataclass(frozen=True)
@@ -150,13 +164,18 @@ class Scheduler:
     [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
     `outputs`: turns each recorded token into its chunk and says when a sequence is done (stops,
     detokenizing; processor.OutputProcessor), for postprocess().
+    `speculation`: draft tokens for greedy decode rows from an n-gram index of each sequence
+    (ngram.py) while few sequences decode; a row then verifies its drafts in the same step, and
+    postprocess() keeps the longest prefix equal to the model's own choices plus the model's next
+    token, rewinding the rest. None: off.
     """
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
                  clock: Callable[[], float] = time.monotonic, long_prompt: int | None = None,
                  max_batch: int | None = None, kv_pages: int | None = None, kv_page_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
-                 step_pacer: StepPacer | None = None, outputs: "OutputProcessor | None" = None):
+                 step_pacer: StepPacer | None = None, outputs: "OutputProcessor | None" = None,
+                 speculation: Speculation | None = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -172,6 +191,7 @@ class Scheduler:
         self._release = release or (lambda slot, positions: None)
         self.step_pacer = step_pacer
         self.outputs = outputs
+        self.speculation = speculation
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
@@ -187,6 +207,8 @@ class Scheduler:
         self.preemptions_total = 0
         self.prefix_queried_tokens_total = 0
         self.prefix_hit_tokens_total = 0
+        self.drafted_tokens_total = 0  # tokens drafted and verified ...
+        self.accepted_tokens_total = 0  # ... and those the model agreed with
 
     # ---- intake ------------------------------------------------------------------
     def add(self, request: Request) -> Sequence:
@@ -318,15 +340,22 @@ class Scheduler:
             self.finish(seq, FinishReason.DEADLINE)
             batch.dropped.append(seq)
 
-        budget = self._prefill_budget([s for s in self.running if not s.in_prefill])
+        decoding = [s for s in self.running if not s.in_prefill]
+        budget = self._prefill_budget(decoding)
+        drafting = self.speculation is not None and len(decoding) <= self.speculation.max_batch
         for seq in list(self.running):  # oldest first: the newest are preempted when pages run out
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted in this loop
             if not seq.in_prefill:
                 if seq.pending and seq.out_of_tokens:
                     continue  # its token in flight is its last (overlapped steps): nothing more to compute
-                if self._hold(batch, seq, seq.num_cached + 1, seq.num_cached + 1):
+                draft = self._draft(seq, budget) if drafting else ()
+                covered = self._hold(batch, seq, seq.num_cached + 1 + len(draft), seq.num_cached + 1)
+                if covered:
+                    draft = draft[: covered - seq.num_cached - 1]
                     batch.decode.append(seq)
+                    batch.drafts.append(draft)
+                    budget -= len(draft)  # drafts are step tokens like any other
             elif budget > 0:  # chunked prompts already holding a slot go before new ones
                 n = min(seq.prefill_len - seq.num_cached, budget)
                 n = self._hold(batch, seq, seq.num_cached + n, seq.num_cached + 1) - seq.num_cached
@@ -344,6 +373,16 @@ class Scheduler:
                 break
             budget -= batch.prefill[-1].length
         return batch.freeze()
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Tokens for a decode row to verify: at most what the step's tokens, the request's remaining
+        length and the proposer allow; () for rows speculation does not apply to."""
+        p = seq.request.params
+        if seq.pending or not Speculation.applies(p):
+            return ()
+        if seq.draft is None:
+            seq.draft = self.speculation.proposer(seq.all_tokens)
+        return tuple(seq.draft.propose(min(budget - 1, p.max_new_tokens - len(seq.output_ids) - 1)))
 
     def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:
         """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
@@ -391,9 +430,9 @@ class Scheduler:
         for chunk in batch.prefill:
             if chunk.seq.status is SeqStatus.RUNNING:
                 chunk.seq.num_cached = chunk.start + chunk.length
-        for seq in batch.decode:
+        for i, seq in enumerate(batch.decode):
             if seq.status is SeqStatus.RUNNING:
-                seq.num_cached += 1
+                seq.num_cached += 1 + len(batch.draft_of(i))  # drafts' K/V too, until postprocess rewinds
         awaiting = []
         for row, seq in enumerate(batch.sampled()):
             if seq.status is SeqStatus.RUNNING:
@@ -402,41 +441,77 @@ class Scheduler:
                 awaiting.append(seq)
         self._launched.append(InFlight(batch, tuple(awaiting)))
 
-    def record(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
-        """The oldest launched step's sampled tokens, read back (advance() first if it was not called:
-        a step that ran to completion): appended to their sequences (also to one preempted since,
-        whose recompute includes it), unless the sequence finished meanwhile."""
+    def _landed(self, batch: ScheduledBatch) -> None:
+        """The oldest launched step's tokens are back (advance() first if it was not called: a step
+        that ran to completion): its sequences no longer await them."""
         if not self._launched or self._launched[0].batch is not batch:
             self.advance(batch)
         step = self._launched.popleft()
         assert step.batch is batch, "steps are recorded in launch order"
-        now = self.clock()
         for seq in step.awaiting:
             seq.pending -= 1
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        if seq.draft is not None:
+            seq.draft.extend((token,))
+
+    def record(self, batch: ScheduledBatch, tokens: dict[Sequence, int]) -> None:
+        """A launched step's sampled tokens, read back (one per sequence, in launch order): appended to
+        their sequences (also to one preempted since, whose recompute includes it), unless the sequence
+        finished meanwhile. What postprocess() does without the output processor."""
+        self._landed(batch)
+        now = self.clock()
         for seq, tok in tokens.items():
             if seq.status is not SeqStatus.FINISHED:
-                seq.output_ids.append(tok)
-                if seq.first_token is None:
-                    seq.first_token = now
+                self._append(seq, tok, now)
 
     def postprocess(self, batch: ScheduledBatch, out: "SampleOutput | None") -> list[StepOutput]:
-        """A step's sampled tokens (`out`, in batch.sampled() order; None when no row sampled): recorded,
-        each turned into its chunk by the output processor (stops, detokenizing), and the sequences
-        that are done (a stop, the length, a non-finite row, a processing error) retired."""
-        sampled = batch.sampled()
-        ok = {} if out is None else {s: t for s, t, good in zip(sampled, out.token_ids, out.ok) if good}
-        self.record(batch, ok)
+        """A step's sampled tokens (`out`: one row per sampled sequence, k + 1 rows for one verifying k
+        drafts; None when no row sampled): recorded, each turned into its chunk by the output
+        processor (stops, detokenizing), and the sequences that are done (a stop, the length, a
+        non-finite row, a processing error) retired.
+
+        A verifying row keeps its drafts up to the first one that differs from the model's own greedy
+        token at that position, then the model's token there: exactly the tokens decoding one at a time
+        would give. The K/V written for the rejected drafts is discarded (num_cached rewinds; the
+        positions are rewritten before anything reads them); tokens after a stop are dropped too."""
+        self._landed(batch)
         now = self.clock()
-        results = []
-        for i, seq in enumerate(sampled):
+        results, row = [], 0
+        for seq, draft in zip(batch.sampled(), batch.sampled_drafts()):
+            rows = range(row, row + 1 + len(draft))
+            row += len(rows)
             if seq.status is SeqStatus.FINISHED:
                 continue  # cancelled while the step ran, or (overlapped steps) done at the step before
+            if not out.ok[rows[0]]:
+                self.finish(seq, FinishReason.ERROR)
+                results.append(StepOutput(seq, None, FinishReason.ERROR))
+                continue
+            keep = 0  # drafts accepted
+            while keep < len(draft) and out.token_ids[rows[keep]] == draft[keep] and out.ok[rows[keep + 1]]:
+                keep += 1
+            if draft:
+                seq.num_cached -= len(draft) - keep
+                self.drafted_tokens_total += len(draft)
+                self.accepted_tokens_total += keep
+                seq.draft.accepted(len(draft), keep)
             chunk = reason = None
-            if out.ok[i]:
+            for r in rows[: keep + 1]:
+                self._append(seq, out.token_ids[r], now)
                 try:
-                    chunk, reason = self.outputs.on_token(seq, out.token_ids[i], out.logprobs[i])
+                    piece, reason = self.outputs.on_token(seq, out.token_ids[r], out.logprobs[r])
                 except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
                     log.exception("output processing failed for %s", seq.request_id)
+                    chunk, reason = None, FinishReason.ERROR
+                    break
+                chunk = piece if chunk is None else merge_chunks(chunk, piece)
+                if reason is not None:
+                    break
+            if draft:
+                seq.num_cached = min(seq.num_cached, seq.total_len - 1)  # a stop inside the accepted run
             if chunk is None:
                 self.finish(seq, FinishReason.ERROR)
                 results.append(StepOutput(seq, None, FinishReason.ERROR))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .request import FinishReason, Request
 
 if TYPE_CHECKING:
+    from .ngram import NgramProposer
     from .processor import OutputState
     from .sampler import SamplingState
 
@@ -40,6 +41,7 @@ class Sequence:
     last_token_time: float | None = None  # when the latest token was recorded (inter-token gaps)
     sampling: "SamplingState | None" = None  # the sampler's: seeded generator, penalty tallies
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
+    draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
 
     @property
     def request_id(self) -> str:

@@ -19,13 +19,19 @@ class EngineSettings:
     stuck_after_seconds: float = 120.0  # a step running longer than this marks the engine stuck
     cuda_graphs: bool = True  # on CUDA, replay decode steps from graphs captured at start (cuda_graphs.py)
     overlap_steps: bool | None = None  # launch step k+1 before step k's tokens are read back; None = on CUDA only
+    speculation: str = "auto"  # ngram: verify prompt-lookup drafts (ngram.py); off; auto: ngram where exact
+    draft_tokens: int = 4  # most tokens drafted per sequence and step
+    draft_max_batch: int = 4  # draft only while at most this many sequences decode
 
     @property
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
 
     def __post_init__(self):
-        for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens"):
+        if self.speculation not in ("auto", "ngram", "off"):
+            raise ValueError(f"speculation must be auto, ngram or off, got {self.speculation!r}")
+        for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens", "draft_tokens",
+                     "draft_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:

@@ -382,6 +382,9 @@ def test_dashboard_has_the_required_panels():
     # the prefix cache's hit rate: reused over looked-up prompt tokens
     assert re.search(r"sum\(rate\(lmserve_prefix_cache_hit_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\) / "
                      r"sum\(rate\(lmserve_prefix_cache_queried_tokens_total\{", exprs)
+    # speculation's acceptance rate: accepted over drafted tokens
+    assert re.search(r"sum\(rate\(lmserve_speculative_accepted_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\) / "
+                     r"sum\(rate\(lmserve_speculative_draft_tokens_total\{", exprs)
     for gauge in ("lmserve_waiting_requests", "lmserve_running_requests", "lmserve_batch_size",
                   "lmserve_kv_slots_used", "lmserve_kv_slots_capacity", "lmserve_kv_cache_bytes",
                   "lmserve_kv_cache_used_bytes", "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes",

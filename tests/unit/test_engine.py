@@ -354,7 +354,7 @@ async def test_kv_budget_limits_the_blocks_held_not_the_slots_and_everyone_still
         st = engine.stats()
     for res, p in zip(results, prompts):
         assert res.token_ids == greedy_reference(random_tiny.model, p, 10)[0]
-    assert st.kv_pages_used == 0 and st.kv_blocks_allocated_total == st.kv_blocks_freed_total > 0
+    assert st.kv_pages_used == 0 and st.kv_pages_allocated_total == st.kv_pages_freed_total > 0
     with pytest.raises(ValueError, match="holds no request of 64 tokens"):
         Engine(random_tiny, EngineSettings(max_model_len=64, kv_cache_gb=(per_slot - 1) / 2**30))
 

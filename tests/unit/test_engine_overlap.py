@@ -83,13 +83,13 @@ async def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(ra
     for overlap in (False, True):
         with running(random_tiny, overlap_steps=overlap) as engine:
             events, fed = [], []
-            record = engine.scheduler.record
+            postprocess = engine.scheduler.postprocess
 
-            def recorded(batch, tokens, record=record, events=events):
+            def recorded(batch, out, postprocess=postprocess, events=events):
                 events.append("record")
-                record(batch, tokens)
+                return postprocess(batch, out)
 
-            engine.scheduler.record = recorded
+            engine.scheduler.postprocess = recorded
             wrap_step(engine, before=lambda batch, events=events, fed=fed: (
                 events.append("launch"), fed.append(sum(s.pending for s in batch.decode))))
             (res,) = await results_of(engine, [Request(prompt, greedy(6, ignore_eos=True))])

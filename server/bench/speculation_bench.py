@@ -1,0 +1,142 @@
+"""Speculative decoding (prompt lookup) on and off, side by side in one process.
+
+    python -m lmserve.server.bench.speculation_bench --out reports/speculation.json
+
+Workloads whose answers repeat their input (editing code, quoting a passage, answering from a
+document by quoting it) and ones that do not (the chat prompts of `lmserve bench`), greedy, at c=1
+and at c=32. Each configuration runs speculation off and on alternately (off, on, off, on) through
+the engine's async API; the report has tokens/s for both, their ratio, drafted and accepted tokens,
+and whether the tokens were identical (they must be). This is a benchmark, not a test: run it on a
+quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .machine import lscpu
+
+CODE = '''def mean_and_spread(values):
+    total = 0.0
+    for v in values:
+        total += v
+    mean = total / len(values)
+    spread = 0.0
+    for v in values:
+        spread += (v - mean) ** 2
+    return mean, (spread / len(values)) ** 0.5
+'''
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a brass lamp, "
+           "a tin of oil and a notebook in which he wrote down the colour of the sea. On stormy nights he "
+           "stayed awake until dawn, watching the beam sweep across the water and counting the ships that "
+           "passed safely into the harbour.")
+
+DOCUMENT = ("Shipping notice. The ferry to the northern islands leaves at 7:15 every weekday from pier 4. "
+            "Tickets cost 12 euros for adults and 6 euros for children under twelve. Bicycles travel free. "
+            "On Saturdays the first ferry leaves at 9:30, and there is no service on Sundays. In storms the "
+            "harbour master may cancel crossings; cancellations are posted on the board beside the ticket office.")
+
+REPEATING = {
+    "code_edit": f"Rename the variable `total` to `acc` in this function and show the whole function:\n\n{CODE}",
+    "quote": f"Repeat the following paragraph word for word:\n\n{PASSAGE}",
+    "document_qa": f"{DOCUMENT}\n\nQuote the sentences of the notice that say when the ferries leave.",
+}
+
+
+def workloads(tok) -> dict[str, list[int]]:
+    from lmserve.client.bench import synthetic_workload
+
+    out = {name: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+           for name, text in REPEATING.items()}
+    chat = synthetic_workload()[0].prompt
+    out["chat"] = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content} for m in chat],
+                                                     add_generation_prompt=True))
+    return out
+
+
+async def _wave(engine, prompts: list[list[int]], max_new: int):
+    from ..engine import Request, SamplingParams
+
+    async def one(ids):
+        toks = []
+        async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True))):
+            toks += ch.token_ids
+        return toks
+
+    t0 = time.perf_counter()
+    out = await asyncio.gather(*(one(p) for p in prompts))
+    return out, time.perf_counter() - t0
+
+
+def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int) -> dict:
+    """tokens/s with speculation off and on (alternating rounds), acceptance and token identity."""
+    from ..engine import Engine, EngineSettings
+
+    rates = {"off": [], "ngram": []}
+    tokens, stats = {}, None
+    for _ in range(rounds):
+        for mode in rates:  # one engine thread at a time (each keeps its own OpenMP pool)
+            engine = Engine(loaded, EngineSettings(max_batch=concurrency, max_model_len=max_model_len,
+                                                   prefix_cache=False, speculation=mode)).start()
+            try:
+                asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
+                before = engine.stats()
+                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new))
+                after = engine.stats()
+            finally:
+                engine.shutdown()
+            rates[mode].append(sum(map(len, out)) / seconds)
+            tokens.setdefault(mode, out)
+            if mode == "ngram":
+                d = after.drafted_tokens_total - before.drafted_tokens_total
+                a = after.accepted_tokens_total - before.accepted_tokens_total
+                stats = (d + (stats or (0, 0))[0], a + (stats or (0, 0))[1])
+    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+    return {"concurrency": concurrency, "tok_s_off": round(off, 1), "tok_s_on": round(on, 1),
+            "speedup": round(on / off, 3), "rounds_off": [round(r, 1) for r in rates["off"]],
+            "rounds_on": [round(r, 1) for r in rates["ngram"]], "drafted": stats[0], "accepted": stats[1],
+            "acceptance": round(stats[1] / max(1, stats[0]), 3),
+            "identical_tokens": tokens["off"] == tokens["ngram"]}
+
+
+def main(argv=None) -> int:
+    from lmserve.model.loader import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--out", default="reports/speculation.json")
+    args = ap.parse_args(argv)
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+    prompts = workloads(loaded.tokenizer)
+    max_model_len = max(map(len, prompts.values())) + args.max_new_tokens + 8
+    results = []
+    for name, ids in prompts.items():
+        for c in args.concurrency:
+            r = {"workload": name, "prompt_tokens": len(ids), **run(loaded, ids, c, args.max_new_tokens, args.rounds,
+                                                                   max_model_len)}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
+              "model": args.model, "mode": loaded.mode, "kernels": loaded.kernels,
+              "max_new_tokens": args.max_new_tokens, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

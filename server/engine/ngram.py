@@ -1,0 +1,103 @@
+"""Prompt-lookup drafts: the next tokens guessed from an earlier occurrence of the current suffix.
+
+Text that repeats what a request was given (an edit of the code it quotes, a passage it cites, an
+answer built from a document) continues the way the earlier occurrence did. For each sequence the
+proposer keeps an index of its n-grams (n = min_n..max_n) over prompt + output, updated as tokens
+are recorded (O(max_n) dictionary writes per token, never a rescan), and drafts the tokens that
+followed the latest earlier occurrence of the longest suffix it finds.
+
+Draft length adapts to the sequence's own record: it grows by one after a draft accepted whole and
+falls to what was accepted plus one otherwise; after `patience` drafts in a row with nothing
+accepted the sequence stops drafting for `cooldown` tokens, then tries one token again. The engine
+verifies drafts (runner.py, scheduler.py); this module only guesses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Prompt-lookup speculation settings (EngineSettings.speculation resolved by the engine)."""
+
+    max_draft: int = 4  # tokens drafted per sequence and step at most
+    max_batch: int = 4  # draft only while at most this many sequences decode (a full step gains little)
+    min_n: int = 2
+    max_n: int = 4
+
+    def __post_init__(self):
+        if self.max_draft < 1 or self.max_batch < 1 or not 1 <= self.min_n <= self.max_n:
+            raise ValueError("speculation needs max_draft >= 1, max_batch >= 1 and 1 <= min_n <= max_n")
+
+    @staticmethod
+    def applies(params) -> bool:
+        """Drafts are verified for plain greedy requests only: a row's token is then the argmax of its
+        logits, which verification computes exactly as decoding would. Sampled rows would need rejection
+        sampling to keep their seeded streams, and penalised rows a tally per draft position."""
+        return (params.speculate and params.temperature == 0 and params.repetition_penalty == 1.0
+                and not params.presence_penalty and not params.frequency_penalty)
+
+    def proposer(self, tokens: list[int]) -> "NgramProposer":
+        return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n)
+
+
+class NgramProposer:
+    """One sequence's n-gram index and draft-length state (Sequence.draft, owned by the scheduler)."""
+
+    def __init__(self, tokens: list[int], max_draft: int = 4, min_n: int = 2, max_n: int = 4,
+                 patience: int = 3, cooldown: int = 16):
+        if not 1 <= min_n <= max_n or max_draft < 1:
+            raise ValueError("need 1 <= min_n <= max_n and max_draft >= 1")
+        self.max_draft, self.min_n, self.max_n = max_draft, min_n, max_n
+        self.patience, self.cooldown = patience, cooldown
+        self.tokens: list[int] = []
+        # n-gram -> position just after its latest occurrence, for occurrences ending before the last token
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.length = max_draft  # the next draft's length
+        self._misses = 0  # drafts in a row with nothing accepted
+        self._resting = 0  # tokens still to wait before drafting again
+        self.drafted_total = 0
+        self.accepted_total = 0
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        """Tokens appended to the sequence (prompt at first, then each recorded output token)."""
+        for tok in tokens:
+            self._index_last()
+            self.tokens.append(tok)
+            if self._resting:
+                self._resting -= 1
+
+    def _index_last(self) -> None:
+        """Index the n-grams ending at the current last token (so a lookup of the suffix finds an
+        earlier occurrence, never the suffix itself)."""
+        t, end = self.tokens, len(self.tokens)
+        for n in range(self.min_n, min(self.max_n, end) + 1):
+            self._index[n][tuple(t[end - n: end])] = end
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to min(limit, the adapted length) tokens to verify; [] when there is no match or drafting rests."""
+        k = min(limit, self.length)
+        if k <= 0 or self._resting:
+            return []
+        t, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            after = self._index[n].get(tuple(t[end - n:]))
+            if after is not None:
+                return t[after: after + k]  # may run into the suffix itself: a repeating pattern
+        return []
+
+    def accepted(self, drafted: int, accepted: int) -> None:
+        """The outcome of a verified draft: adapt the next draft's length."""
+        if drafted <= 0:
+            return
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        if accepted == drafted:
+            self.length, self._misses = min(self.max_draft, drafted + 1), 0
+            return
+        self.length = max(1, accepted + 1)
+        self._misses = self._misses + 1 if accepted == 0 else 0
+        if self._misses >= self.patience:
+            self._misses, self._resting, self.length = 0, self.cooldown, 1
