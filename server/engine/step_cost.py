@@ -221,7 +221,7 @@ class StepPacer:
 
     # ---- EngineObserver ----------------------------------------------------------------------
     def on_step(self, seconds: float, batch) -> None:
-        self.model.observe(batch_features(batch.decode, batch.prefill), seconds * 1000.0)
+        self.model.observe(batch_features(batch.decode, batch.prefill, batch.drafts), seconds * 1000.0)
 
     def on_token(self, seq, gap_seconds) -> None:
         pass
@@ -230,12 +230,15 @@ class StepPacer:
         pass
 
 
-def batch_features(decode: Iterable, prefill: Iterable) -> list[float]:
-    """Features of a batch that has run (its decode rows' new tokens are cached: num_cached keys each)."""
+def batch_features(decode: Iterable, prefill: Iterable, drafts: Iterable = ()) -> list[float]:
+    """Features of a batch that has run (its decode rows' new tokens are cached: num_cached keys each).
+    A decode row verifying k drafts is k + 1 rows, the j-th attending over num_cached - k + j keys."""
     decode = list(decode)
     chunks = list(prefill)
-    return features(len(decode), sum(s.num_cached for s in decode), sum(c.length for c in chunks),
-                    sum(prefill_pairs(c.start, c.length) for c in chunks))
+    ks = list(drafts) or [()] * len(decode)
+    rows = sum(1 + len(k) for k in ks)
+    keys = sum((len(k) + 1) * (s.num_cached - len(k)) + len(k) * (len(k) + 1) // 2 for s, k in zip(decode, ks))
+    return features(rows, keys, sum(c.length for c in chunks), sum(prefill_pairs(c.start, c.length) for c in chunks))
 
 
 def prefill_tokens(pacer: "StepPacer | None", decode: list, running: list, waiting, token_budget: int,

@@ -162,3 +162,17 @@ def test_auto_speculates_only_where_it_is_exact(trained):
     assert Engine(trained, EngineSettings(speculation="off")).scheduler.speculation is None
     with pytest.raises(ValueError, match="overlap-steps false"):
         Engine(trained, EngineSettings(speculation="ngram", overlap_steps=True))
+
+
+def test_the_step_cost_model_counts_a_verifying_row_as_its_decode_rows():
+    """The step pacer learns step costs from features: a row verifying k drafts is k + 1 decode rows at
+    consecutive positions (num_cached already counts them when a step is observed)."""
+    from lmserve.server.engine.step_cost import batch_features
+
+    a, b = _placed([1, 2, 3], 0), _placed([4, 5], 1)
+    a.num_cached, b.num_cached = 10 + 1 + 3, 7 + 1  # after advance: a verified 3 drafts from position 10
+    rows = [_placed([9], 2) for _ in range(4)]
+    for j, r in enumerate(rows):
+        r.num_cached = 10 + j + 1
+    assert batch_features([a, b], [], [(7, 8, 9), ()]) == batch_features([*rows, b], [])
+    assert batch_features([b], []) == batch_features([b], [], [()])
