@@ -57,6 +57,7 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        disable_speculation=not params.speculate,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -81,6 +82,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        speculate=not msg.disable_speculation,
     )
 
 

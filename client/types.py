@@ -54,6 +54,8 @@ class SamplingParams:
         ignore_eos: keep generating past EOS tokens.
         logprobs: None for no log-probabilities, 0 for the chosen token's only,
             n > 0 to add the n most likely alternatives per position.
+        speculate: False to opt out of the server's speculative decoding (the tokens are
+            the same either way).
     """
 
     max_new_tokens: int = 0
@@ -69,6 +71,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         # Accept any iterable (a list, a single string) for the tuple fields.

@@ -141,6 +141,7 @@ class InputConverter:
             stop_token_ids=frozenset(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs if p.HasField("logprobs") else None,
+            speculate=not p.disable_speculation,
         )
 
     def generate_request(self, req: pb.GenerateRequest, engine_id: str, deadline: float | None) -> Request:

@@ -19,10 +19,10 @@ from .sequence import Sequence
 
 @dataclass
 class RunOutput:
-    """One step's sampled tokens, for `sampled` (batch.sampled(): prompts completed this step, then
-    decodes); `out` is None when no sequence was due a token (only prompt chunks ran)."""
+    """One step's sampled tokens, one row per sequence of batch.sampled() (prompts completed this step,
+    then decodes; k + 1 rows for one verifying k drafts); `out` is None when no sequence was due a
+    token (only prompt chunks ran)."""
 
-    sampled: list[Sequence]
     out: SampleOutput | None
     model_seconds: float  # of the step, spent in the model's forward (the rest built its inputs)
     sample_seconds: float
@@ -54,7 +54,7 @@ class ModelRunner:
         logits = self.step(batch, previous.out if previous is not None else None)
         t0 = time.perf_counter()
         out = self.sampler(logits, sampled) if sampled else None
-        return RunOutput(sampled, out, self._model_seconds, time.perf_counter() - t0)
+        return RunOutput(out, self._model_seconds, time.perf_counter() - t0)
 
     def _tensor(self, rows: list[int]) -> Tensor:
         if self.device.type == "cuda":  # from pinned memory without blocking: a plain copy would wait for the stream

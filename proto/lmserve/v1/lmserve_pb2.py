@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lmserve/v1/lmserve.proto\x12\nlmserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.lmserve.v1.ChatMessage\"\xb5\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.lmserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.lmserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.lmserve.v1.SamplingParams\x12\x1c\n\x14parse_special_tokens\x18\x06 \x01(\x08\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.lmserve.v1.TopLogprob\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.lmserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.lmserve.v1.Timing\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\"\x86\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.lmserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.lmserve.v1.Timing\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\"\x95\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.lmserve.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1c\n\x14parse_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"C\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc0\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\n \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x16\n\x0enum_parameters\x18\r \x01(\x04\x12\x16\n\x0eserver_version\x18\x0e \x01(\t\x12(\n\x06limits\x18\x0f \x01(\x0b\x32\x18.lmserve.v1.ServerLimits\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x0f\n\x07kernels\x18\x11 \x01(\tB\x0f\n\r_bos_token_id\"\x9a\x04\n\x0cServerLimits\x12\x1c\n\x14max_request_id_chars\x18\x01 \x01(\r\x12\x17\n\x0fmax_input_chars\x18\x02 \x01(\r\x12\x14\n\x0cmax_messages\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12 \n\x18greedy_temperature_below\x18\t \x01(\x02\x12\x1e\n\x16min_repetition_penalty\x18\n \x01(\x02\x12\x1e\n\x16max_repetition_penalty\x18\x0b \x01(\x02\x12 \n\x18max_abs_additive_penalty\x18\x0c \x01(\x02\x12\x11\n\tmax_queue\x18\r \x01(\r\x12\x1b\n\x13max_concurrent_rpcs\x18\x0e \x01(\r\x12\x1e\n\x16max_concurrent_streams\x18\x0f \x01(\r\x12#\n\x1bstream_idle_timeout_seconds\x18\x10 \x01(\x01\x12!\n\x19max_receive_message_bytes\x18\x11 \x01(\r\x12\x1b\n\x13max_health_watchers\x18\x12 \x01(\r*\xea\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x07\x32\xc6\x02\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.lmserve.v1.GenerateRequest\x1a\".lmserve.v1.GenerateStreamResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.lmserve.v1.TokenizeRequest\x1a\x1c.lmserve.v1.TokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.lmserve.v1.GetModelInfoRequest\x1a .lmserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lmserve/v1/lmserve.proto\x12\nlmserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.lmserve.v1.ChatMessage\"\xd2\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x14 \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.lmserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.lmserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.lmserve.v1.SamplingParams\x12\x1c\n\x14parse_special_tokens\x18\x06 \x01(\x08\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.lmserve.v1.TopLogprob\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.lmserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.lmserve.v1.Timing\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\"\x86\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.lmserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.lmserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.lmserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.lmserve.v1.Timing\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\"\x95\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.lmserve.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1c\n\x14parse_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"C\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc0\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\n \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x16\n\x0enum_parameters\x18\r \x01(\x04\x12\x16\n\x0eserver_version\x18\x0e \x01(\t\x12(\n\x06limits\x18\x0f \x01(\x0b\x32\x18.lmserve.v1.ServerLimits\x12\x14\n\x0cquantization\x18\x10 \x01(\t\x12\x0f\n\x07kernels\x18\x11 \x01(\tB\x0f\n\r_bos_token_id\"\x9a\x04\n\x0cServerLimits\x12\x1c\n\x14max_request_id_chars\x18\x01 \x01(\r\x12\x17\n\x0fmax_input_chars\x18\x02 \x01(\r\x12\x14\n\x0cmax_messages\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x05 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x06 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12 \n\x18greedy_temperature_below\x18\t \x01(\x02\x12\x1e\n\x16min_repetition_penalty\x18\n \x01(\x02\x12\x1e\n\x16max_repetition_penalty\x18\x0b \x01(\x02\x12 \n\x18max_abs_additive_penalty\x18\x0c \x01(\x02\x12\x11\n\tmax_queue\x18\r \x01(\r\x12\x1b\n\x13max_concurrent_rpcs\x18\x0e \x01(\r\x12\x1e\n\x16max_concurrent_streams\x18\x0f \x01(\r\x12#\n\x1bstream_idle_timeout_seconds\x18\x10 \x01(\x01\x12!\n\x19max_receive_message_bytes\x18\x11 \x01(\r\x12\x1b\n\x13max_health_watchers\x18\x12 \x01(\r*\xea\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x07\x32\xc6\x02\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1b.lmserve.v1.GenerateRequest\x1a\x1c.lmserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.lmserve.v1.GenerateRequest\x1a\".lmserve.v1.GenerateStreamResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.lmserve.v1.TokenizeRequest\x1a\x1c.lmserve.v1.TokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.lmserve.v1.GetModelInfoRequest\x1a .lmserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmserve.v1.lmserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2790
-  _globals['_FINISHREASON']._serialized_end=3024
+  _globals['_FINISHREASON']._serialized_start=2819
+  _globals['_FINISHREASON']._serialized_end=3053
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_CHATMESSAGE']._serialized_start=65
@@ -40,31 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=111
   _globals['_CHATMESSAGES']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=480
-  _globals['_GENERATEREQUEST']._serialized_start=483
-  _globals['_GENERATEREQUEST']._serialized_end=710
-  _globals['_USAGE']._serialized_start=712
-  _globals['_USAGE']._serialized_end=769
-  _globals['_TOPLOGPROB']._serialized_start=771
-  _globals['_TOPLOGPROB']._serialized_end=832
-  _globals['_TOKENLOGPROB']._serialized_start=834
-  _globals['_TOKENLOGPROB']._serialized_end=934
-  _globals['_TIMING']._serialized_start=936
-  _globals['_TIMING']._serialized_end=1027
-  _globals['_GENERATERESPONSE']._serialized_start=1030
-  _globals['_GENERATERESPONSE']._serialized_end=1286
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1289
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1551
-  _globals['_TOKENIZEREQUEST']._serialized_start=1554
-  _globals['_TOKENIZEREQUEST']._serialized_end=1703
-  _globals['_TOKENIZERESPONSE']._serialized_start=1705
-  _globals['_TOKENIZERESPONSE']._serialized_end=1772
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1774
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1795
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1798
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2246
-  _globals['_SERVERLIMITS']._serialized_start=2249
-  _globals['_SERVERLIMITS']._serialized_end=2787
-  _globals['_TEXTGENERATION']._serialized_start=3027
-  _globals['_TEXTGENERATION']._serialized_end=3353
+  _globals['_SAMPLINGPARAMS']._serialized_end=509
+  _globals['_GENERATEREQUEST']._serialized_start=512
+  _globals['_GENERATEREQUEST']._serialized_end=739
+  _globals['_USAGE']._serialized_start=741
+  _globals['_USAGE']._serialized_end=798
+  _globals['_TOPLOGPROB']._serialized_start=800
+  _globals['_TOPLOGPROB']._serialized_end=861
+  _globals['_TOKENLOGPROB']._serialized_start=863
+  _globals['_TOKENLOGPROB']._serialized_end=963
+  _globals['_TIMING']._serialized_start=965
+  _globals['_TIMING']._serialized_end=1056
+  _globals['_GENERATERESPONSE']._serialized_start=1059
+  _globals['_GENERATERESPONSE']._serialized_end=1315
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1318
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1580
+  _globals['_TOKENIZEREQUEST']._serialized_start=1583
+  _globals['_TOKENIZEREQUEST']._serialized_end=1732
+  _globals['_TOKENIZERESPONSE']._serialized_start=1734
+  _globals['_TOKENIZERESPONSE']._serialized_end=1801
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1803
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1824
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1827
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2275
+  _globals['_SERVERLIMITS']._serialized_start=2278
+  _globals['_SERVERLIMITS']._serialized_end=2816
+  _globals['_TEXTGENERATION']._serialized_start=3056
+  _globals['_TEXTGENERATION']._serialized_end=3382
 # @@protoc_insertion_point(module_scope)
