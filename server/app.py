@@ -128,10 +128,11 @@ class Server:
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
         log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, kernels %s [%s], max batch %d, KV memory %.1f GiB, "
-                 "%s steps, metrics %s) ready in %.1fs",
+                 "%s steps, speculation %s, metrics %s) ready in %.1fs",
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
                  lm.mode, lm.kernels, lm.plan.how if lm.plan else "default", s.engine.max_batch,
                  self.engine.kv_cache_bytes / 2**30, "overlapped" if self.engine.overlap else "sequential",
+                 self.engine.speculation_summary(),
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
                  time.monotonic() - t0)
 

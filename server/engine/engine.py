@@ -26,12 +26,16 @@ from lmserve.model.loader import LoadedModel, release_thread_pool
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
-from .request import FinishReason, Request, RequestValidationError
+from .request import FinishReason, Request, RequestValidationError, SamplingParams
 from .runner import ModelRunner, RunOutput
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation
+
+# auto speculation stays off where verifying a full draft costs more than this many decode steps:
+# with drafts of 4 accepted about half the time a verifying step yields ~2 tokens
+AUTO_SPECULATION_MAX_COST = 2.0
 from .step_cost import StepPacer
 from .streams import ChunkStream, hand_off
 
@@ -186,7 +190,7 @@ class Engine:
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
                                    step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer),
-                                   speculation=self._speculation(s, loaded))
+                                   speculation=None)
         self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
@@ -198,6 +202,8 @@ class Engine:
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs)
+        self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
+        self.scheduler.speculation = self._speculation(s, loaded)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -222,9 +228,44 @@ class Engine:
             if s.speculation == "ngram":
                 raise ValueError("--speculation ngram needs the sequential loop: start with --overlap-steps false")
             return None
-        if s.speculation == "auto" and not loaded.batch_invariant:
-            return None
-        return Speculation(max_draft=s.draft_tokens, max_batch=s.draft_max_batch)
+        spec = Speculation(max_draft=s.draft_tokens, max_batch=s.draft_max_batch)
+        if s.speculation == "auto":
+            if not loaded.batch_invariant:
+                return None
+            self.verify_cost = self._verify_cost(spec.max_draft)
+            if self.verify_cost > AUTO_SPECULATION_MAX_COST:
+                log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
+                         self.verify_cost)
+                return None
+        return spec
+
+    def speculation_summary(self) -> str:
+        """For the startup line: "ngram (...)" or "off", with the measured cost of verifying when auto."""
+        spec = self.scheduler.speculation
+        cost = f", verifying {self.verify_cost:.2f}x a decode step" if self.verify_cost is not None else ""
+        if spec is None:
+            return f"off ({self.settings.speculation}{cost})"
+        return f"ngram (up to {spec.max_draft} drafts while <= {spec.max_batch} decode{cost})"
+
+    @torch.inference_mode()
+    def _verify_cost(self, k: int, rounds: int = 3) -> float:
+        """A batch-1 decode step verifying k drafts over a plain one, timed on this device (median of
+        alternating rounds on slot 0, handed back after)."""
+        seq = Sequence(Request([0], SamplingParams(max_new_tokens=k + 1)))
+        seq.slot, seq.status = 0, SeqStatus.RUNNING
+        batches = (ScheduledBatch(decode=(seq,)), ScheduledBatch(decode=(seq,), drafts=((0,) * k,)))
+        seconds: tuple[list[float], list[float]] = ([], [])
+        for r in range(rounds + 1):  # the first round warms up
+            for batch, times in zip(batches, seconds):
+                t0 = time.perf_counter()
+                self.runner.step(batch)
+                if self.loaded.device.type == "cuda":
+                    torch.cuda.synchronize(self.loaded.device)
+                if r:
+                    times.append(time.perf_counter() - t0)
+        self.cache.release(0)
+        plain, verify = (sorted(t)[len(t) // 2] for t in seconds)
+        return verify / plain
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "Engine":

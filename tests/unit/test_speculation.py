@@ -151,12 +151,19 @@ async def test_mixed_batch_under_kv_pressure_with_prefix_cache_gives_the_same_re
     assert results["ngram"][1].accepted_tokens_total > 0
 
 
-def test_auto_speculates_only_where_it_is_exact(trained):
+def test_auto_speculates_only_where_it_is_exact_and_measured_to_pay(trained, monkeypatch):
     from dataclasses import replace
 
     from lmserve.server.engine import Engine, EngineSettings
+    from lmserve.server.engine import engine as engine_module
 
-    assert Engine(trained, EngineSettings()).scheduler.speculation is not None  # CPU, batch-invariant
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", float("inf"))  # no timing in the test
+    auto = Engine(trained, EngineSettings())
+    assert auto.scheduler.speculation is not None and auto.verify_cost > 0  # measured; CPU, batch-invariant
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", 0.0)  # a device where verifying is dear
+    assert Engine(trained, EngineSettings()).scheduler.speculation is None
+    assert Engine(trained, EngineSettings(speculation="ngram")).scheduler.speculation is not None  # asked for
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", float("inf"))
     assert Engine(trained, EngineSettings(overlap_steps=True)).scheduler.speculation is None
     assert Engine(replace(trained, batch_invariant=False), EngineSettings()).scheduler.speculation is None
     assert Engine(trained, EngineSettings(speculation="off")).scheduler.speculation is None
