@@ -75,7 +75,8 @@ async def _wave(engine, prompts: list[list[int]], max_new: int):
     return out, time.perf_counter() - t0
 
 
-def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int) -> dict:
+def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
+        draft_tokens: int = 4) -> dict:
     """tokens/s with speculation off and on (alternating rounds), acceptance and token identity."""
     from ..engine import Engine, EngineSettings
 
@@ -84,7 +85,8 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
     for _ in range(rounds):
         for mode in rates:  # one engine thread at a time (each keeps its own OpenMP pool)
             engine = Engine(loaded, EngineSettings(max_batch=concurrency, max_model_len=max_model_len,
-                                                   prefix_cache=False, speculation=mode)).start()
+                                                   prefix_cache=False, speculation=mode,
+                                                   draft_tokens=draft_tokens)).start()
             try:
                 asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
                 before = engine.stats()
@@ -117,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per request and step")
     ap.add_argument("--out", default="reports/speculation.json")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
@@ -125,8 +128,8 @@ def main(argv=None) -> int:
     results = []
     for name, ids in prompts.items():
         for c in args.concurrency:
-            r = {"workload": name, "prompt_tokens": len(ids), **run(loaded, ids, c, args.max_new_tokens, args.rounds,
-                                                                   max_model_len)}
+            r = {"workload": name, "prompt_tokens": len(ids), "draft_tokens": args.draft_tokens,
+                 **run(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens)}
             print(json.dumps(r), flush=True)
             results.append(r)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
