@@ -17,8 +17,8 @@ def test_block_hashes_are_chained():
 def test_match_finds_the_longest_shared_prefix_exactly_not_only_whole_blocks():
     pc = PrefixCache(block=4)
     base = list(range(100, 130))
-    e1, _ = pc.insert(0, base[:10], blocks=1)
-    e2, _ = pc.insert(1, base[:7] + [1, 2, 3, 4, 5, 6], blocks=1)
+    e1, _ = pc.insert(0, base[:10], pages=1)
+    e2, _ = pc.insert(1, base[:7] + [1, 2, 3, 4, 5, 6], pages=1)
     entry, n = pc.match(base + [7, 7], limit=100)
     assert (entry, n) == (e1, 10)
     entry, n = pc.match(base[:7] + [1, 2, 3, 9], limit=100)
@@ -30,21 +30,21 @@ def test_match_finds_the_longest_shared_prefix_exactly_not_only_whole_blocks():
 
 def test_an_entry_whose_hashes_collide_is_not_handed_out(monkeypatch):
     pc = PrefixCache(block=4)
-    pc.insert(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks=1)
+    pc.insert(0, [1, 2, 3, 4, 5, 6, 7, 8], pages=1)
     import lmserve.server.engine.prefix_cache as mod
 
     monkeypatch.setattr(mod, "hash", lambda x: 42, raising=False)  # every block hashes alike
     pc2 = PrefixCache(block=4)
-    pc2.insert(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks=1)
+    pc2.insert(0, [1, 2, 3, 4, 5, 6, 7, 8], pages=1)
     assert pc2.match([9, 9, 9, 9, 9, 9, 9, 9, 9], limit=9) == (None, 0)
     assert pc2.match([1, 2, 3, 4, 9, 9, 9, 9, 9], limit=9)[1] == 0  # deepest block "matches" by hash only
 
 
 def test_a_longer_entry_replaces_those_it_covers_and_lru_order():
     pc = PrefixCache(block=4)
-    turn1, _ = pc.insert(0, list(range(8)), blocks=1)
-    other, _ = pc.insert(1, [9] * 8, blocks=1)
-    turn2, dominated = pc.insert(2, list(range(12)), blocks=2)
+    turn1, _ = pc.insert(0, list(range(8)), pages=1)
+    other, _ = pc.insert(1, [9] * 8, pages=1)
+    turn2, dominated = pc.insert(2, list(range(12)), pages=2)
     assert dominated == [turn1] and pc.entries() == [other, turn2] and pc.pages_held == 3
     pc.touch(other)
     assert pc.evict_lru() is turn2 and pc.pages_held == 1
@@ -53,4 +53,4 @@ def test_a_longer_entry_replaces_those_it_covers_and_lru_order():
     other.pinned = 0
     assert pc.evict_lru() is other and len(pc) == 0 and pc.pages_held == 0
     with pytest.raises(ValueError):
-        pc.insert(3, [1, 2], blocks=1)  # shorter than one block: nothing to share
+        pc.insert(3, [1, 2], pages=1)  # shorter than one block: nothing to share
