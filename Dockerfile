@@ -5,8 +5,8 @@
 #   docker build -t lmserve:cpu .                                   # CPU, SmolLM2 baked in
 #   docker build -t lmserve:cuda --build-arg VARIANT=cuda .         # CUDA build of torch
 #   docker build -t lmserve:slim --build-arg BAKE_MODEL=0 .         # no model: mount one at /models
-#   docker run --rm -p 50051:50051 -p 9400:9400 lmserve:cpu
-#   docker run --rm --gpus all -p 50051:50051 -p 9400:9400 lmserve:cuda
+#   docker run --rm -p 50051:50051 -p 8000:8000 -p 9400:9400 lmserve:cpu       # gRPC, OpenAI HTTP, metrics
+#   docker run --rm --gpus all -p 50051:50051 -p 8000:8000 -p 9400:9400 lmserve:cuda
 #
 # Stages: builder (venv: torch first, then the project) -> models (optional `lmserve pull`)
 # -> runtime-<VARIANT> -> runtime (venv + models, non-root, health-checked).
@@ -93,7 +93,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     LMSERVE_MODELS_DIR=/models
 WORKDIR /home/lmserve
 USER 10001:10001
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 # Loading SmolLM2 takes ~10-20 s on CPU: unhealthy results in the start period do not count.
 # The check dials the default port in plaintext; with LMSERVE_PORT or TLS, override it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=90s --retries=3 \

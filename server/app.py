@@ -1,4 +1,5 @@
-"""Assemble and run the server: gRPC (service, health, reflection), engine, metrics, graceful drain."""
+"""Assemble and run the server: gRPC (service, health, reflection) and the OpenAI-compatible HTTP API
+on one event loop and one engine, metrics, graceful drain of both edges."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lmserve.v1 import lmserve_pb2, lmserve_pb2_grpc
 
 from .auth import BearerAuthInterceptor, read_tokens
 from .config import ServerSettings
+from .frontend import Frontend
 from .service import TextGenerationService
 
 log = logging.getLogger("lmserve.server")
@@ -83,7 +85,8 @@ class Server:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.service = TextGenerationService(settings)
+        self.frontend = Frontend(settings)  # what both edges share: one engine, one pool, one drain
+        self.service = TextGenerationService(settings, self.frontend)
         self.health = BoundedHealthServicer(settings.max_health_watchers)  # aio: the blocking one pins threads
         self.engine = None
         self.metrics = None
@@ -91,7 +94,8 @@ class Server:
         self._metrics_http = None
         self._stop = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
-        interceptors = [BearerAuthInterceptor(read_tokens(settings.auth_tokens_file))] if settings.auth_tokens_file else []
+        tokens = read_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else ()
+        interceptors = [BearerAuthInterceptor(tokens)] if tokens else []
         # calls beyond maximum_concurrent_rpcs are answered RESOURCE_EXHAUSTED by grpc itself
         self.grpc = grpc.aio.server(options=grpc_options(settings), interceptors=interceptors,
                                     maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
@@ -101,6 +105,19 @@ class Server:
         addr = f"{settings.host}:{settings.port}"
         creds = server_credentials(settings)
         self.port = self.grpc.add_secure_port(addr, creds) if creds else self.grpc.add_insecure_port(addr)
+        self.http = None
+        if settings.http_port:
+            from .http.app import OpenAIEdge
+            from .http.server import HttpServer
+
+            edge = OpenAIEdge(self.frontend, tokens, max_body_bytes=settings.max_receive_message_bytes,
+                              read_timeout=settings.http_read_timeout)
+            self.http = HttpServer(settings, edge.app)
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None: disabled)."""
+        return None if self.http is None else self.http.port
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -117,6 +134,10 @@ class Server:
         await self._set_liveness(True)
         await self.grpc.start()
         log.info("lmserve bound %s:%d; loading %s", self.settings.host, self.port, self.settings.model)
+        if self.http is not None:
+            await self.http.start()
+            log.info("HTTP API listening on %s://%s:%d (loading the model)", "https" if self.settings.tls_cert else "http",
+                     self.settings.host, self.http_port)
         t0 = time.monotonic()
         self.engine, self.metrics = await asyncio.to_thread(self._load)
         s = self.settings
@@ -127,9 +148,11 @@ class Server:
         await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
-        log.info("lmserve listening on %s:%d (%s, model %s on %s/%s, kernels %s [%s], max batch %d, KV memory %.1f GiB, "
-                 "%s steps, speculation %s, metrics %s) ready in %.1fs",
-                 s.host, self.port, "TLS" if s.tls_cert else "plaintext", s.model, lm.device.type,
+        log.info("lmserve listening on %s:%d (%s, HTTP API %s, model %s on %s/%s, kernels %s [%s], max batch %d, "
+                 "KV memory %.1f GiB, %s steps, speculation %s, metrics %s) ready in %.1fs",
+                 s.host, self.port, "TLS" if s.tls_cert else "plaintext",
+                 f"{'https' if s.tls_cert else 'http'}://{s.host}:{self.http_port}/v1" if self.http else "off",
+                 s.model, lm.device.type,
                  lm.mode, lm.kernels, lm.plan.how if lm.plan else "default", s.engine.max_batch,
                  self.engine.kv_cache_bytes / 2**30, "overlapped" if self.engine.overlap else "sequential",
                  self.engine.speculation_summary(),
@@ -194,6 +217,8 @@ class Server:
             await asyncio.to_thread(self.engine.shutdown)
             await self.service.wait_idle(5.0)  # let the handlers send those statuses
         await self.health.enter_graceful_shutdown()  # ends open Watch streams with NOT_SERVING
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc.stop(grace=1.0)
         await self.service.wait_idle(2.0, stalled_too=True)  # handlers of calls stop() cancelled unwind
         self.service.close()

@@ -1,4 +1,4 @@
-"""Bearer-token authentication for every RPC except health checks."""
+"""Bearer-token authentication for every RPC except health checks (and, through BearerTokens, HTTP requests)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ def read_tokens(path: str | Path) -> tuple[str, ...]:
     return tokens
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+class BearerTokens:
+    """The accepted tokens; checks an `Authorization` value (both edges use this one check)."""
+
     def __init__(self, tokens: tuple[str, ...]):
         self._tokens = tuple(t.encode() for t in tokens)
 
-    def _authorized(self, metadata) -> bool:
-        value = dict(metadata or ()).get("authorization", "")
-        scheme, _, token = value.partition(" ")
+    def accepts(self, authorization: str) -> bool:
+        scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return False
         given = token.strip().encode()
@@ -33,6 +34,14 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         for t in self._tokens:  # compare against every token: time does not reveal which matched
             ok |= hmac.compare_digest(given, t)
         return ok
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, tokens: tuple[str, ...]):
+        self._tokens = BearerTokens(tokens)
+
+    def _authorized(self, metadata) -> bool:
+        return self._tokens.accepts(dict(metadata or ()).get("authorization", ""))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

@@ -25,6 +25,10 @@ class ServerSettings:
     device: str | None = None  # None: cuda if available, else cpu
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port, logged when bound
+    http_port: int = 8000  # the OpenAI-compatible HTTP API, on --host; 0 disables it, -1 binds any free port (logged)
+    http_max_connections: int = 1024  # open HTTP connections at once; beyond: 503 at once
+    http_keep_alive_timeout: float = 30.0  # seconds an idle HTTP keep-alive connection is kept
+    http_read_timeout: float = 30.0  # seconds a request's headers and then its body may take to arrive
     metrics_host: str | None = None  # None: same as host
     metrics_port: int = 9400  # 0 disables the metrics endpoint
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -49,16 +53,23 @@ class ServerSettings:
     def __post_init__(self):
         if not (0 <= self.port < 65536) or not (0 <= self.metrics_port < 65536):
             raise ValueError("ports must be in 0..65535 (port 0: any free port; metrics_port 0 disables metrics)")
+        if not (-1 <= self.http_port < 65536):
+            raise ValueError("--http-port must be in 1..65535 (0 disables the HTTP API, -1 binds any free port)")
+        if self.http_port > 0 and self.http_port == self.port:
+            raise ValueError("--http-port and --port must differ")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.grace_period < 0:
             raise ValueError("--grace-period must be >= 0")
+        for name in ("http_keep_alive_timeout", "http_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
         for name in ("stream_idle_timeout", "max_connection_age", "max_connection_age_grace", "max_connection_idle"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (seconds)")
-        for name in ("input_workers", "max_concurrent_rpcs", "max_concurrent_streams", "max_health_watchers"):
+        for name in ("input_workers", "http_max_connections", "max_concurrent_rpcs", "max_concurrent_streams", "max_health_watchers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_input_chars is not None and self.max_input_chars < 1:
@@ -89,8 +100,15 @@ HELP = {
     "cache_dir": "where measured kernel choices, compiled code and the native CPU kernels built for this machine "
                  "are cached (default: $XDG_CACHE_HOME/lmserve)",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
-    "host": "address the gRPC server binds (0.0.0.0 for all interfaces)",
+    "host": "address the gRPC and HTTP servers bind (0.0.0.0 for all interfaces)",
     "port": "gRPC port (0: any free port, logged when bound)",
+    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; "
+                 "probes /health and /ready), bound on --host with the same TLS and tokens as gRPC "
+                 "(0 disables it; -1 binds any free port, which the startup log names)",
+    "http_max_connections": "open HTTP connections at once; more are answered 503",
+    "http_keep_alive_timeout": "seconds an idle HTTP keep-alive connection is kept open",
+    "http_read_timeout": "seconds an HTTP request's headers, and then its body, may take to arrive "
+                         "(a slow client cannot hold a connection open without sending)",
     "metrics_host": "address of the /metrics endpoint (default: --host)",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
     "max_batch": "most requests admitted at once (the KV memory limits the tokens they hold)",
@@ -119,12 +137,14 @@ HELP = {
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    "auth_tokens_file": "file with one bearer token per line; every RPC but health must carry one",
+    "auth_tokens_file": "file with one bearer token per line; every RPC but health, and every HTTP request but "
+                        "/health and /ready, must carry one (Authorization: Bearer TOKEN)",
     "grace_period": "seconds in-flight requests get to finish after SIGTERM/SIGINT",
-    "max_receive_message_bytes": "largest request message accepted",
+    "max_receive_message_bytes": "largest request message accepted (a gRPC message, an HTTP body)",
     "max_input_chars": "longest prompt, Tokenize text or message content in characters, and most characters of "
                        "all contents of one request (default: 32 per token of context)",
-    "input_workers": "threads that tokenize, render chat templates and validate inputs off the gRPC event loop",
+    "input_workers": "threads that parse, tokenize, render chat templates and validate inputs off the event loop "
+                     "(both edges)",
     "stream_idle_timeout": "seconds a stream's next message may wait for its reader before the stream is cancelled "
                            "and its slot freed (0: no limit)",
     "max_concurrent_rpcs": "calls in progress at once on this server; more get RESOURCE_EXHAUSTED",

@@ -1,4 +1,4 @@
-"""The one place where exceptions become gRPC status codes, with google.rpc.BadRequest details."""
+"""Where exceptions become gRPC statuses, with google.rpc.BadRequest details (the table: edge_errors.py)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,13 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from .engine import EngineUnavailableError
-from .engine.request import RequestValidationError
-from .engine.scheduler import QueueFullError
+from .edge_errors import EdgeError, describe
 
+__all__ = ["EdgeError", "map_errors", "to_status"]
 log = logging.getLogger("lmserve.grpc")
 
 
-class EdgeError(Exception):
-    """An error decided at the edge, carrying its status code (e.g. UNAVAILABLE while draining)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _status(code: grpc.StatusCode, message: str, violations: list[tuple[str, str]] = ()) -> grpc.Status:
+def _status(code: grpc.StatusCode, message: str, violations=()) -> grpc.Status:
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
     if violations:
         detail = any_pb2.Any()
@@ -38,17 +29,9 @@ def _status(code: grpc.StatusCode, message: str, violations: list[tuple[str, str
 
 
 def to_status(exc: BaseException) -> grpc.Status:
-    """Map an exception to the status a caller sees. Unknown errors say nothing of internals."""
-    if isinstance(exc, RequestValidationError):
-        return _status(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {exc}", exc.violations)
-    if isinstance(exc, QueueFullError):
-        return _status(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server overloaded: {exc}; retry later")
-    if isinstance(exc, EngineUnavailableError):
-        return _status(grpc.StatusCode.UNAVAILABLE, "server is not accepting requests (draining or restarting); retry")
-    if isinstance(exc, EdgeError):
-        return _status(exc.code, str(exc))
-    log.error("internal error", exc_info=exc)
-    return _status(grpc.StatusCode.INTERNAL, "internal server error")
+    """Map an exception to the status a caller sees (the table is edge_errors.Failure)."""
+    problem = describe(exc)
+    return _status(grpc.StatusCode[problem.failure.grpc_code_name], problem.message, problem.violations)
 
 
 def map_errors(handler):

@@ -1,14 +1,20 @@
-"""Client input -> engine request, with every limit checked before the work it bounds.
+"""Client input -> engine request, with every limit checked before the work it bounds: one path for both edges.
 
-`precheck_*` run on the event loop and only look at sizes (O(1), or O(messages) after the message
-count is capped). Everything whose cost a client chooses (tokenizing, rendering a chat template,
+Each edge turns its request into a `GenerateInput` (gRPC: `GenerateInput.from_proto`, O(1), it only
+refers to the message's fields; HTTP: server/http/openai_requests.py, on a worker thread), then
+`precheck_generate` and `InputConverter.generate_request` check and convert it the same way for both.
+Field names in violations are the proto's (`params.max_new_tokens`); an edge may rename them.
+
+`precheck_*` only look at sizes (O(1), or O(messages) after the message count is capped) and may run
+on the event loop. Everything whose cost a client chooses (tokenizing, rendering a chat template,
 validating token ids, decoding ids for Tokenize and log-probabilities) is in `InputConverter`, whose
-methods the service runs on its worker threads.
+methods the edges run on their worker threads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from lmserve.model.chat_template import ChatTemplateError
 from lmserve.model.tokenizer import Tokenizer
@@ -35,6 +41,74 @@ class InputLimits:
                    max_prompt_tokens=context_length - 1)
 
 
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message (pb.ChatMessage, which has the same two fields, is accepted wherever this is)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class InputParams:
+    """Sampling parameters as a client gave them; None (or 0 for max_new_tokens) means "unset"."""
+
+    max_new_tokens: int = 0  # 0: the server's default, shortened to what the cap and the context leave
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float | None = None  # None: 1.0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None  # None: 1.0 (off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    speculate: bool = True  # False: this request opts out of speculative decoding
+
+    @classmethod
+    def from_proto(cls, p: pb.SamplingParams) -> "InputParams":
+        return cls(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_k=p.top_k,
+                   top_p=p.top_p if p.top_p != 0 else None, min_p=p.min_p,
+                   repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else None,
+                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                   seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
+                   ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
+                   speculate=not p.disable_speculation)
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """What to generate from, edge-neutral: exactly one of prompt, token_ids and messages is set."""
+
+    prompt: str | None = None
+    token_ids: Sequence[int] | None = None
+    messages: Sequence[ChatTurn] | None = None
+    params: InputParams = field(default_factory=InputParams)
+    request_id: str = ""
+    parse_special_tokens: bool = False
+
+    @property
+    def kind(self) -> str | None:
+        """The input field that is set (prompt, token_ids or messages), or None."""
+        for name in ("prompt", "token_ids", "messages"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+    @classmethod
+    def from_proto(cls, req: pb.GenerateRequest) -> "GenerateInput":
+        """O(1): refers to the message's repeated fields, copies none of them."""
+        kind = req.WhichOneof("input")
+        return cls(prompt=req.prompt if kind == "prompt" else None,
+                   token_ids=req.token_ids.ids if kind == "token_ids" else None,
+                   messages=req.messages.messages if kind == "messages" else None,
+                   params=InputParams.from_proto(req.params), request_id=req.request_id,
+                   parse_special_tokens=req.parse_special_tokens)
+
+
 def request_id_violations(rid: str, limits: InputLimits) -> list[tuple[str, str]]:
     """The id is echoed in every message and written to logs: short, printable ASCII only."""
     if len(rid) > limits.max_request_id_chars:
@@ -44,14 +118,14 @@ def request_id_violations(rid: str, limits: InputLimits) -> list[tuple[str, str]
     return []
 
 
-def _messages_violations(msgs: pb.ChatMessages, field: str, limits: InputLimits) -> list[tuple[str, str]]:
-    n = len(msgs.messages)
+def _messages_violations(msgs: Sequence[ChatTurn], field: str, limits: InputLimits) -> list[tuple[str, str]]:
+    n = len(msgs)
     if n == 0:
         return [(field, "must hold at least one message")]
     if n > limits.max_messages:
         return [(field, f"at most {limits.max_messages} messages, got {n}")]
     v, total, cap = [], 0, limits.max_input_chars
-    for i, m in enumerate(msgs.messages):
+    for i, m in enumerate(msgs):
         if m.role not in CHAT_ROLES:
             v.append((f"{field}[{i}].role", f"must be one of {sorted(CHAT_ROLES)}, got {m.role[:32]!r}"))
         size = len(m.content)
@@ -63,7 +137,7 @@ def _messages_violations(msgs: pb.ChatMessages, field: str, limits: InputLimits)
     return v
 
 
-def _params_violations(p: pb.SamplingParams) -> list[tuple[str, str]]:
+def _params_violations(p: InputParams) -> list[tuple[str, str]]:
     v = []
     if len(p.stop) > MAX_STOP_STRINGS:
         v.append(("params.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"))
@@ -72,17 +146,17 @@ def _params_violations(p: pb.SamplingParams) -> list[tuple[str, str]]:
     return v
 
 
-def precheck_generate(req: pb.GenerateRequest, limits: InputLimits) -> None:
-    """Size limits of a GenerateRequest, checked before any work; raises RequestValidationError."""
+def precheck_generate(req: GenerateInput, limits: InputLimits) -> None:
+    """Size limits of a request, checked before any work; raises RequestValidationError."""
     v = request_id_violations(req.request_id, limits)
-    kind = req.WhichOneof("input")
+    kind = req.kind
     if kind == "prompt":
         if not req.prompt:
             v.append(("prompt", "must not be empty"))
         elif len(req.prompt) > limits.max_input_chars:
             v.append(("prompt", f"at most {limits.max_input_chars} characters, got {len(req.prompt)}"))
     elif kind == "token_ids":
-        n = len(req.token_ids.ids)
+        n = len(req.token_ids)
         if n > limits.max_prompt_tokens:
             v.append(("token_ids", f"has {n} tokens; at most {limits.max_prompt_tokens} fit the context "
                                    "with room to generate"))
@@ -102,7 +176,7 @@ def precheck_tokenize(req: pb.TokenizeRequest, limits: InputLimits) -> None:
         if len(req.text) > limits.max_input_chars:
             v.append(("text", f"at most {limits.max_input_chars} characters, got {len(req.text)}"))
     elif kind == "messages":
-        v += _messages_violations(req.messages, "messages", limits)
+        v += _messages_violations(req.messages.messages, "messages", limits)
     else:
         v.append(("input", "set one of text or messages"))
     if v:
@@ -116,14 +190,14 @@ class InputConverter:
         self.tokenizer = tokenizer
         self.engine = engine
 
-    def _chat(self, msgs: pb.ChatMessages, field: str, add_generation_prompt: bool = True) -> tuple[list[int], str]:
-        messages = [{"role": m.role, "content": m.content} for m in msgs.messages]
+    def _chat(self, msgs: Sequence[ChatTurn], field: str, add_generation_prompt: bool = True) -> tuple[list[int], str]:
+        messages = [{"role": m.role, "content": m.content} for m in msgs]
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:  # the checkpoint's template refused the conversation (raise_exception)
             raise RequestValidationError([(field, f"the model's chat template rejected these messages: {exc}")]) from None
 
-    def _params(self, p: pb.SamplingParams, prompt_len: int) -> SamplingParams:
+    def _params(self, p: InputParams, prompt_len: int) -> SamplingParams:
         s = self.engine.settings
         # unset max_new_tokens: the server default, shortened to what the cap and the context leave
         default = max(1, min(s.default_max_new_tokens, s.max_new_tokens_cap, self.engine.max_model_len - prompt_len))
@@ -131,30 +205,31 @@ class InputConverter:
             max_new_tokens=p.max_new_tokens or default,
             temperature=p.temperature,
             top_k=p.top_k,
-            top_p=p.top_p if p.top_p != 0 else 1.0,
+            top_p=1.0 if p.top_p is None else p.top_p,
             min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
+            repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
-            seed=p.seed if p.HasField("seed") else None,
+            seed=p.seed,
             stop=tuple(p.stop),
             stop_token_ids=frozenset(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-            speculate=not p.disable_speculation,
+            logprobs=p.logprobs,
+            speculate=p.speculate,
         )
 
-    def generate_request(self, req: pb.GenerateRequest, engine_id: str, deadline: float | None) -> Request:
-        """The engine Request of a prechecked GenerateRequest; RequestValidationError names proto fields."""
-        kind = req.WhichOneof("input")
+    def generate_request(self, req: GenerateInput, engine_id: str, deadline: float | None,
+                         origin: str = "") -> Request:
+        """The engine Request of a prechecked input; RequestValidationError names proto fields."""
+        kind = req.kind
         if kind == "prompt":
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=True, parse_special=req.parse_special_tokens)
         elif kind == "token_ids":
-            ids = list(req.token_ids.ids)
+            ids = list(req.token_ids)
         else:
             ids, _ = self._chat(req.messages, "messages")
         request = Request(prompt_ids=ids, params=self._params(req.params, len(ids)), request_id=engine_id,
-                          deadline=deadline)
+                          deadline=deadline, origin=origin)
         try:
             self.engine.validate(request)
         except RequestValidationError as exc:  # name fields as the proto does
@@ -163,7 +238,7 @@ class InputConverter:
 
     def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
         if req.WhichOneof("input") == "messages":
-            ids, _ = self._chat(req.messages, "messages", req.add_generation_prompt)
+            ids, _ = self._chat(req.messages.messages, "messages", req.add_generation_prompt)
         else:
             ids = self.tokenizer.encode(req.text, add_special_tokens=True, parse_special=req.parse_special_tokens)
         tokens = [self.tokenizer.id_to_token(i) or "" for i in ids]

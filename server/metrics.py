@@ -22,6 +22,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
                 0.06, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# the edge a request came through (engine Request.origin): a label of the per-request metrics
+PROTOCOLS = ("grpc", "http")
 
 
 class Metrics:
@@ -35,11 +37,11 @@ class Metrics:
         self._lock = threading.Lock()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds
         self.ttft = Histogram("lmserve_time_to_first_token_seconds", "Arrival to first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["protocol"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("lmserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
                              buckets=STEP_BUCKETS, registry=r)
         self.e2e = Histogram("lmserve_request_duration_seconds", "Arrival to finish of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             ["protocol"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("lmserve_queue_time_seconds", "Arrival to first scheduled step",
                                buckets=LATENCY_BUCKETS, registry=r)
         self.step = Histogram("lmserve_engine_step_duration_seconds", "Duration of one engine step (model + sampling)",
@@ -48,15 +50,18 @@ class Metrics:
                                      buckets=TOKEN_BUCKETS, registry=r)
         self.gen_hist = Histogram("lmserve_request_generated_tokens", "Generated tokens per request",
                                   buckets=TOKEN_BUCKETS, registry=r)
-        self.requests = Counter("lmserve_requests", "Finished requests by final status and finish reason",
-                                ["status", "finish_reason"], registry=r)
+        self.requests = Counter("lmserve_requests", "Finished requests by final status, finish reason and protocol",
+                                ["status", "finish_reason", "protocol"], registry=r)
         self.prompt_tokens = Counter("lmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("lmserve_generated_tokens", "Tokens generated", registry=r)
         self.stream_idle_timeouts = Counter(
             "lmserve_stream_idle_timeouts", "Streams cancelled because their reader took no message for "
             "--stream-idle-timeout seconds", registry=r)
-        for reason in FinishReason:  # every series exists from the start, so rate() counts the first ones
-            self.requests.labels(status=request_status(reason), finish_reason=reason.value)
+        for protocol in PROTOCOLS:  # every series exists from the start, so rate() counts the first ones
+            self.ttft.labels(protocol=protocol)
+            self.e2e.labels(protocol=protocol)
+            for reason in FinishReason:
+                self.requests.labels(status=request_status(reason), finish_reason=reason.value, protocol=protocol)
         # stalls: a long prompt's chunk makes a "mixed" step; its streams wait for all of it
         self.step_by_kind = Histogram("lmserve_step_duration_seconds", "Duration of one engine step by kind: "
                                       "decode (decode rows only), mixed (decode rows + prefill), prefill (prefill only)",
@@ -86,12 +91,14 @@ class Metrics:
             self.itl.observe(gap_seconds)
 
     def on_finish(self, seq, final) -> None:
-        self.requests.labels(status=request_status(final.finish_reason), finish_reason=final.finish_reason.value).inc()
+        protocol = seq.request.origin or "engine"
+        self.requests.labels(status=request_status(final.finish_reason), finish_reason=final.finish_reason.value,
+                             protocol=protocol).inc()
         if seq.first_scheduled is not None:
             self.queue.observe(final.timings.queue_seconds)
         if seq.first_token is not None:
-            self.ttft.observe(final.timings.time_to_first_token_seconds)
-        self.e2e.observe(final.timings.total_seconds)
+            self.ttft.labels(protocol=protocol).observe(final.timings.time_to_first_token_seconds)
+        self.e2e.labels(protocol=protocol).observe(final.timings.total_seconds)
         self.prompt_hist.observe(seq.prompt_len)
         self.gen_hist.observe(len(seq.output_ids))
         self.prompt_tokens.inc(seq.prompt_len)

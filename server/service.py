@@ -1,7 +1,8 @@
-"""The TextGeneration servicer: check sizes, convert proto <-> engine off the loop, stream. Thin by design.
+"""The TextGeneration servicer: proto <-> engine through the shared Frontend, streamed. Thin by design.
 
-The event loop does no work whose size a client chooses: after the O(1) size checks of inputs.py,
-tokenizing, chat rendering, id validation and id decoding run on a small pool of worker threads.
+The event loop does no work whose size a client chooses: the checks and conversion of inputs.py
+(tokenizing, chat rendering, id validation) and id decoding run on the Frontend's worker threads,
+the same path the HTTP edge takes.
 A stream whose reader stops taking messages is cancelled after `stream_idle_timeout` seconds.
 """
 
@@ -9,12 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import itertools
 import logging
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -26,8 +23,9 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 from .engine import request as limits
 from .config import ServerSettings
 from .engine import Engine
-from .grpc_errors import EdgeError, map_errors
-from .inputs import InputConverter, InputLimits, precheck_generate, precheck_tokenize
+from .frontend import Frontend, new_request_id
+from .grpc_errors import map_errors
+from .inputs import GenerateInput, precheck_tokenize
 from .engine.outputs import GenerationChunk, GenerationResult
 from .engine.request import FinishReason
 
@@ -45,45 +43,49 @@ FINISH = {
 }
 
 
-def new_request_id() -> str:
-    """The id a request gets when the caller sent none."""
-    return f"req-{uuid.uuid4().hex[:16]}"
+__all__ = ["TextGenerationService", "new_request_id"]
 
 
 class TextGenerationService(pb_grpc.TextGenerationServicer):
-    def __init__(self, settings: ServerSettings | None = None):
+    def __init__(self, settings: ServerSettings | None = None, frontend: Frontend | None = None):
         self.settings = settings or ServerSettings()
-        self.draining = False
-        self.in_flight = 0
+        self.frontend = frontend or Frontend(self.settings)  # shared with the HTTP edge when there is one
         self.stream_idle_timeouts = 0
         self.on_stream_idle_timeout: Callable[[], None] | None = None  # set to count them in /metrics
-        self._ids = itertools.count(1)
         self._writing: dict[int, tuple[float, asyncio.Task]] = {}  # stream -> (when its pending write started, handler)
         self._idle_expired: set[int] = set()  # streams the idle watch cancelled
         self._idle_watch: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(self.settings.input_workers, thread_name_prefix="lmserve-input")
-        self.engine: Engine | None = None
+
+    # the shared state lives in the Frontend; these read it
+    engine = property(lambda self: self.frontend.engine)
+    in_flight = property(lambda self: self.frontend.in_flight)
+    tokenizer = property(lambda self: self.frontend.tokenizer)
+    model_name = property(lambda self: self.frontend.model_name)
+    limits = property(lambda self: self.frontend.limits)
+    inputs = property(lambda self: self.frontend.inputs)
+
+    @property
+    def draining(self) -> bool:
+        return self.frontend.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.frontend.draining = value
 
     def attach(self, engine: Engine, model_name: str) -> None:
         """Start answering with this engine (until then every RPC is UNAVAILABLE: the model is loading)."""
-        self.tokenizer = engine.loaded.tokenizer
-        self.model_name = model_name
-        self.limits = InputLimits.for_context(engine.max_model_len, self.settings.max_input_chars)
-        self.inputs = InputConverter(self.tokenizer, engine)
-        self.engine = engine
+        self.frontend.attach(engine, model_name)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.frontend.close()
         if self._idle_watch is not None:
             self._idle_watch.cancel()
 
     def _check_ready(self) -> None:
-        if self.engine is None:
-            raise EdgeError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        self.frontend.check_ready()
 
     async def _offload(self, fn, *args):
-        """Run client-sized work on the worker threads, not on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        return await self.frontend.offload(fn, *args)
 
     async def _logprobs(self, chunk_lps) -> list[pb.TokenLogprob]:
         return await self._offload(self.inputs.logprobs, chunk_lps) if chunk_lps else []
@@ -100,30 +102,13 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         return out
 
     async def _chunks(self, req: pb.GenerateRequest, context, rid: str) -> AsyncIterator[GenerationChunk]:
-        self._check_ready()
-        if self.draining:
-            raise EdgeError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
-        precheck_generate(req, self.limits)
+        self.frontend.check_accepting()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        # the engine id is unique even if callers reuse theirs
-        request = await self._offload(self.inputs.generate_request, req, f"{rid}#{next(self._ids)}", deadline)
-        stream = self.engine.generate(request)  # admission errors raise here, before any response
-        self.in_flight += 1
-        try:
-            async for chunk in stream:
-                if chunk.finish_reason is FinishReason.SHUTDOWN:
-                    raise EdgeError(grpc.StatusCode.UNAVAILABLE, "the server stopped before this request finished; retry")
-                if chunk.finish_reason is FinishReason.ERROR:
-                    raise EdgeError(grpc.StatusCode.INTERNAL, chunk.error or "generation failed")
-                if chunk.finish_reason is FinishReason.DEADLINE:
-                    raise EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it finished")
-                if chunk.finish_reason is FinishReason.CANCELLED:
-                    raise EdgeError(grpc.StatusCode.CANCELLED, "the request was cancelled")
+        request = await self._offload(self.frontend.request_for, GenerateInput.from_proto(req), rid, deadline, "grpc")
+        async with contextlib.aclosing(self.frontend.run(request)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            await stream.aclose()
-            self.in_flight -= 1
 
     # ---- RPCs -----------------------------------------------------------------------
     @map_errors

@@ -203,7 +203,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
 
     port, mport = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
-           "--metrics-port", str(mport), "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
+           "--metrics-port", str(mport), "--http-port", "0", "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
            "--prefix-cache", "false",
            "--device", str(device), "--dtype", dtype, "--quantization", quantization]
     if models_dir:

@@ -153,7 +153,7 @@ def serve_stand_in(args) -> int:
             return engine.start(), Metrics(engine, "stand-in")
 
     logging.basicConfig(level="WARNING")
-    settings = ServerSettings(port=0, metrics_port=0, engine=engine_settings(args.max_batch))
+    settings = ServerSettings(port=0, metrics_port=0, http_port=0, engine=engine_settings(args.max_batch))
 
     async def main() -> int:
         server = StandInServer(settings)  # bound to a free port here; the parent reads it from our stdout

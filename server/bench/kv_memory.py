@@ -50,7 +50,7 @@ class Server:
         self.port, self.metrics_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", *flags]
+               "--metrics-port", str(self.metrics_port), "--http-port", "0", "--log-level", "WARNING", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         end = time.monotonic() + 300
         while time.monotonic() < end:

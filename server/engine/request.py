@@ -122,6 +122,7 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
     arrival: float = field(default_factory=time.monotonic)
+    origin: str = ""  # which edge sent it ("grpc", "http"): a metrics label, nothing in the engine reads it
 
     def validate(self, vocab_size: int, max_context: int, max_new_tokens_cap: int | None = None) -> None:
         """Raise RequestValidationError listing every bad field."""

@@ -280,7 +280,7 @@ def test_final_stage_runs_as_numeric_non_root_user(df):
 def test_exposes_the_servers_default_ports(df):
     exposed = {int(p.split("/")[0]) for inst in df.final.all("EXPOSE") for p in inst.args.split()}
     defaults = ServerSettings()
-    assert exposed == {defaults.port, defaults.metrics_port}
+    assert exposed == {defaults.port, defaults.http_port, defaults.metrics_port}
 
 
 def test_environment_is_read_by_the_server(df):

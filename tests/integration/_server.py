@@ -4,6 +4,7 @@
         srv.start(max_batch=4, metrics_port=None)     # flags as ServerSettings names; waits for SERVING
         stub = TextGenerationStub(srv.channel())
         snapshot = srv.metrics()                      # parsed /metrics
+        srv.http_url                                  # the OpenAI-compatible HTTP API, e.g. http://127.0.0.1:PORT/v1
 
 Servers run on the CPU unless a test passes `device` (the same everywhere, GPU host or not).
 The process runs in its own session with LMSERVE_* variables removed from its environment,
@@ -123,6 +124,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self._http_port: int | None = None
         self.log_path: Path | None = None
         self.health_history: list[str] = []  # distinct consecutive health states seen while starting
         self._probe: grpc.Channel | None = None
@@ -154,6 +156,9 @@ class ServerProcess:
     def _spawn(self, flags: dict) -> None:
         self.port = None  # the server binds port 0 and logs the port it got (see _bound_port)
         want_metrics = flags.pop("metrics_port", 0) is not None
+        # the HTTP API binds a port of the system's choosing, read back from the log (http_port=0 disables it)
+        flags.setdefault("http_port", -1)
+        self._http_port = None
         flags.setdefault("device", "cpu")  # the same everywhere; CUDA servers are asked for by name
         if flags["device"] == "cpu":  # the token-exact reference mode the tests' expectations are computed in,
             flags.setdefault("dtype", "float32")  # eager (no compiler run at each start)
@@ -247,6 +252,21 @@ class ServerProcess:
         if self._bound_port() is None:
             raise RuntimeError(f"the server has not bound its port yet\n{self.log_tail()}")
         return f"{HOST}:{self.port}"
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP API's port, as the server logged it when it bound it."""
+        if self._http_port is None:
+            found = wait_until(lambda: re.search(r"HTTP API listening on https?://[^\s:]+:(\d+)", self.log),
+                               self.startup_timeout, 0.05, "the server to log its HTTP port")
+            self._http_port = int(found.group(1))
+        return self._http_port
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (http://127.0.0.1:PORT/v1)."""
+        scheme = "http" if self.credentials is None else "https"
+        return f"{scheme}://{HOST}:{self.http_port}/v1"
 
     @property
     def metrics_url(self) -> str | None:

@@ -21,7 +21,7 @@ from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies, by design
 async def test_a_dead_engine_loop_fails_calls_unavailable_and_exits_non_zero(trained_model_dir):
-    settings = ServerSettings(model=str(trained_model_dir), host=HOST, port=0, metrics_port=0,
+    settings = ServerSettings(model=str(trained_model_dir), host=HOST, port=0, metrics_port=0, http_port=0,
                               device="cpu", dtype="float32", compile="false", grace_period=30,
                               engine=EngineSettings(max_batch=4))
     server = Server(settings)

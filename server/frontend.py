@@ -1,0 +1,102 @@
+"""What the gRPC and HTTP edges share: readiness, draining, the worker pool, and one path from a
+client's input to the engine's chunk stream.
+
+    request = await frontend.offload(frontend.request_for, generate_input, rid, deadline, "grpc")
+    async for chunk in frontend.run(request): ...
+
+`request_for` (size prechecks, tokenizing or chat rendering, engine validation) runs on the worker
+threads, never on the event loop; `run` submits and maps the engine's abnormal endings to EdgeErrors,
+so both edges report them alike. One engine, one pool, one count of calls in flight for the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from .config import ServerSettings
+from .edge_errors import EdgeError, Failure
+from .engine.outputs import GenerationChunk
+from .engine.request import FinishReason, Request
+from .inputs import GenerateInput, InputConverter, InputLimits, precheck_generate
+
+# the engine's abnormal endings, as both edges report them
+_ENDINGS = {
+    FinishReason.SHUTDOWN: (Failure.UNAVAILABLE, "the server stopped before this request finished; retry"),
+    FinishReason.DEADLINE: (Failure.DEADLINE_EXCEEDED, "the request's deadline passed before it finished"),
+    FinishReason.CANCELLED: (Failure.CANCELLED, "the request was cancelled"),
+}
+
+
+def new_request_id() -> str:
+    """The id a request gets when the caller sent none."""
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+class Frontend:
+    """The edges' common half; `attach` gives it the engine once the model is loaded."""
+
+    def __init__(self, settings: ServerSettings | None = None):
+        self.settings = settings or ServerSettings()
+        self.draining = False
+        self.in_flight = 0  # generation calls of either edge between submit and their last chunk
+        self._ids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(self.settings.input_workers, thread_name_prefix="lmserve-input")
+        self.engine = None
+        self.model_name: str | None = None
+
+    def attach(self, engine, model_name: str) -> None:
+        """Start answering with this engine (until then every call is UNAVAILABLE: the model is loading)."""
+        self.tokenizer = engine.loaded.tokenizer
+        self.model_name = model_name
+        self.limits = InputLimits.for_context(engine.max_model_len, self.settings.max_input_chars)
+        self.inputs = InputConverter(self.tokenizer, engine)
+        self.engine = engine
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_ready(self) -> None:
+        if self.engine is None:
+            raise EdgeError(Failure.UNAVAILABLE, "the model is still loading; retry shortly")
+
+    def check_accepting(self) -> None:
+        """Ready and not draining; else UNAVAILABLE (a caller retries on another replica)."""
+        self.check_ready()
+        if self.draining:
+            raise EdgeError(Failure.UNAVAILABLE, "server is draining; retry on another replica")
+
+    async def offload(self, fn, *args):
+        """Run client-sized work on the worker threads, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def request_for(self, inp: GenerateInput, rid: str, deadline: float | None, origin: str) -> Request:
+        """Check and convert an input (on a worker thread); RequestValidationError names proto fields."""
+        precheck_generate(inp, self.limits)
+        # the engine id is unique even if callers reuse theirs
+        return self.inputs.generate_request(inp, f"{rid}#{next(self._ids)}", deadline, origin)
+
+    async def run(self, request: Request, announce: bool = False) -> AsyncIterator[GenerationChunk | None]:
+        """Submit (admission errors raise before any chunk) and yield the chunks; a request that ends
+        abnormally raises EdgeError. Leaving early cancels the request and frees its KV.
+
+        `announce`: first yield None once the engine has admitted the request to its queue, so that
+        an edge can answer (headers, a first event) before the first token."""
+        stream = self.engine.generate(request)
+        self.in_flight += 1
+        try:
+            if announce:
+                yield None
+            async for chunk in stream:
+                if chunk.finish_reason is FinishReason.ERROR:
+                    raise EdgeError(Failure.INTERNAL, chunk.error or "generation failed")
+                if chunk.finish_reason in _ENDINGS:
+                    raise EdgeError(*_ENDINGS[chunk.finish_reason])
+                yield chunk
+        finally:
+            await stream.aclose()
+            self.in_flight -= 1

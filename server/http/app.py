@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP edge as an ASGI app (Starlette), over the same Frontend as gRPC.
+
+    POST /v1/chat/completions, POST /v1/completions   (stream: SSE `data: {...}` events, then `data: [DONE]`)
+    GET  /v1/models, /v1/models/{id}
+    GET  /health (liveness: the engine loop runs and no step is stuck), /ready (503 while loading or draining)
+
+Per request the event loop only reads the body (bounded by --max-receive-message-bytes and
+--http-read-timeout) and moves events; parsing, translation, tokenizing and chat rendering run in one
+hop on the Frontend's worker threads. A client that disconnects cancels its request (its KV is freed).
+Errors are OpenAI's shape with the status of the shared table (server/edge_errors.py); one that happens
+after a stream started is sent as an error event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..auth import BearerTokens
+from ..edge_errors import EdgeError, Failure
+from ..engine.outputs import GenerationResult
+from ..engine.request import RequestValidationError
+from ..frontend import Frontend, new_request_id
+from .errors import error_body, problem_of, render, renamed
+from .openai_requests import OpenAIRequest, check_model, parse_body, translate
+from .openai_responses import DONE, StreamEvents, completion_body, error_event, logprobs_of
+from .sse import EventStream, unless_disconnected
+
+log = logging.getLogger("lmserve.http")
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes need no token, as grpc.health.v1 needs none
+JSON = "application/json"
+
+
+def json_response(body: bytes, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
+def error_response(status: int, body: bytes, rid: str | None = None) -> Response:
+    headers = {"retry-after": "1"} if status in (429, 503) else {}
+    if status == 401:
+        headers["www-authenticate"] = "Bearer"
+    if rid:
+        headers["x-request-id"] = rid
+    return json_response(body, status, headers)
+
+
+class OpenAIEdge:
+    """The handlers; `app` is the ASGI application to serve."""
+
+    def __init__(self, frontend: Frontend, tokens: tuple[str, ...] = (), max_body_bytes: int = 4 * 2**20,
+                 read_timeout: float = 30.0):
+        self.frontend = frontend
+        self.tokens = BearerTokens(tokens) if tokens else None
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
+        self.started = int(time.time())
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/ready", self.ready, methods=["GET"])]
+        self._routes = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    async def app(self, scope, receive, send) -> None:
+        """ASGI entry: bearer tokens first (probes are open), then the routes."""
+        if scope["type"] == "http" and self.tokens is not None and scope["path"] not in OPEN_PATHS:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not self.tokens.accepts(auth.decode("latin-1")):
+                body = error_body(Failure.UNAUTHENTICATED, "missing or invalid bearer token "
+                                  "(send Authorization: Bearer TOKEN)")
+                await error_response(401, body)(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
+
+    # ---- generation ---------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        rid = request.headers.get("x-request-id") or new_request_id()
+        names = None
+        try:
+            self.frontend.check_accepting()
+            raw = await self._body(request)
+            req, engine_request = await self.frontend.offload(self._prepare, raw, chat, rid)
+            names = req.names
+            chunks = self.frontend.run(engine_request, announce=True)
+            await chunks.__anext__()  # admitted (a full queue, a drain: raised here, before any answer)
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            status, body = render(problem_of(exc, names))
+            return error_response(status, body, rid if _printable(rid) else None)
+        headers = {"x-request-id": rid}
+        created = int(time.time())
+        if req.stream:
+            return EventStream(self._events(req, rid, created, chunks), headers)
+        return await self._whole(request, req, rid, created, chunks, headers)
+
+    def _prepare(self, raw: bytes, chat: bool, rid: str):
+        """On a worker thread: body -> OpenAIRequest -> engine Request (the path gRPC requests take)."""
+        req = translate(parse_body(raw), chat)
+        check_model(req, self.frontend.model_name)
+        try:
+            engine_request = self.frontend.request_for(replace(req.input, request_id=rid), rid, None, "http")
+        except RequestValidationError as exc:
+            raise renamed(exc, req.names) from None
+        return req, engine_request
+
+    async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, chunks,
+                     headers: dict) -> Response:
+        async def collect() -> GenerationResult:
+            result = GenerationResult(request_id=rid)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    result.add(chunk)
+            return result
+
+        try:
+            result = await unless_disconnected(request.receive, collect())
+            if result is None:  # the client left: its request was cancelled
+                return Response(status_code=499)
+            lps = None
+            if req.logprobs:
+                lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, result.logprobs, req.chat)
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            status, body = render(problem_of(exc, req.names))
+            return error_response(status, body, rid)
+        body = completion_body(req, rid, created, result.text, result.finish_reason, result.usage, lps)
+        return json_response(body, headers=headers)
+
+    async def _events(self, req: OpenAIRequest, rid: str, created: int, chunks):
+        """The SSE events of a streamed answer; an error after the start is an event, then [DONE]."""
+        events = StreamEvents(req, rid, created)
+        offset = 0
+        try:
+            async with contextlib.aclosing(chunks):
+                if req.chat:
+                    yield events.role()
+                async for chunk in chunks:
+                    lps = None
+                    if req.logprobs:
+                        lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, chunk.logprobs,
+                                                          req.chat, offset)
+                        offset += len(chunk.text)
+                    if chunk.text or chunk.finished or lps:
+                        yield events.piece(chunk.text, lps, chunk.finish_reason)
+                    if chunk.finished and req.include_usage:
+                        yield events.usage(chunk.usage)
+        except Exception as exc:  # noqa: BLE001 - the stream has started: the error becomes an event
+            yield error_event(problem_of(exc, req.names))
+        yield DONE
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, at most max_body_bytes, arriving within read_timeout."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.max_body_bytes:
+                        raise _too_large(self.max_body_bytes)
+                    parts.append(part)
+        except TimeoutError:
+            raise EdgeError(Failure.REQUEST_TIMEOUT, f"the request body did not arrive within {self.read_timeout:g}s "
+                                                     "(--http-read-timeout)") from None
+        return b"".join(parts)
+
+    # ---- models and probes ----------------------------------------------------------------
+    def _model_card(self) -> dict:
+        f = self.frontend
+        return {"id": f.model_name, "object": "model", "created": self.started, "owned_by": "lmserve",
+                "context_length": f.engine.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.frontend.check_ready()
+        except EdgeError as exc:
+            return error_response(*render(problem_of(exc)))
+        return json_response(json.dumps({"object": "list", "data": [self._model_card()]}).encode())
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.frontend.check_ready()
+            model_id = request.path_params["model_id"]
+            if model_id != self.frontend.model_name:
+                raise EdgeError(Failure.NOT_FOUND, f"the model {model_id!r} is not served here; this server serves "
+                                                   f"{self.frontend.model_name!r}", param="model")
+        except EdgeError as exc:
+            return error_response(*render(problem_of(exc)))
+        return json_response(json.dumps(self._model_card()).encode())
+
+    def _state(self) -> tuple[bool, bool, str]:
+        """(alive, ready, what to say)."""
+        engine = self.frontend.engine
+        if engine is None:
+            return True, False, "loading"
+        h = engine.health()
+        if not h.ok:
+            return False, False, h.detail
+        if self.frontend.draining:
+            return True, False, "draining"
+        return True, True, "ok"
+
+    async def health(self, request: Request) -> Response:
+        alive, _, detail = self._state()
+        return json_response(json.dumps({"status": "ok" if alive else detail}).encode(), 200 if alive else 503)
+
+    async def ready(self, request: Request) -> Response:
+        _, ready, detail = self._state()
+        return json_response(json.dumps({"status": detail}).encode(), 200 if ready else 503)
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return error_response(404, error_body(Failure.NOT_FOUND, f"no such path: {request.url.path[:200]} "
+                                              "(this server has /v1/chat/completions, /v1/completions and /v1/models)"))
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return json_response(error_body(Failure.INVALID_ARGUMENT, f"method {request.method} is not allowed on "
+                                         f"{request.url.path[:200]}"), 405)
+
+
+def _too_large(limit: int) -> EdgeError:
+    return EdgeError(Failure.TOO_LARGE, f"the request body is larger than {limit} bytes "
+                                        "(--max-receive-message-bytes)")
+
+
+def _printable(rid: str) -> bool:
+    return len(rid) <= 128 and rid.isascii() and rid.isprintable()

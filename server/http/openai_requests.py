@@ -1,0 +1,266 @@
+"""OpenAI request bodies -> the edge-neutral GenerateInput of inputs.py (the path gRPC takes too).
+
+`parse_body` and `translate` run on the Frontend's worker threads: parsing JSON, walking messages
+and checking types are work whose size the client chooses. Only types and the translation's own
+constraints are checked here; values are checked by the shared path (inputs.py, the engine). Every parameter is either translated,
+accepted because it cannot change the output (`user`, `metadata`, ...), or refused with a 400 that
+names it: nothing that would change the output is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from ..edge_errors import EdgeError, Failure
+from ..engine.request import RequestValidationError
+from ..inputs import ChatTurn, GenerateInput, InputParams
+from .errors import OpenAINames
+
+# OpenAI's default for /v1/completions when max_tokens is left out (chat leaves it to the server)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Accepted as given and not acted on: they cannot change what is generated.
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Known OpenAI parameters this server does not implement; each is a 400 naming it unless null/default.
+UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
+                         "prediction", "reasoning_effort", "web_search_options", "echo", "suffix", "best_of",
+                         "verbosity", "prompt_cache_key", "safety_identifier"})
+_HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "logit_bias": {}, "tools": [], "functions": []}
+# Chat roles the chat template knows; "developer" is OpenAI's newer name for "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+# lmserve's own sampling parameters, accepted beside OpenAI's (as other servers accept them)
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+
+
+class BodyError(RequestValidationError):
+    """A body that is not a usable request (malformed JSON, a wrong type): a 400 naming the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__([(param, message)])
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A translated request: what to generate and how to answer (stream, usage, logprobs)."""
+
+    chat: bool
+    model: str
+    input: GenerateInput
+    names: OpenAINames
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # return log-probabilities (chat: logprobs true; completions: logprobs set)
+    user: str | None = None  # also a conversation key for load balancers (deploy/nginx)
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body; BodyError (a 400) for anything else."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError("body", f"is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise BodyError("body", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise BodyError("body", "is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BodyError("body", f"must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _refuse_constant(name: str):
+    raise BodyError("body", f"is not valid JSON: {name} is not a number JSON allows")
+
+
+def translate(body: dict, chat: bool) -> OpenAIRequest:
+    """A parsed body of /v1/chat/completions (chat) or /v1/completions -> OpenAIRequest."""
+    r = _Reader(body)
+    model = r.get("model", str, required=True)
+    for name in sorted(UNSUPPORTED & body.keys()):
+        value = body[name]
+        if value is not None and _HARMLESS_DEFAULTS.get(name, object()) != value:
+            raise BodyError(name, "is not supported by this server")
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = r.get(max_name, int, low=1)
+    if chat and max_name == "max_completion_tokens" and body.get("max_tokens") is not None:
+        raise BodyError("max_tokens", "set max_tokens or max_completion_tokens, not both")
+    if not chat and max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    stop = r.get("stop", (str, list))
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(_strings(stop, "stop"))
+    if chat:
+        want_logprobs = bool(r.get("logprobs", bool))
+        top = r.get("top_logprobs", int)
+        if top is not None and not want_logprobs:
+            raise BodyError("top_logprobs", "needs logprobs: true")
+        logprobs = (top or 0) if want_logprobs else None
+    else:
+        logprobs = r.get("logprobs", int)
+        want_logprobs = logprobs is not None
+    n = r.get("n", int, low=1)
+    if n not in (None, 1):
+        raise BodyError("n", "only n=1 is served; send n requests (they share the prompt's prefix cache)")
+    _response_format(r.get("response_format", dict))
+    stream = bool(r.get("stream", bool))
+    options = r.get("stream_options", dict)
+    if options is not None and not stream:
+        raise BodyError("stream_options", "is only allowed with stream: true")
+    include_usage = bool(_Reader(options or {}, "stream_options.").get("include_usage", bool))
+    r.get("user", str)
+    params = InputParams(
+        max_new_tokens=max_tokens or 0,
+        temperature=_or(r.get("temperature", float), 1.0),  # OpenAI's default temperature is 1
+        top_p=r.get("top_p", float),
+        seed=r.get("seed", int),
+        stop=stop,
+        presence_penalty=_or(r.get("presence_penalty", float), 0.0),
+        frequency_penalty=_or(r.get("frequency_penalty", float), 0.0),
+        logprobs=logprobs,
+        top_k=_or(r.get("top_k", int), 0),
+        min_p=_or(r.get("min_p", float), 0.0),
+        repetition_penalty=r.get("repetition_penalty", float),
+        ignore_eos=bool(r.get("ignore_eos", bool)),
+        stop_token_ids=tuple(_ints(r.get("stop_token_ids", list) or [], "stop_token_ids")),
+    )
+    if chat:
+        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True)), params=params)
+    else:
+        r.seen.add("prompt")
+        inp = _completion_input(body.get("prompt"), params)
+    unknown = sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT)
+    if unknown:
+        raise BodyError(unknown[0], "is not a parameter of this endpoint")
+    return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
+                         include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"))
+
+
+def _response_format(fmt: dict | None) -> None:
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise BodyError("response_format", f"type {kind!r} needs constrained decoding, which this server does not "
+                                           "offer yet; use type 'text'")
+    raise BodyError("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _messages(raw: list) -> list[ChatTurn]:
+    turns = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BodyError(where, f"must be an object, got {_json_type(m)}")
+        extra = sorted(m.keys() - _MESSAGE_KEYS)
+        if extra:
+            raise BodyError(f"{where}.{extra[0]}", "is not supported by this server")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise BodyError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {str(role)[:32]!r}")
+        turns.append(ChatTurn(_ROLES[role], _content(m.get("content"), f"{where}.content", role)))
+    return turns
+
+
+def _content(content, where: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BodyError(f"{where}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BodyError(where, f"must be a string or a list of text parts, got {_json_type(content)}")
+
+
+def _completion_input(prompt, params: InputParams) -> GenerateInput:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return GenerateInput(prompt=prompt, params=params)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return GenerateInput(token_ids=prompt, params=params)
+    if prompt is None:
+        raise BodyError("prompt", "is required")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise BodyError("prompt", "one prompt per request: send a string or a list of token ids")
+    raise BodyError("prompt", "must be a non-empty string or a list of token ids")
+
+
+def _strings(values: list, name: str) -> list[str]:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise BodyError(f"{name}[{i}]", f"must be a string, got {_json_type(v)}")
+    return values
+
+
+def _ints(values: list, name: str) -> list[int]:
+    for i, v in enumerate(values):
+        if type(v) is not int:
+            raise BodyError(f"{name}[{i}]", f"must be an integer, got {_json_type(v)}")
+    return values
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+class _Reader:
+    """Typed access to a body's fields; remembers which it read."""
+
+    def __init__(self, body: dict, prefix: str = ""):
+        self.body, self.prefix, self.seen = body, prefix, set()
+
+    def get(self, name: str, kind, required: bool = False, low=None, high=None):
+        self.seen.add(name)
+        value = self.body.get(name)
+        where = self.prefix + name
+        if value is None:
+            if required:
+                raise BodyError(where, "is required")
+            return None
+        if kind is float:  # JSON numbers: an integer is a fine float; a bool is neither
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise BodyError(where, f"must be a number, got {_json_type(value)}")
+            value = float(value)
+        elif kind is int:
+            if type(value) is float and value.is_integer():
+                value = int(value)
+            if type(value) is not int:
+                raise BodyError(where, f"must be an integer, got {_json_type(value)}")
+        elif kind is bool:
+            if type(value) is not bool:
+                raise BodyError(where, f"must be true or false, got {_json_type(value)}")
+        elif not isinstance(value, kind):
+            names = {str: "a string", list: "an array", dict: "an object"}
+            want = " or ".join(names[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise BodyError(where, f"must be {want}, got {_json_type(value)}")
+        if low is not None and value < low:
+            raise BodyError(where, f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise BodyError(where, f"must be at most {high}, got {value}")
+        if isinstance(value, str) and kind is str and name == "model" and not value:
+            raise BodyError(where, "must not be empty")
+        return value
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def check_model(req: OpenAIRequest, served: str) -> None:
+    """An unknown model is a 404, as OpenAI answers it."""
+    if req.model != served:
+        raise EdgeError(Failure.NOT_FOUND, f"the model {req.model!r} is not served here; this server serves "
+                                           f"{served!r} (GET /v1/models)", param="model")

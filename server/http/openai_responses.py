@@ -1,0 +1,121 @@
+"""Engine output -> OpenAI response bodies and SSE events (chat.completion[.chunk], text_completion).
+
+The streamed events are built from pre-encoded pieces: per chunk only its text (and log-probabilities,
+when asked for) is JSON-encoded, so a stream costs little more than gRPC's per-message encoding.
+Log-probability objects need each token's text: `logprobs_of` decodes them and runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ..edge_errors import Problem
+from ..engine.outputs import TokenLogprob, Usage
+from ..engine.request import FinishReason
+from .errors import error_body
+from .openai_requests import OpenAIRequest
+
+FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+DONE = b"data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def usage_of(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_surface(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """What one token adds to the text, as (text, bytes): the vocabulary's bytes where they do not depend
+    on context (byte-level BPE), else its piece with sentencepiece's word-boundary mark as a space."""
+    table = tokenizer.token_bytes
+    if table is not None and 0 <= token_id < len(table):
+        raw = table[token_id]
+        return raw.decode("utf-8", errors="replace"), raw
+    piece = tokenizer.id_to_token(token_id) or ""
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte:
+        raw = bytes([int(byte.group(1), 16)])
+        return raw.decode("utf-8", errors="replace"), raw
+    text = piece if token_id in tokenizer.special_ids else piece.replace("\u2581", " ")
+    return text, text.encode("utf-8")
+
+
+def logprobs_of(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0) -> dict:
+    """The choice's `logprobs` object for these tokens (chat: `content` list; completions: parallel lists).
+    `offset`: characters of completion text before these tokens (completions' text_offset)."""
+    def dec(ids: list[int]) -> str:
+        return token_surface(tokenizer, ids[0])[0]
+
+    if chat:
+        def entry(token_id: int, logprob: float) -> dict:
+            text, raw = token_surface(tokenizer, token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+        return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                            for lp in lps]}
+    tokens, offsets = [], []
+    for lp in lps:
+        tokens.append(dec([lp.token_id]))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{dec([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def completion_body(req: OpenAIRequest, rid: str, created: int, text: str, finish: FinishReason,
+                    usage: Usage | None, logprobs: dict | None) -> bytes:
+    """A whole (not streamed) response."""
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                  "finish_reason": FINISH.get(finish, "stop")}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, "stop")}
+        obj = "text_completion"
+    return _dumps({"id": response_id(req, rid), "object": obj, "created": created, "model": req.model,
+                   "choices": [choice], "usage": usage_of(usage)}).encode()
+
+
+def response_id(req: OpenAIRequest, rid: str) -> str:
+    return f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"
+
+
+class StreamEvents:
+    """The SSE events of one streamed response, each `data: {...}\\n\\n` as bytes."""
+
+    def __init__(self, req: OpenAIRequest, rid: str, created: int):
+        self.req = req
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        self._head = (f'data: {{"id":{_dumps(response_id(req, rid))},"object":"{obj}","created":{created},'
+                      f'"model":{_dumps(req.model)},"choices":[')
+        self._tail = ('],"usage":null}\n\n' if req.include_usage else ']}\n\n')
+        self._text_key = '"delta":{"content":' if req.chat else '"text":'
+        self._text_end = '}' if req.chat else ''
+
+    def role(self) -> bytes:
+        """Chat's first event: the assistant's role, no content yet."""
+        return (self._head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+                '"finish_reason":null}' + self._tail).encode()
+
+    def piece(self, text: str, logprobs: dict | None = None, finish: FinishReason | None = None) -> bytes:
+        """New text (with its log-probabilities), and the finish reason on the last one."""
+        fr = "null" if finish is None else f'"{FINISH.get(finish, "stop")}"'
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        return (f'{self._head}{{"index":0,{self._text_key}{_dumps(text)}{self._text_end},"logprobs":{lp},'
+                f'"finish_reason":{fr}}}{self._tail}').encode()
+
+    def usage(self, usage: Usage | None) -> bytes:
+        """With stream_options.include_usage: a last event with no choices and the usage."""
+        return (self._head + '],"usage":' + _dumps(usage_of(usage)) + '}\n\n').encode()
+
+
+def error_event(problem: Problem) -> bytes:
+    """An error after the stream started: sent as an event (then [DONE]); the status is already 200."""
+    return b"data: " + error_body(problem.failure, problem.message, problem.param) + b"\n\n"
