@@ -1,7 +1,7 @@
 """nginx and Prometheus as child processes on loopback, configured from the shipped deploy/ files.
 
-The shipped configs name compose hosts (lmserve-1:50051, ...); the renderers here swap only the
-addresses and file paths, so every other directive under test is the one that ships.
+The shipped configs name compose hosts (lmserve-1:50051, lmserve-1:8000, ...); the renderers here swap
+only the addresses and file paths, so every other directive under test is the one that ships.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import yaml
 
 HOST = "127.0.0.1"
 UPSTREAM_SERVER = re.compile(r"^(\s*)server\s+lmserve-\d+:\d+([^;]*);\s*$", re.M)
-LISTEN = re.compile(r"^(\s*)listen\s+\d+(\s+http2)?\s*;", re.M)
+UPSTREAM_BLOCK = re.compile(r"(upstream\s+(\w+)\s*\{)(.*?)(^\s*\})", re.S | re.M)
+LISTEN = re.compile(r"^(\s*)listen\s+(\d+)(\s+http2)?\s*;", re.M)
+GRPC_UPSTREAM, HTTP_UPSTREAM = "lmserve_backends", "lmserve_http"
+GRPC_PORT, HTTP_PORT = 50051, 8000  # the shipped listeners
 
 
 def owns_listener(pid: int, port: int) -> bool:
@@ -47,18 +50,37 @@ def owns_listener(pid: int, port: int) -> bool:
 # ---------------------------------------------------------------- nginx
 
 
-def render_nginx_conf(shipped: str, backends: list[str], listen_port: int, workdir: Path) -> str:
-    """The shipped nginx.conf with loopback backends, a loopback listener and temp/log paths in `workdir`."""
-    servers = UPSTREAM_SERVER.findall(shipped)
-    if not servers:
-        raise ValueError("no `server lmserve-N:PORT ...;` lines in the upstream block")
-    indent, params = servers[0]
-    lines = "\n".join(f"{indent}server {b}{params};" for b in backends)
-    text = UPSTREAM_SERVER.sub("", shipped, count=len(servers) - 1)
-    text = UPSTREAM_SERVER.sub(lines, text, count=1)
-    text, n = LISTEN.subn(lambda m: f"{m.group(1)}listen {HOST}:{listen_port}{m.group(2) or ''};", text)
-    if n != 1:
-        raise ValueError(f"expected one listen directive, found {n}")
+def render_nginx_conf(shipped: str, backends: list[str], listen_port: int, workdir: Path,
+                      http_backends: list[str] | None = None, http_port: int | None = None) -> str:
+    """The shipped nginx.conf with loopback backends and listeners, and temp/log paths in `workdir`.
+
+    `backends`/`listen_port`: gRPC (upstream lmserve_backends, listen 50051); `http_backends`/
+    `http_port`: the HTTP API (upstream lmserve_http, listen 8000; default: the gRPC backends, and the
+    HTTP listener left out, for configs that only serve gRPC in a test)."""
+    chosen = {GRPC_UPSTREAM: backends, HTTP_UPSTREAM: http_backends or backends}
+
+    def upstream(m: re.Match) -> str:
+        servers = UPSTREAM_SERVER.findall(m.group(3))
+        if not servers:
+            raise ValueError(f"no `server lmserve-N:PORT ...;` lines in upstream {m.group(2)}")
+        indent, params = servers[0]
+        lines = "\n".join(f"{indent}server {b}{params};" for b in chosen[m.group(2)])
+        body = UPSTREAM_SERVER.sub("", m.group(3), count=len(servers) - 1)
+        return m.group(1) + UPSTREAM_SERVER.sub(lines, body, count=1) + m.group(4)
+
+    text, n = UPSTREAM_BLOCK.subn(upstream, shipped)
+    if n != 2:
+        raise ValueError(f"expected the upstreams {GRPC_UPSTREAM} and {HTTP_UPSTREAM}, found {n} upstream blocks")
+    ports = {GRPC_PORT: listen_port, HTTP_PORT: http_port}
+    found = [int(p) for _, p, _ in LISTEN.findall(text)]
+    if sorted(found) != sorted(ports):
+        raise ValueError(f"expected listeners on {sorted(ports)}, found {found}")
+    if http_port is None:  # drop the HTTP server block: listening needs a port of its own
+        start = text.index(f"listen {HTTP_PORT};")
+        block = text.rindex("server {", 0, start)
+        end = text.index("\n    }\n", start) + len("\n    }\n")
+        text = text[:block] + text[end:]
+    text = LISTEN.sub(lambda m: f"{m.group(1)}listen {HOST}:{ports[int(m.group(2))]}{m.group(3) or ''};", text)
     temp = "".join(f"    {kind}_temp_path {workdir / kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     text = text.replace("http {\n", "http {\n" + temp, 1)
     text = text.replace("access_log /dev/stdout", f"access_log {workdir / 'access.log'}")

@@ -108,7 +108,7 @@ def test_probes_are_grpc_health_checks_on_the_served_port(name):
     c = container(deployments()[name])
     settings = settings_from_env(env_of(c))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
+    assert ports == {"grpc": settings.port, "http": settings.http_port, "metrics": settings.metrics_port}
     assert settings.host == "0.0.0.0"  # reachable from the kubelet and other pods
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert set(c[probe]) & {"grpc", "tcpSocket", "httpGet", "exec"} == {"grpc"}, probe
@@ -271,6 +271,16 @@ def test_nginx_upstreams_are_the_compose_replicas():
     listen = int(re.search(r"^\s*listen\s+(\d+)\s+http2\s*;", conf, re.M).group(1))
     published = [p for p in compose()["services"]["nginx"]["ports"]]
     assert any(p.split(":")[-1] == str(listen) for p in published), published
+
+
+def test_nginx_http_upstream_is_the_compose_replicas_http_api():
+    conf = (DEPLOY / "nginx" / "nginx.conf").read_text()
+    upstream = re.search(r"upstream\s+lmserve_http\s*\{(.*?)\}", conf, re.S).group(1)
+    servers = {m.group(1) for m in re.finditer(r"^\s*server\s+(\S+)", upstream, re.M)}
+    assert servers == {f"{name}:{s.http_port}" for name, s in lmserve_services().items()}
+    assert "hash $conversation_key consistent;" in upstream
+    listen = int(re.search(r"^\s*listen\s+(\d+)\s*;", conf, re.M).group(1))
+    assert any(p.split(":")[-1] == str(listen) for p in compose()["services"]["nginx"]["ports"])
 
 
 def test_prometheus_scrapes_every_compose_replica():

@@ -89,7 +89,7 @@ def test_shipped_config_passes_nginx_t_with_only_addresses_swapped(nginx_bin, tm
     for directive in ("grpc_pass grpc://lmserve_backends;", "grpc_read_timeout 600s;", "grpc_send_timeout 600s;",
                       "grpc_next_upstream error timeout", "keepalive 32;"):
         assert directive in shipped and directive in rendered
-    assert [line.split()[1] for line in rendered.splitlines() if line.strip().startswith("server 127.")] == backends
+    assert [line.split()[1] for line in rendered.splitlines() if line.strip().startswith("server 127.")] == backends * 2
 
 
 def test_bench_through_nginx_spreads_calls_over_both_replicas(nginx, replicas, prompts_file, tmp_path):
