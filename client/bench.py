@@ -1,9 +1,11 @@
-"""``lmserve bench``: a streaming load generator for a running lmserve server.
+"""``lmserve bench``: a streaming load generator for a running lmserve server, or (``--api openai
+--url ...``) any OpenAI-compatible server (lmserve's HTTP API, llama.cpp's server, vLLM, ...).
 
 Closed loop (``--concurrency N`` workers, each sends its next request when the previous
 one ends) or open loop (``--rate R``: Poisson arrivals at R requests/s, optionally capped
-at ``--concurrency`` in flight). Every request streams through :class:`AsyncClient`; the
-statistics are computed by :mod:`lmserve.client.bench_stats`.
+at ``--concurrency`` in flight). Every request streams through :class:`AsyncClient` (gRPC) or
+:class:`~lmserve.client.openai_stream.OpenAIStreamClient` (HTTP, SSE), with the same workloads
+and report; the statistics are computed by :mod:`lmserve.client.bench_stats`.
 """
 
 from __future__ import annotations
@@ -24,26 +26,16 @@ from typing import Any
 from . import bench_mixed
 from . import bench_prefix
 from .aio import AsyncClient
+from .bench_request import timed_request
 from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
+from .bench_prompts import WorkItem, flatten_chat, load_prompts, synthetic_workload
 from .cli_args import CliUsageError, add_connection_args, client_kwargs
 from .errors import LmserveError
-from .types import ChatMessage, ModelInfo, SamplingParams
+from .types import ModelInfo, SamplingParams
 
+__all__ = ["BenchConfig", "BenchRun", "WorkItem", "run_bench", "synthetic_workload", "load_prompts", "flatten_chat"]
 DEFAULT_REQUESTS = 50
-_SYSTEM = "You are a helpful assistant."
-_TOPICS = (
-    "the water cycle", "how a CPU cache works", "the printing press", "photosynthesis",
-    "binary search", "the rules of chess", "why the sky is blue", "compound interest",
-    "how vaccines work", "TCP congestion control", "plate tectonics", "the French Revolution",
-)
 
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One prompt of the workload: a string or chat messages, and an optional length cap."""
-
-    prompt: Any
-    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,54 +45,6 @@ class BenchRun:
     records: list[RequestRecord]
     duration: float
     model: ModelInfo | None
-
-
-# ---------------------------------------------------------------- workload
-
-
-def synthetic_workload() -> list[WorkItem]:
-    """A built-in set of chat prompts of short, medium and long length."""
-    items: list[WorkItem] = []
-    for i, topic in enumerate(_TOPICS):
-        short = f"Explain {topic} in one sentence."
-        medium = (f"Explain {topic} to a curious twelve-year-old. Use one concrete example, "
-                  f"avoid jargon, and end with a two-sentence summary.")
-        points = "\n".join(
-            f"{k + 1}. A note about {topic}: its causes, its effects and one example worth remembering."
-            for k in range(8 * (1 + i % 3))
-        )
-        long = f"Read the notes below and write a short, well-organised summary of {topic}.\n\n{points}"
-        for text in (short, medium, long):
-            items.append(WorkItem([ChatMessage("system", _SYSTEM), ChatMessage("user", text)]))
-    return items
-
-
-def load_prompts(path: str | Path) -> list[WorkItem]:
-    """Reads JSON lines of ``{"prompt": str}`` or ``{"messages": [...]}``, optional ``max_new_tokens``."""
-    items = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if "messages" in row:
-                prompt: Any = [ChatMessage(str(m["role"]), str(m["content"])) for m in row["messages"]]
-            else:
-                prompt = str(row["prompt"])
-            cap = row.get("max_new_tokens")
-            items.append(WorkItem(prompt, int(cap) if cap is not None else None))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CliUsageError(f"{path}:{n}: expected {{\"prompt\"}} or {{\"messages\"}} JSON: {e}") from e
-    if not items:
-        raise CliUsageError(f"{path}: no prompts")
-    return items
-
-
-def flatten_chat(prompt: Any) -> Any:
-    """Chat messages -> plain text, for models without a chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n\n".join(m.content for m in prompt if m.role != "system") or ""
 
 
 # ---------------------------------------------------------------- run
@@ -140,27 +84,6 @@ class BenchConfig:
             seed=None if self.seed is None else self.seed + index,
             ignore_eos=self.ignore_eos,
         )
-
-
-async def _one_request(client: AsyncClient, prompt: Any, params: SamplingParams,
-                       timeout: float | None, run_start: float, text: list[str] | None = None) -> RequestRecord:
-    """One streamed request, timed; `text`, when given, collects the answer's pieces."""
-    start = time.perf_counter()
-    events: list[tuple[float, int]] = []
-    prompt_tokens = 0
-    error = None
-    try:
-        async for chunk in client.stream(prompt, params, timeout=timeout):
-            if chunk.token_ids:
-                events.append((time.perf_counter() - start, len(chunk.token_ids)))
-            if text is not None:
-                text.append(chunk.text)
-            if chunk.usage is not None:
-                prompt_tokens = chunk.usage.prompt_tokens
-    except LmserveError as e:
-        error = e.code.name if e.code is not None else type(e).__name__
-    return RequestRecord(start=start - run_start, e2e=time.perf_counter() - start, events=events,
-                         prompt_tokens=prompt_tokens, error=error)
 
 
 class _Jobs:
@@ -210,15 +133,33 @@ async def _open_loop(jobs: _Jobs, rate: float, concurrency: int | None, send, rn
     return list(await asyncio.gather(*tasks))
 
 
+APIS = ("lmserve", "openai")
+
+
+def open_client(target: str, client_options: dict[str, Any] | None = None, api: str = "lmserve",
+                model: str | None = None):
+    """The streaming client of `api`: lmserve's gRPC AsyncClient for a host:port target, or an
+    OpenAIStreamClient for a base URL (http://host:port/v1)."""
+    opts = dict(client_options or {})
+    if api == "openai":
+        from .openai_stream import OpenAIStreamClient
+
+        return OpenAIStreamClient(target, token=opts.get("token"), model=model, ca_file=opts.get("ca_file"),
+                                  timeout=opts.get("timeout"))
+    return AsyncClient(target, **opts)
+
+
 async def run_bench(target: str, config: BenchConfig, items: list[WorkItem], *,
-                    client_options: dict[str, Any] | None = None, progress: bool = True) -> BenchRun:
-    """Runs warmup then the measured phase; returns the measured records."""
+                    client_options: dict[str, Any] | None = None, progress: bool = True, api: str = "lmserve",
+                    model: str | None = None) -> BenchRun:
+    """Runs warmup then the measured phase; returns the measured records. `api`: "lmserve" (gRPC,
+    `target` host:port) or "openai" (`target` a base URL such as http://host:8000/v1)."""
     from tqdm import tqdm
 
     rng = random.Random(config.seed if config.seed is not None else 0)
     items = list(items)
     rng.shuffle(items)
-    async with AsyncClient(target, **(client_options or {})) as client:
+    async with open_client(target, client_options, api, model) as client:
         model = None
         try:
             model = await client.model_info(timeout=config.timeout)
@@ -231,7 +172,7 @@ async def run_bench(target: str, config: BenchConfig, items: list[WorkItem], *,
         run_start = time.perf_counter()
 
         async def send(index: int, item: WorkItem) -> RequestRecord:
-            record = await _one_request(client, item.prompt, config.params(index, item), config.timeout, run_start)
+            record = await timed_request(client, item.prompt, config.params(index, item), config.timeout, run_start)
             if bar is not None:
                 bar.update(1)
             return record
@@ -350,6 +291,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
                       help="run conversations of TURNS turns, each resending the history plus a new message "
                            "(--requests counts conversations); prints TTFT per turn")
+    api = p.add_argument_group("server API")
+    api.add_argument("--api", choices=APIS, default="lmserve",
+                     help="lmserve: the gRPC API at --target; openai: any OpenAI-compatible server at --url "
+                          "(chat prompts to /chat/completions, text to /completions, streamed)")
+    api.add_argument("--url", help="with --api openai: the API's base URL, e.g. http://127.0.0.1:8000/v1")
+    api.add_argument("--model", help="with --api openai: the model to ask for (default: the first of /models)")
     out = p.add_argument_group("output")
     out.add_argument("--json-out", help="write the full report as JSON to this file")
     out.add_argument("--plot", help="draw latency CDF and throughput over time to this PNG (needs matplotlib)")
@@ -368,12 +315,22 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        seed=args.seed, ignore_eos=args.ignore_eos, timeout=args.timeout)
 
 
+def _target(args: argparse.Namespace) -> str:
+    if args.api == "openai":
+        if not args.url:
+            raise CliUsageError("--api openai needs --url (e.g. http://127.0.0.1:8000/v1)")
+        return args.url
+    if args.url or args.model:
+        raise CliUsageError("--url and --model go with --api openai")
+    return args.target
+
+
 async def _run_multi_turn(args: argparse.Namespace, config: BenchConfig, items: list[WorkItem], options: dict):
     if args.multi_turn < 1 or config.requests is None:
         raise CliUsageError("--multi-turn needs TURNS >= 1 and a --requests count (conversations)")
-    async with AsyncClient(args.target, **options) as client:
+    async with open_client(_target(args), options, args.api, args.model) as client:
         model = await client.model_info(timeout=config.timeout)
-        flatten = None if model.has_chat_template else flatten_chat
+        flatten = None if model is None or model.has_chat_template else flatten_chat
         records, turns, duration = await bench_prefix.run_conversations(
             client, items, args.multi_turn, config.concurrency or 1, config.requests, config.params,
             config.timeout, flatten)
@@ -381,6 +338,8 @@ async def _run_multi_turn(args: argparse.Namespace, config: BenchConfig, items: 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mixed and args.api != "lmserve":
+        raise CliUsageError("--mixed sends token-id prompts through lmserve's gRPC API: use --api lmserve")
     if args.mixed:
         return bench_mixed.cmd_mixed(args, {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None})
     config = config_from_args(args)
@@ -392,8 +351,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.multi_turn:
             run, turns = asyncio.run(_run_multi_turn(args, config, items, options))
         else:
-            run = asyncio.run(run_bench(args.target, config, items, client_options=options,
-                                        progress=not args.no_progress))
+            run = asyncio.run(run_bench(_target(args), config, items, client_options=options,
+                                        progress=not args.no_progress, api=args.api, model=args.model))
     except (ValueError, OSError) as e:  # bad TLS flags or certificate files
         raise CliUsageError(str(e)) from e
     agg = aggregate(run.records, run.duration)

@@ -15,7 +15,9 @@ import statistics
 import time
 from typing import Any
 
+from .bench_request import timed_request
 from .bench_stats import RequestRecord
+from .bench_prompts import WorkItem
 from .types import ChatMessage, SamplingParams
 
 # Short common words: byte-level BPE vocabularies (SmolLM2, Llama 3, Qwen2) give each, with its leading
@@ -36,8 +38,6 @@ def shared_system_prompt(tokens: int, seed: int = 0) -> str:
 
 def with_shared_prefix(items: list, tokens: int) -> list:
     """Each work item's system message replaced by one shared system prompt of about `tokens` tokens."""
-    from .bench import WorkItem
-
     system = ChatMessage("system", shared_system_prompt(tokens))
     out = []
     for it in items:
@@ -50,10 +50,6 @@ async def run_conversations(client, items: list, turns: int, concurrency: int, c
                             params_for, timeout: float | None, flatten=None) -> tuple[list[RequestRecord], list[int], float]:
     """`conversations` conversations of `turns` turns, `concurrency` at a time. Returns each request's
     record, its turn number (1-based) in the same order, and the wall duration."""
-    from .bench import _one_request
-
-    from .bench import _one_request  # bench imports this module
-
     records: list[RequestRecord] = []
     turn_of: list[int] = []
     next_conv = iter(range(conversations))
@@ -68,7 +64,7 @@ async def run_conversations(client, items: list, turns: int, concurrency: int, c
             prompt: Any = flatten(history) if flatten else history
             params = params_for(c * turns + t, item)
             text: list[str] = []
-            record = await _one_request(client, prompt, params, timeout, run_start, text)
+            record = await timed_request(client, prompt, params, timeout, run_start, text)
             records.append(record)
             turn_of.append(t + 1)
             if record.error:

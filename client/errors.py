@@ -99,6 +99,12 @@ _CLASS_BY_CODE: dict[grpc.StatusCode, type[LmserveError]] = {
 }
 
 
+def error_from_code(code: grpc.StatusCode, message: str) -> LmserveError:
+    """The :class:`LmserveError` subclass for a status code (for failures that are not gRPC calls,
+    e.g. an OpenAI-compatible server's HTTP status)."""
+    return _CLASS_BY_CODE.get(code, InternalError)(message, code=code)
+
+
 def error_from_rpc(error: grpc.RpcError) -> LmserveError:
     """Maps a failed gRPC call (sync or asyncio) to the matching :class:`LmserveError`.
 

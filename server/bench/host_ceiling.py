@@ -1,13 +1,15 @@
-"""Host-path ceiling: the real engine, tokenizer, sampler and gRPC edge around a zero-cost model.
+"""Host-path ceiling: the real engine, tokenizer, sampler and both edges (gRPC, OpenAI HTTP) around a zero-cost model.
 
     python -m lmserve.server.bench.host_ceiling --out reports/host_ceiling.json
 
 The model's forward is replaced by a stand-in that returns ready-made logits [N, V] (views of a
 bank of rows whose argmax walks through real text, so the detokenizer does real work): what is
 left is everything a GPU does not hide, i.e. scheduling, building the step's inputs, sampling,
-output processing and delivery, then gRPC. Reported per concurrency: tokens/s engine-only (the
-asyncio API) and through gRPC (`lmserve bench`'s client on this machine), the ITL at c=1, and the
-engine's host time per step split by phase. A benchmark, not a test: run it on a quiet machine.
+output processing and delivery, then gRPC or HTTP. Reported per concurrency: tokens/s engine-only
+(the asyncio API) and through gRPC and the HTTP API (`lmserve bench`'s clients on this machine, one
+server, the two edges alternating round by round so that a busy machine weighs on both alike), the
+ITL at c=1, and the engine's host time per step split by phase. A benchmark, not a test: run it on a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -134,11 +136,11 @@ def bench_engine(loaded, concurrencies, max_new: int) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------- through gRPC
+# ---------------------------------------------------------------- through gRPC and HTTP
 
 
 def serve_stand_in(args) -> int:
-    """The gRPC server (service, health, metrics) over an engine with the stand-in model."""
+    """The server (gRPC, health, the HTTP API when --http-port is set) over an engine with the stand-in model."""
     import logging
 
     from lmserve.server.app import Server
@@ -153,11 +155,11 @@ def serve_stand_in(args) -> int:
             return engine.start(), Metrics(engine, "stand-in")
 
     logging.basicConfig(level="WARNING")
-    settings = ServerSettings(port=0, metrics_port=0, http_port=0, engine=engine_settings(args.max_batch))
+    settings = ServerSettings(port=0, metrics_port=0, http_port=args.http_port, engine=engine_settings(args.max_batch))
 
     async def main() -> int:
-        server = StandInServer(settings)  # bound to a free port here; the parent reads it from our stdout
-        print(f"port {server.port}", flush=True)
+        server = StandInServer(settings)  # bound to free ports here; the parent reads them from our stdout
+        print(f"port {server.port} http {server.http_port or 0}", flush=True)
         return await server.run_until_signal()
 
     return asyncio.run(main())
@@ -168,22 +170,30 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f} ms"
 
 
-def bench_grpc(args) -> list[dict]:
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    return present[len(present) // 2] if present else None
+
+
+def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
+    """`lmserve bench` through each edge of one stand-in server; per concurrency the edges alternate
+    for --rounds rounds, and each row holds the median of its rounds."""
     from lmserve.client import Client, UnavailableError
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
     cmd = [sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--serve",
-           "--max-batch", str(max(args.concurrency)), "--model", args.model]
+           "--http-port", "-1" if "http" in edges else "0", "--max-batch", str(max(args.concurrency)),
+           "--model", args.model]
     if args.models_dir:
         cmd += ["--models-dir", args.models_dir]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    rows = []
+    rows: dict[str, list[dict]] = {edge: [] for edge in edges}
     try:
-        line = proc.stdout.readline()  # "port N" once bound, before the stand-in model loads
+        line = proc.stdout.readline()  # "port N http M" once bound, before the stand-in model loads
         if not line.startswith("port "):
             raise RuntimeError(f"the stand-in server did not start (it printed {line!r})")
-        target = f"127.0.0.1:{int(line.split()[1])}"
+        target, http_port = f"127.0.0.1:{int(line.split()[1])}", int(line.split()[3])
         with Client(target) as client:
             deadline = time.monotonic() + 120
             while True:
@@ -195,23 +205,45 @@ def bench_grpc(args) -> list[dict]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("the stand-in server did not become ready")
                 time.sleep(0.2)
+        targets = {"grpc": (target, "lmserve"), "http": (f"http://127.0.0.1:{http_port}/v1", "openai")}
         for c in args.concurrency:
             cfg = BenchConfig(concurrency=c, rate=None, requests=c * args.waves, duration=None, warmup=c,
                               max_new_tokens=args.max_new_tokens, temperature=0.0, seed=None, ignore_eos=True,
                               timeout=120)
-            run = asyncio.run(run_bench(target, cfg, synthetic_workload(), progress=False))
-            agg = aggregate(run.records, run.duration)
-            rows.append({"concurrency": c, "completed": agg.completed, "failed": agg.failed,
-                         "tokens": agg.output_tokens, "tok_per_s": agg.output_token_throughput,
-                         "itl_p50_ms": 1e3 * agg.itl.p50 if agg.itl else None,
-                         "itl_p99_ms": 1e3 * agg.itl.p99 if agg.itl else None})
-            print(f"grpc c={c}: {agg.output_token_throughput:,.0f} tok/s, ITL p50 {_ms(rows[-1]['itl_p50_ms'])}",
-                  flush=True)
+            rounds: dict[str, list] = {edge: [] for edge in edges}
+            for _ in range(args.rounds):
+                for edge in edges:
+                    where, api = targets[edge]
+                    run = asyncio.run(run_bench(where, cfg, synthetic_workload(), progress=False, api=api))
+                    rounds[edge].append(aggregate(run.records, run.duration))
+            for edge in edges:
+                aggs = rounds[edge]
+                row = {"concurrency": c, "rounds": len(aggs), "completed": sum(a.completed for a in aggs),
+                       "failed": sum(a.failed for a in aggs), "tokens": sum(a.output_tokens for a in aggs),
+                       "tok_per_s": _median([a.output_token_throughput for a in aggs]),
+                       "tok_per_s_rounds": [a.output_token_throughput for a in aggs],
+                       "ttft_p50_ms": _median([1e3 * a.ttft.p50 if a.ttft else None for a in aggs]),
+                       "itl_p50_ms": _median([1e3 * a.itl.p50 if a.itl else None for a in aggs]),
+                       "itl_p99_ms": _median([1e3 * a.itl.p99 if a.itl else None for a in aggs])}
+                rows[edge].append(row)
+                print(f"{edge} c={c}: {row['tok_per_s']:,.0f} tok/s, TTFT p50 {_ms(row['ttft_p50_ms'])}, "
+                      f"ITL p50 {_ms(row['itl_p50_ms'])}", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
         proc.stdout.close()
     return rows
+
+
+def edge_ratios(report: dict) -> list[dict]:
+    """HTTP against gRPC per concurrency: throughput ratio and TTFT difference."""
+    out = []
+    for g, h in zip(report.get("grpc", []), report.get("http", [])):
+        out.append({"concurrency": g["concurrency"],
+                    "http_over_grpc_tok_per_s": h["tok_per_s"] / g["tok_per_s"] if g["tok_per_s"] else None,
+                    "http_minus_grpc_ttft_p50_ms": (h["ttft_p50_ms"] - g["ttft_p50_ms"])
+                    if None not in (h["ttft_p50_ms"], g["ttft_p50_ms"]) else None})
+    return out
 
 
 def main(argv=None) -> int:
@@ -222,9 +254,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--waves", type=int, default=2, help="measured requests per concurrency slot through gRPC")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stand-in does no math)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "grpc"])
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the edges per concurrency")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "grpc", "http"])
     ap.add_argument("--out", default=None, help="JSON report path")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--http-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -237,8 +271,14 @@ def main(argv=None) -> int:
     if "engine" not in args.skip:
         loaded = stand_in_loaded(args.model, args.models_dir, max(args.concurrency))
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens)
-    if "grpc" not in args.skip:
-        report["grpc"] = bench_grpc(args)
+    edges = [e for e in ("grpc", "http") if e not in args.skip]
+    if edges:
+        report.update(bench_edges(args, edges))
+    if len(edges) == 2:
+        report["http_vs_grpc"] = edge_ratios(report)
+        for r in report["http_vs_grpc"]:
+            print(f"c={r['concurrency']}: HTTP/gRPC throughput {r['http_over_grpc_tok_per_s']:.2f}x, "
+                  f"TTFT p50 HTTP-gRPC {r['http_minus_grpc_ttft_p50_ms']:+.2f} ms", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

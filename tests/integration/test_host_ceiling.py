@@ -1,5 +1,5 @@
-"""The host-ceiling benchmark end to end (server/bench/host_ceiling.py): the real engine and gRPC edge
-around its zero-cost stand-in model, engine phase and gRPC phase, a tiny run. It checks that the tool
+"""The host-ceiling benchmark end to end (server/bench/host_ceiling.py): the real engine and both edges
+around its zero-cost stand-in model, engine phase, gRPC and HTTP phases, a tiny run. It checks that the tool
 runs and that its report is consistent with what was asked (every request completed, each with its
 tokens), not how fast anything was. Nothing here depends on how a stream's chunks were merged: a fast
 stream may arrive as one message, which leaves no gap to measure, so an ITL may be absent (None)."""
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 
-def test_host_ceiling_reports_both_phases(smollm2_gguf_path, tmp_path):
+def test_host_ceiling_reports_every_phase(smollm2_gguf_path, tmp_path):
     out = tmp_path / "host_ceiling.json"
     proc = subprocess.run([sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--model", str(smollm2_gguf_path),
                            "--concurrency", "1", "4", "--max-new-tokens", "8", "--waves", "1", "--out", str(out)],
@@ -22,9 +22,14 @@ def test_host_ceiling_reports_both_phases(smollm2_gguf_path, tmp_path):
     assert [r["tokens"] for r in report["engine"]] == [8, 32]
     for row in report["engine"]:
         assert row["tok_per_s"] > 0 and row["steps"] >= 8 and set(row["host_ms_per_step"]) >= {"schedule", "sample"}
-    for row in report["engine"] + report["grpc"]:
+    for row in report["engine"] + report["grpc"] + report["http"]:
         assert row["itl_p50_ms"] is None or row["itl_p50_ms"] >= 0
     assert [(r["concurrency"], r["completed"], r["failed"], r["tokens"]) for r in report["grpc"]] \
         == [(1, 1, 0, 8), (4, 4, 0, 32)]
     assert all(r["tok_per_s"] > 0 for r in report["grpc"])
+    assert [(r["concurrency"], r["completed"], r["failed"], r["tokens"]) for r in report["http"]] \
+        == [(1, 1, 0, 8), (4, 4, 0, 32)]
+    assert all(r["tok_per_s"] > 0 and r["ttft_p50_ms"] is not None for r in report["http"])
+    assert [r["concurrency"] for r in report["http_vs_grpc"]] == [1, 4]
+    assert all(r["http_over_grpc_tok_per_s"] > 0 for r in report["http_vs_grpc"])
     assert report["cpu"]["Model name"]
