@@ -25,6 +25,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
 import torch
 
 from .machine import lscpu
@@ -188,6 +189,7 @@ def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
     if args.models_dir:
         cmd += ["--models-dir", args.models_dir]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(proc.pid)
     rows: dict[str, list[dict]] = {edge: [] for edge in edges}
     try:
         line = proc.stdout.readline()  # "port N http M" once bound, before the stand-in model loads
@@ -211,11 +213,17 @@ def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
                               max_new_tokens=args.max_new_tokens, temperature=0.0, seed=None, ignore_eos=True,
                               timeout=120)
             rounds: dict[str, list] = {edge: [] for edge in edges}
+            cpu: dict[str, list] = {edge: [] for edge in edges}  # (server, client) CPU ms per token
             for _ in range(args.rounds):
                 for edge in edges:
                     where, api = targets[edge]
+                    server_cpu, client_cpu = _cpu_seconds(server), time.process_time()
                     run = asyncio.run(run_bench(where, cfg, synthetic_workload(), progress=False, api=api))
-                    rounds[edge].append(aggregate(run.records, run.duration))
+                    agg = aggregate(run.records, run.duration)
+                    rounds[edge].append(agg)
+                    tokens = max(1, agg.output_tokens)
+                    cpu[edge].append((1e3 * (_cpu_seconds(server) - server_cpu) / tokens,
+                                      1e3 * (time.process_time() - client_cpu) / tokens))
             for edge in edges:
                 aggs = rounds[edge]
                 row = {"concurrency": c, "rounds": len(aggs), "completed": sum(a.completed for a in aggs),
@@ -224,10 +232,15 @@ def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
                        "tok_per_s_rounds": [a.output_token_throughput for a in aggs],
                        "ttft_p50_ms": _median([1e3 * a.ttft.p50 if a.ttft else None for a in aggs]),
                        "itl_p50_ms": _median([1e3 * a.itl.p50 if a.itl else None for a in aggs]),
-                       "itl_p99_ms": _median([1e3 * a.itl.p99 if a.itl else None for a in aggs])}
+                       "itl_p99_ms": _median([1e3 * a.itl.p99 if a.itl else None for a in aggs]),
+                       # CPU time per token, server process and bench client: what a busy machine's
+                       # wall-clock numbers cannot show (warm-up requests included, so a little high)
+                       "server_cpu_ms_per_token": _median([c[0] for c in cpu[edge]]),
+                       "client_cpu_ms_per_token": _median([c[1] for c in cpu[edge]])}
                 rows[edge].append(row)
                 print(f"{edge} c={c}: {row['tok_per_s']:,.0f} tok/s, TTFT p50 {_ms(row['ttft_p50_ms'])}, "
-                      f"ITL p50 {_ms(row['itl_p50_ms'])}", flush=True)
+                      f"ITL p50 {_ms(row['itl_p50_ms'])}, server CPU {row['server_cpu_ms_per_token']:.3f} ms/token, "
+                      f"client CPU {row['client_cpu_ms_per_token']:.3f} ms/token", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -235,12 +248,19 @@ def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
     return rows
 
 
+def _cpu_seconds(process) -> float:
+    t = process.cpu_times()
+    return t.user + t.system
+
+
 def edge_ratios(report: dict) -> list[dict]:
-    """HTTP against gRPC per concurrency: throughput ratio and TTFT difference."""
+    """HTTP against gRPC per concurrency: throughput ratio, TTFT difference, server CPU per token ratio."""
     out = []
     for g, h in zip(report.get("grpc", []), report.get("http", [])):
         out.append({"concurrency": g["concurrency"],
                     "http_over_grpc_tok_per_s": h["tok_per_s"] / g["tok_per_s"] if g["tok_per_s"] else None,
+                    "http_over_grpc_server_cpu_per_token": h["server_cpu_ms_per_token"] / g["server_cpu_ms_per_token"]
+                    if g["server_cpu_ms_per_token"] else None,
                     "http_minus_grpc_ttft_p50_ms": (h["ttft_p50_ms"] - g["ttft_p50_ms"])
                     if None not in (h["ttft_p50_ms"], g["ttft_p50_ms"]) else None})
     return out
@@ -278,6 +298,7 @@ def main(argv=None) -> int:
         report["http_vs_grpc"] = edge_ratios(report)
         for r in report["http_vs_grpc"]:
             print(f"c={r['concurrency']}: HTTP/gRPC throughput {r['http_over_grpc_tok_per_s']:.2f}x, "
+                  f"server CPU per token {r['http_over_grpc_server_cpu_per_token']:.2f}x, "
                   f"TTFT p50 HTTP-gRPC {r['http_minus_grpc_ttft_p50_ms']:+.2f} ms", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,7 @@ class OpenAIEdge:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/ready", self.ready, methods=["GET"])]
         self._routes = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
+        self._generate_routes = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions}
 
     async def app(self, scope, receive, send) -> None:
         """ASGI entry: bearer tokens first (probes are open), then the routes."""
@@ -80,6 +81,12 @@ class OpenAIEdge:
                                   "(send Authorization: Bearer TOKEN)")
                 await error_response(401, body)(scope, receive, send)
                 return
+        generate = self._generate_routes.get(scope["path"]) if scope["type"] == "http" else None
+        if generate is not None and scope["method"] == "POST":
+            # the hot path, straight to its handler: no router and no middleware wrapping every event's send
+            response = await generate(Request(scope, receive))
+            await response(scope, receive, send)
+            return
         await self._routes(scope, receive, send)
 
     # ---- generation ---------------------------------------------------------------------
