@@ -28,7 +28,7 @@ from . import bench_prefix
 from .aio import AsyncClient
 from .bench_request import timed_request
 from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
-from .bench_prompts import WorkItem, flatten_chat, load_prompts, synthetic_workload
+from .bench_prompts import WorkItem, flatten_chat, load_prompts, repeating_workload, synthetic_workload
 from .cli_args import CliUsageError, add_connection_args, client_kwargs
 from .errors import LmserveError
 from .types import ModelInfo, SamplingParams
@@ -280,6 +280,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--duration", type=float, default=None, help="stop sending new requests after this many seconds")
     load.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
     load.add_argument("--prompts", help="JSON lines file: {\"prompt\": ...} or {\"messages\": [...]} per line")
+    load.add_argument("--workload", choices=("chat", "repeat"), default="chat",
+                      help="built-in prompts when --prompts is not given: chat (short, medium and long questions) "
+                           "or repeat (code editing, quoting, document QA: answers that repeat the prompt, where "
+                           "speculative decoding pays)")
     load.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless the prompt says")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     load.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens every time")
@@ -343,7 +347,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.mixed:
         return bench_mixed.cmd_mixed(args, {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None})
     config = config_from_args(args)
-    items = load_prompts(args.prompts) if args.prompts else synthetic_workload()
+    if args.prompts:
+        items = load_prompts(args.prompts)
+    else:
+        items = repeating_workload() if args.workload == "repeat" else synthetic_workload()
     if args.shared_prefix_tokens:
         items = bench_prefix.with_shared_prefix(items, args.shared_prefix_tokens)
     options = {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None}

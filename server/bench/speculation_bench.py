@@ -24,7 +24,7 @@ from .machine import lscpu
 
 def workloads(tok) -> dict[str, list[int]]:
     from lmserve.client.bench import synthetic_workload
-    from lmserve.client.bench_workloads import REPEATING
+    from lmserve.client.bench_prompts import REPEATING
 
     out = {name: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
            for name, text in REPEATING.items()}

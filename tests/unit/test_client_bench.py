@@ -90,3 +90,16 @@ def test_plot_with_matplotlib_writes_a_png(tmp_path):
     with LoopbackServer() as srv:
         assert cli.main(["bench", "-t", srv.target, "--requests", "4", "--no-progress", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeat_workload_sends_the_prompts_whose_answers_repeat_them(tmp_path):
+    """--workload repeat: the built-in code-editing, quoting and document-QA prompts, each carrying the
+    text its answer is to repeat."""
+    from lmserve.client.bench_prompts import CODE, DOCUMENT, PASSAGE
+
+    with LoopbackServer() as srv:
+        code = cli.main(["bench", "-t", srv.target, "--requests", "3", "--workload", "repeat", "--no-progress",
+                         "--max-new-tokens", "2"])
+        sent = [r.messages.messages[-1].content for m, r in srv.servicer.requests if m == "GenerateStream"]
+    assert code == 0 and len(sent) == 3
+    assert sorted(text for text in (CODE, PASSAGE, DOCUMENT) if any(text in s for s in sent)) == sorted([CODE, PASSAGE, DOCUMENT])
