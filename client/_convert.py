@@ -248,6 +248,7 @@ def parse_model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
         else {},
         quantization=msg.quantization,
         kernels=msg.kernels,
+        precision_choice=msg.precision_choice,
     )
 
 

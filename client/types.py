@@ -196,6 +196,7 @@ class ModelInfo:
     limits: dict[str, float] = field(default_factory=dict)
     quantization: str = ""
     kernels: str = ""
+    precision_choice: str = ""  # how the precision mode was chosen and why (GetModelInfoResponse.precision_choice)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

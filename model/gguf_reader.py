@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import re
 import struct
@@ -45,7 +46,8 @@ class GGUFCheckpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
-    q41: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q41Blocks of Q4_1 tensors (keep_q41)
+    q41: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q41Blocks of Q4_0/Q4_1 tensors (keep_q41)
+    q80: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q80Blocks of Q8_0 tensors (keep_q41)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -211,7 +213,7 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2 GGUF file (keep_q41: also keep Q4_1 tensors' own blocks).
+    """Read and dequantize a llama/qwen2 GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own blocks).
 
     Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (not llama/qwen2),
     UnsupportedQuantizationError (a tensor type gguf cannot dequantize), ShapeMismatchError
@@ -258,30 +260,35 @@ def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) ->
 
     tensors: dict[str, torch.Tensor] = {}
     q41: dict[str, Any] = {}
+    q80: dict[str, Any] = {}
     for name, expected in shapes.items():  # one tensor at a time: peak memory is one float32 copy
         info = by_name[wanted[name]]
         if info.torch_shape != expected:
             raise ShapeMismatchError(info.name, expected, info.torch_shape)
         w = _dequantize(buf, info, dtype)
-        blocks = _q41_blocks(buf, info) if keep_q41 and len(info.ne) == 2 else None
+        blocks = _quant_blocks(buf, info) if keep_q41 and len(info.ne) == 2 else None
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             w = llama_cpp_unpermute(w, heads).contiguous()
-            if blocks is not None:
-                blocks = type(blocks)(*(llama_cpp_unpermute(t, heads).contiguous() for t in (blocks.q, blocks.d, blocks.m)))
+            if blocks is not None:  # every field is [N, ...] by output row
+                blocks = type(blocks)(*(llama_cpp_unpermute(getattr(blocks, f.name), heads).contiguous()
+                                        for f in dataclasses.fields(blocks)))
         tensors[name] = w
         if blocks is not None:
-            q41[name] = blocks
-    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=q41)
+            (q80 if type(blocks).__name__ == "Q80Blocks" else q41)[name] = blocks
+    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=q41, q80=q80)
 
 
-def _q41_blocks(buf, info: TensorInfo):
-    """A Q4_1 tensor's own codes, steps and minimums (quant.Q41Blocks), or None for other types."""
-    from gguf import GGMLQuantizationType
+def _quant_blocks(buf, info: TensorInfo):
+    """A Q4_0/Q4_1 (quant.Q41Blocks) or Q8_0 (quant.Q80Blocks) tensor's own codes and steps, or None
+    for other types."""
+    from gguf import GGMLQuantizationType as T
 
-    from .quant import Q41Blocks
+    from .quant import Q41Blocks, Q80Blocks
 
-    if info.type_id != GGMLQuantizationType.Q4_1:
+    read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw)}
+    if info.type_id not in read:
         return None
-    n_rows, row_bytes = info.ne[1], info.ne[0] // 32 * 20
-    return Q41Blocks.from_raw(np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(n_rows, row_bytes))
+    block_bytes, parse = read[info.type_id]
+    n_rows, row_bytes = info.ne[1], info.ne[0] // 32 * block_bytes
+    return parse(np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(n_rows, row_bytes))

@@ -9,8 +9,9 @@ is converted once (`LlamaForCausalLM.prepare_for_inference`):
   picks the kernel per role by measuring on this machine (precision.py); without a plan the
   default here keeps the weight's dtype and, on CPU in float32, prepacks it for oneDNN.
 
-GGUF Q4_1 tensors arrive with their blocks attached (`linear.q41`), so int4 serves the file's
-own 4-bit codes instead of re-quantizing the dequantized floats.
+GGUF Q4_0/Q4_1 and Q8_0 tensors arrive with their blocks attached (`linear.q41`, `linear.q80`), so
+int4 (and the native int8 kernel) serve the file's own codes instead of re-quantizing the
+dequantized floats.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def inference_linear(weight: Tensor, bias: Tensor | None = None) -> nn.Module:
 
 def source_of(*layers: nn.Linear) -> WeightSource:
     """The concatenated weight (and Q4_1 blocks, when every part has them) of same-input linears."""
-    return WeightSource.cat([WeightSource(m.weight, m.bias, getattr(m, "q41", None)) for m in layers])
+    return WeightSource.cat([WeightSource(m.weight, m.bias, getattr(m, "q41", None), getattr(m, "q80", None)) for m in layers])
 
 
 def fuse_linears(role: str, *layers: nn.Linear) -> nn.Module:
@@ -49,7 +50,7 @@ def planned_linears(kernels: dict[str, str], dtype: torch.dtype):
     """A `make` for prepare_for_inference: each role on its planned kernel, computing in `dtype`."""
     def make(role: str, *layers: nn.Linear) -> nn.Module:
         src = source_of(*layers)
-        return build(kernels[role], WeightSource(src.weight.detach().float(), src.bias, src.q41), dtype)
+        return build(kernels[role], WeightSource(src.weight.detach().float(), src.bias, src.q41, src.q80), dtype)
     return make
 
 

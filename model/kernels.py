@@ -13,6 +13,13 @@ are measured here, on the model's real shapes, at load:
 - int8:   torch's weight-only int8 kernel, one scale per output row, bfloat16/float16 activations
 - int4:   torch's weight-only int4 kernel, groups of 32 along K with a scale and a zero each
           (GGUF Q4_1 maps onto it as it is; see quant.py), bfloat16 activations
+- native-int8 / native-int4: the project's kernel (quant_matmul.py) on GGUF Q8_0 / Q4_0-Q4_1
+          blocks, activations quantized per row and block of 32 to two int8 codes (~16 bits),
+          integer dot products; its cost grows slowly with the rows (weights are unpacked once
+          for up to 8 rows). native-int8-a8 takes one int8 code per activation (half the dot
+          products), for the LM head, whose output the int8 step barely moves. Q8_0 blocks (a step
+          per 32 weights) are finer than torch int8's step per row: the mode's quality check
+          (precision.py) covers the kernels chosen.
 
 Invariance: a kernel is batch-invariant when every output row is bitwise the same whatever other
 rows share the call (1 row, a decode batch, a packed prompt). Some GEMMs change their blocking or
@@ -29,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant import GROUP, Q41Blocks, int4_pack, int8_per_channel, quantize_q41
+from . import quant_matmul as QM
+from .quant import GROUP, Q41Blocks, Q80Blocks, int4_pack, int8_per_channel, quantize_q41, quantize_q80
 
 ROLES = ("qkv", "o", "gate_up", "down", "head")
 DECODE_BUCKETS = (1, 8, 32)  # batch sizes the choice is timed at
@@ -182,13 +190,50 @@ class Int4Linear(ServingLinear):
         return weight_only(self, x, int4_mm, int4_mm_eager, self.packed, self.scale_zero)
 
 
+@torch.library.custom_op("lmserve::native_qmm", mutates_args=())
+def native_qmm(x: Tensor, packed: Tensor, bits: int, n: int, precise: bool) -> Tensor:
+    return native_qmm_eager(x, packed, bits, n, precise)
+
+
+@native_qmm.register_fake
+def _(x, packed, bits, n, precise):
+    return x.new_empty(x.shape[0], n)
+
+
+def native_qmm_eager(x: Tensor, packed: Tensor, bits: int, n: int, precise: bool) -> Tensor:
+    return QM.default_kernel()(x, packed, bits, n, precise)
+
+
+class NativeQuantLinear(ServingLinear):
+    """GGUF-style blocks on the native kernel (quant_matmul.py): Q4_0/Q4_1 (bits 4) or Q8_0 (bits 8);
+    precise: activations as two int8 codes (~16 bits), else one."""
+
+    def __init__(self, blocks: Q41Blocks | Q80Blocks, bias: Tensor | None, precise: bool = True):
+        super().__init__(*blocks.q.shape, bias)
+        if QM.default_kernel() is None:
+            raise RuntimeError("the native quantized kernel is not built here")
+        if not QM.QuantMatmul.supports(self.out_features, self.in_features):
+            raise ValueError(f"the native quantized kernel needs N % {QM.GROUP_COLS} and K % {GROUP} to be 0")
+        self.bits = 4 if isinstance(blocks, Q41Blocks) else 8
+        self.precise = precise
+        self.kernel = f"native-int{self.bits}" + ("" if precise else "-a8")
+        packed = QM.pack_q4(blocks) if self.bits == 4 else QM.pack_q8(blocks)
+        self.register_buffer("packed", packed, persistent=False)  # [N/16 * K/32 * 320 or 544] uint8
+
+    def forward(self, x: Tensor) -> Tensor:
+        return weight_only(self, x, native_qmm, native_qmm_eager, self.packed, self.bits, self.out_features,
+                           self.precise)
+
+
 @dataclass
 class WeightSource:
-    """What a serving linear is built from: the float32 weight and, for GGUF Q4_1, its blocks."""
+    """What a serving linear is built from: the float32 weight and, for GGUF Q4_0/Q4_1 or Q8_0
+    tensors, their blocks."""
 
     weight: Tensor  # [N, K] float32 (dequantized when the file is quantized)
     bias: Tensor | None = None
     q41: Q41Blocks | None = None
+    q80: Q80Blocks | None = None
 
     @staticmethod
     def cat(parts: list["WeightSource"]) -> "WeightSource":
@@ -196,7 +241,8 @@ class WeightSource:
             return parts[0]
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         q41 = Q41Blocks.cat([p.q41 for p in parts]) if all(p.q41 is not None for p in parts) else None
-        return WeightSource(torch.cat([p.weight for p in parts]), bias, q41)
+        q80 = Q80Blocks.cat([p.q80 for p in parts]) if all(p.q80 is not None for p in parts) else None
+        return WeightSource(torch.cat([p.weight for p in parts]), bias, q41, q80)
 
 
 def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
@@ -216,6 +262,15 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
         if src.weight.shape[1] % GROUP:
             raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
         return Int4Linear(src.q41 if src.q41 is not None else quantize_q41(src.weight), bias, dtype)
+    if kernel == "native-int4":
+        if src.weight.shape[1] % GROUP:
+            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
+        return NativeQuantLinear(src.q41 if src.q41 is not None else quantize_q41(src.weight).half_steps(), bias)
+    if kernel in ("native-int8", "native-int8-a8"):
+        if src.weight.shape[1] % GROUP:
+            raise ValueError(f"native int8 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
+        return NativeQuantLinear(src.q80 if src.q80 is not None else quantize_q80(src.weight), bias,
+                                 precise=kernel == "native-int8")
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -233,10 +288,13 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 
 def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.device) -> list[str]:
     """Kernels that compute `role` in this mode; all give the same product up to rounding."""
-    if quantization == "int8" or (quantization == "int4" and role == "head"):
-        return ["int8"]  # the LM head stays int8 in int4 mode (GGUF files store it as Q8_0)
+    native = device.type == "cpu" and QM.default_kernel() is not None
+    if role == "head" and quantization in ("int8", "int4"):  # the LM head stays int8 in int4 mode (GGUF: Q8_0)
+        return ["int8", *(["native-int8-a8"] if native else [])]
+    if quantization == "int8":
+        return ["int8", *(["native-int8"] if native else [])]
     if quantization == "int4":
-        return ["int4"]
+        return ["int4", *(["native-int4"] if native else [])]
     if device.type != "cpu":
         return ["dense"]
     return ["dense", "onednn", "onednn-m2", "onednn-c16"] if onednn_supports(dtype) else ["dense"]
@@ -313,16 +371,29 @@ def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.d
     return measured, None
 
 
+BUCKET_WEIGHTS = {1: 2.0}  # batch 1 weighs as much as the other buckets together; the rest 1 each
+
+
+def speed_score(seconds: dict[int, float], best: dict[int, float]) -> float:
+    """Mean over the buckets of time relative to the best at that bucket, batch 1 weighted by
+    BUCKET_WEIGHTS: 1.0 is fastest everywhere. A lone user (batch 1) is the first thing anyone
+    tries, so a kernel or mode slow at batch 1 cannot win on large batches alone (with equal
+    weights, bfloat16 beat int4 on a 2-core EPYC while serving one stream at half int4's rate)."""
+    w = {b: BUCKET_WEIGHTS.get(b, 1.0) for b in best}
+    return sum(w[b] * seconds[b] / (best[b] or 1e-9) for b in best) / sum(w.values())
+
+
 def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurement | None:
-    """The fastest allowed kernel, scoring each by the sum over buckets of its time relative to the
-    best at that bucket (so batch 1 and batch 32 count alike)."""
+    """The fastest allowed kernel by speed_score (time relative to the best at each bucket, batch 1
+    weighted)."""
     allowed = [m for m in measured if m.invariant or not batch_invariant]
     if not allowed:
         return None
     best = {b: min(m.seconds[b] for m in allowed) for b in allowed[0].seconds}
-    return min(allowed, key=lambda m: sum(m.seconds[b] / best[b] for b in best))
+    return min(allowed, key=lambda m: speed_score(m.seconds, best))
 
 
 __all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "OneDNNLinearChunked", "Int8Linear", "Int4Linear",
+           "NativeQuantLinear",
            "WeightSource", "build", "candidates", "onednn_supports", "rows_invariant", "time_layers", "time_candidates",
-           "measure_role", "pick", "RoleMeasurement"]
+           "measure_role", "pick", "speed_score", "BUCKET_WEIGHTS", "RoleMeasurement", "native_qmm"]

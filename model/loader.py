@@ -57,6 +57,13 @@ class LoadedModel:
         return self.plan.mode.name if self.plan else str(self.dtype).removeprefix("torch.")
 
     @property
+    def choice(self) -> str:
+        """How the mode and kernels were chosen and why, e.g. "measured in 40.1s: bfloat16+int4: speed score ..."."""
+        if self.plan is None:
+            return "default"
+        return f"{self.plan.how}: {self.plan.reason}" if self.plan.reason else self.plan.how
+
+    @property
     def kernels(self) -> str:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
@@ -167,12 +174,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str, prepare: bool = True, plan: Plan | None = None,
-                q41: dict | None = None) -> LlamaForCausalLM:
+                q41: dict | None = None, q80: dict | None = None) -> LlamaForCausalLM:
     """Check names and shapes against the config, then materialize the model (no random init).
 
     prepare: fuse the linear layers and build them for serving (LlamaForCausalLM.prepare_for_inference):
-    with a plan, each role on its planned kernel, built from the float32 weights (and q41, GGUF
-    Q4_1 blocks by tensor name); without, the default kernel for dtype.
+    with a plan, each role on its planned kernel, built from the float32 weights (and q41 / q80,
+    GGUF Q4_0-Q4_1 / Q8_0 blocks by tensor name); without, the default kernel for dtype.
     """
     shapes = expected_shapes(cfg)
     missing = [n for n in shapes if n not in tensors]
@@ -189,8 +196,11 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name, blocks in (q41 or {}).items():
-        model.get_submodule(name.removesuffix(".weight")).q41 = blocks
+    for attr, blocks_by_name in (("q41", q41), ("q80", q80)):
+        for name, blocks in (blocks_by_name or {}).items():
+            setattr(model.get_submodule(name.removesuffix(".weight")), attr, blocks)
+            if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
+                setattr(model.lm_head, attr, blocks)  # the tied head serves the file's own blocks too
     model = model.eval().requires_grad_(False)
     if prepare:
         model.prepare_for_inference(planned_linears(plan.kernels, dtype) if planned else fuse_linears)
@@ -268,11 +278,12 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         raise ValueError(f"compile must be true, false or auto, got {compile!r}")
     path = resolve_model(str(spec), models_dir=models_dir)
     q41: dict = {}
+    q80: dict = {}
     if path.is_file() and path.suffix == ".gguf":
         from .gguf_reader import read_gguf
 
         ckpt = read_gguf(path, keep_q41=True)
-        cfg, tensors, q41 = ckpt.config, ckpt.tensors, ckpt.q41
+        cfg, tensors, q41, q80 = ckpt.config, ckpt.tensors, ckpt.q41, ckpt.q80
         tokenizer = Tokenizer.from_gguf_fields(ckpt.metadata)
         del ckpt
     elif path.is_dir():
@@ -281,15 +292,19 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     else:
         raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
     def build(plan: Plan) -> LlamaForCausalLM:
-        return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41)
+        return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41, q80=q80)
 
-    probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41)  # shares the tensors
+    probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41, q80=q80)  # shares the tensors
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if device.type == "cpu":
+        from . import quant_matmul
+
+        quant_matmul.use_cache_dir(cache_dir)  # the native quantized kernel, when measured or planned
     plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)
     del probe
     model = build(plan)
     attention = attention_and_fused_ops(model, device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
-    del tensors, q41
+    del tensors, q41, q80
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
     model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes

@@ -1,6 +1,7 @@
 """The project's native CPU kernels (model/*.cpp), compiled for this machine on first use.
 
-One shared library holds them all (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp; native_common.h). It is compiled with the
+One shared library holds them all (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp,
+quant_matmul.cpp; native_common.h). It is compiled with the
 system C++ compiler (`-O3 -march=native -fopenmp`, ~3 s), cached under `<cache_dir>/kernels` per
 (sources, compiler, CPU), and loaded with ctypes: no torch headers, so building is quick, and
 OpenMP resolves to the runtime torch has already loaded. Without a compiler the callers keep the
@@ -22,7 +23,7 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _BUILD_SECONDS = 180
 
 
-def _identity() -> str:
+def _identity(march: str = "native", sources=SOURCES) -> str:
     """What the built library depends on: the sources, the compiler and this CPU's instruction set."""
     cxx = os.environ.get("CXX", "g++")
     try:
@@ -38,25 +39,30 @@ def _identity() -> str:
                     break
     except OSError:
         pass
-    h = hashlib.sha256(version.encode() + flags.encode())
-    for src in [*SOURCES, *HEADERS]:
+    h = hashlib.sha256(version.encode() + flags.encode() + march.encode())
+    for src in [*sources, *HEADERS]:
         h.update(src.name.encode() + src.read_bytes())
     return h.hexdigest()[:20]
 
 
-def build(cache_dir: Path) -> tuple[ctypes.CDLL | None, str]:
-    """The library for this machine (compiled on first use, then cached), or None and why not."""
+def build(cache_dir: Path, march: str = "native", sources=SOURCES) -> tuple[ctypes.CDLL | None, str]:
+    """The library for this machine (compiled on first use, then cached), or None and why not.
+
+    march: the instruction set compiled for, optionally followed by more -m flags; "native"
+    serves, another (e.g. "x86-64-v3": AVX2, no AVX-512; "x86-64-v3 -mavxvnni") lets tests run a
+    narrower path of the kernels on this machine, with `sources` a subset of SOURCES."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         return None, f"no C++ compiler ({cxx}) on PATH"
-    target = Path(cache_dir) / "kernels" / f"lmserve-native-{_identity()}.so"
+    target = Path(cache_dir) / "kernels" / f"lmserve-native-{_identity(march, sources)}.so"
     if not target.is_file():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / target.name
-                cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
-                       *map(str, SOURCES), "-o", str(out)]
+                arch, *more = march.split()
+                cmd = [cxx, "-O3", f"-march={arch}", *more, "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+                       *map(str, sources), "-o", str(out)]
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_SECONDS)
                 if done.returncode != 0:
                     return None, f"compiling the native kernels failed: {done.stderr.strip()[-300:]}"
@@ -69,6 +75,20 @@ def build(cache_dir: Path) -> tuple[ctypes.CDLL | None, str]:
         return None, f"loading the native kernels failed: {exc}"
 
 
+_LOADED: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+
+
+def load(cache_dir: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """build(cache_dir) once per process (default: precision.default_cache_dir())."""
+    if cache_dir is None:
+        from .precision import default_cache_dir
+        cache_dir = default_cache_dir()
+    key = str(Path(cache_dir).resolve())
+    if key not in _LOADED:
+        _LOADED[key] = build(Path(cache_dir))
+    return _LOADED[key]
+
+
 def rows_packed(x):
     """x with its last two dimensions (heads, head_dim) packed, as the kernels read them; the rows
     before them may sit anywhere (their stride is passed). A copy only when they are not."""
@@ -77,4 +97,4 @@ def rows_packed(x):
     return x
 
 
-__all__ = ["build", "rows_packed", "SOURCES"]
+__all__ = ["build", "load", "rows_packed", "SOURCES"]

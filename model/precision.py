@@ -58,6 +58,7 @@ class Plan:
     kernels: dict[str, str]  # role -> kernel
     how: str = "default"  # "default", "measured in N s", "cached"
     measurements: dict = field(default_factory=dict)
+    reason: str = ""  # why this mode won (choice_reason), when it was measured
 
     def describe(self) -> str:
         """Short text for the startup line, GetModelInfo and `lmserve info`."""
@@ -133,18 +134,19 @@ def cache_key(source: Path, request: dict) -> str:
 
 def _plan_to_json(plan: Plan) -> dict:
     return {"dtype": str(plan.mode.dtype).removeprefix("torch."), "quantization": plan.mode.quantization,
-            "kernels": plan.kernels, "measurements": plan.measurements}
+            "kernels": plan.kernels, "measurements": plan.measurements, "reason": plan.reason}
 
 
 def _plan_from_json(d: dict) -> Plan:
-    return Plan(Mode(DTYPES[d["dtype"]], d["quantization"]), dict(d["kernels"]), "cached", d.get("measurements", {}))
+    return Plan(Mode(DTYPES[d["dtype"]], d["quantization"]), dict(d["kernels"]), "cached", d.get("measurements", {}),
+                d.get("reason", ""))
 
 
 # ---- measuring -----------------------------------------------------------------------------------
 def _role_sources(model) -> dict[str, list[K.WeightSource]]:
     """Float32 sources of each role for the first layers (TIMED_BYTES of them), from an unprepared model."""
     def src(*linears):
-        return K.WeightSource.cat([K.WeightSource(m.weight, m.bias, getattr(m, "q41", None)) for m in linears])
+        return K.WeightSource.cat([K.WeightSource(m.weight, m.bias, getattr(m, "q41", None), getattr(m, "q80", None)) for m in linears])
     per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     layers = list(model.model.layers)[:max(2, -(-TIMED_BYTES // per_layer))]
     return {"qkv": [src(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers],
@@ -224,21 +226,41 @@ TIE = 0.10  # modes whose speed scores are this close count as equally fast
 _BITS = {"none": 0, "int8": 1, "int4": 2}
 
 
-def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE) -> list[Mode]:
-    """Modes fastest first by their matmul-only step time relative to the best at each batch bucket,
-    summed over the buckets; modes within `tie` of the fastest score come first among themselves in
-    order of precision (unquantized before int8 before int4, wider dtype first), so that a near tie,
-    which timing noise could tip either way, does not make two first starts on one machine serve
-    different modes (it did: bfloat16 and bfloat16+int4 scored within 5% on the 2-core EPYC)."""
+def mode_scores(step_ms: dict[Mode, dict[int, float]]) -> dict[Mode, float]:
+    """Each mode's speed score (kernels.speed_score: 1.0 = fastest at every bucket, batch 1 weighted)."""
     buckets = next(iter(step_ms.values())).keys()
     best_at = {b: min(ms[b] for ms in step_ms.values()) or 1e-9 for b in buckets}
-    score = {md: sum(ms[b] / best_at[b] for b in buckets) for md, ms in step_ms.items()}
+    return {md: K.speed_score(ms, best_at) for md, ms in step_ms.items()}
+
+
+def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE) -> list[Mode]:
+    """Modes fastest first by the speed score of their matmul-only step times (relative to the best
+    at each batch bucket, batch 1 weighted: kernels.BUCKET_WEIGHTS); modes within `tie` of the
+    fastest score come first among themselves in order of precision (unquantized before int8
+    before int4, wider dtype first), so that a near tie, which timing noise could tip either way,
+    does not make two first starts on one machine serve different modes (it did: bfloat16 and
+    bfloat16+int4 scored within 5% on the 2-core EPYC)."""
+    score = mode_scores(step_ms)
     fastest = min(score.values())
 
     def key(md: Mode):
         tied = score[md] <= fastest * (1 + tie)
         return (not tied, _BITS.get(md.quantization, 3) if tied else 0, -md.dtype.itemsize if tied else 0, score[md])
     return sorted(step_ms, key=key)
+
+
+def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: dict[str, str]) -> str:
+    """One line saying why `chosen` won: every mode's score and its step ms per bucket, and what
+    ruled out the modes ranked before it."""
+    score = mode_scores(step_ms)
+    weights = "/".join(f"{K.BUCKET_WEIGHTS.get(b, 1.0):g}" for b in next(iter(step_ms.values())))
+    parts = [f"{md.name} {score[md]:.2f} ({'/'.join(f'{v:.1f}' for v in step_ms[md].values())} ms)"
+             for md in sorted(step_ms, key=score.get)]
+    text = (f"{chosen.name}: speed score (1 = fastest at every batch; batch {'/'.join(map(str, next(iter(step_ms.values()))))}"
+            f" weighted {weights}) " + ", ".join(parts))
+    if skipped:
+        text += "; passed over: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
+    return text
 
 
 def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device,
@@ -264,6 +286,7 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()})
     report = {"modes": {md.name: measured[md] for md in ranked}}
     chosen = None
+    skipped: dict[str, str] = {}
     ids = Qm.text_ids(tokenizer, 256)
     window = min(512, model.config.max_position_embeddings)  # a small model's context may be shorter
     ref = None
@@ -277,6 +300,7 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
             ok = model_batch_invariant(candidate, ids)
             report["modes"][md.name]["model_batch_invariant"] = ok
             if not ok:
+                skipped[md.name] = "not batch-invariant end to end"
                 continue
         if reference or len(ranked) == 1:
             chosen = md
@@ -288,13 +312,19 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
         if q.within_bounds():
             chosen = md
             break
+        skipped[md.name] = f"quality: mean KL {q.mean_kl:.4f}, perplexity x{q.ppl_ratio:.3f}"
     del ref
     if chosen is None:
         raise PrecisionError("no requested mode is batch-invariant end to end on this machine "
                              f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
     dt = time.perf_counter() - t0
     report["seconds"] = round(dt, 2)
-    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report)
+    reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped)
+    if "quality" in report["modes"][chosen.name]:
+        q = report["modes"][chosen.name]["quality"]
+        reason += f"; {chosen.name} within the quality bounds (mean KL {q['mean_kl']:.4f}, perplexity x{q['ppl_ratio']:.3f})"
+    report["reason"] = reason
+    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason)
 
 
 def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
@@ -304,7 +334,7 @@ def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, qu
     if device.type != "cpu":
         return Plan(modes[0], {r: "dense" for r in K.ROLES})
     request = {"dtype": str(dtype), "quantization": quantization or "auto", "batch_invariant": batch_invariant,
-               "device": str(device), "version": 3}
+               "device": str(device), "version": 4}
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / "kernels" / f"{cache_key(source, request)}.json"
@@ -334,4 +364,5 @@ def default_cache_dir() -> Path:
 
 
 __all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
+           "mode_scores", "choice_reason",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

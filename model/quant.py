@@ -1,14 +1,17 @@
-"""Weight-only quantization for serving: int8 per output channel, int4 in groups of 32 along K.
+"""Weight-only quantization for serving: int8 per output channel or in blocks of 32 (Q8_0), int4
+in groups of 32 along K.
 
 Two sources:
-- a float weight [N, K]: int8 = round(w / s) with s = max|row| / 127 (symmetric, per row);
-  int4 = Q4_1's recipe per group of 32 (asymmetric: min and step, q in 0..15);
-- a GGUF tensor already stored as Q4_1 (`Q41Blocks`): its 4-bit codes, steps and minimums are
-  served as they are. Q4_1 reads w = d * q + m; torch's int4 kernels read
-  w = (q - 8) * scale + zero, so scale = d and zero = m + 8 d, the same weight, with d and m
-  rounded from float16 to the activation dtype (bfloat16 on CPU).
+- a float weight [N, K]: int8 = round(w / s) with s = max|row| / 127 (symmetric, per row) for
+  torch's kernel, or Q8_0's recipe per block of 32 for the native one; int4 = Q4_1's recipe per
+  group of 32 (asymmetric: min and step, q in 0..15);
+- a GGUF tensor already stored as Q4_0/Q4_1 (`Q41Blocks`; Q4_0's w = d * (q - 8) is Q4_1 with
+  m = -8 d) or Q8_0 (`Q80Blocks`): its codes, steps and minimums are served as they are.
+  Q4_1 reads w = d * q + m; torch's int4 kernels read w = (q - 8) * scale + zero, so scale = d
+  and zero = m + 8 d, the same weight, with d and m rounded from float16 to the activation dtype
+  (bfloat16 on CPU). The native kernel (quant_matmul.py) keeps d and m in float16.
 
-The kernels that consume these layouts live in kernels.py.
+The kernels that consume these layouts live in kernels.py and quant_matmul.py.
 """
 
 from __future__ import annotations
@@ -50,9 +53,62 @@ class Q41Blocks:
         return Q41Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                          torch.cat([p.m for p in parts]))
 
+    @staticmethod
+    def from_raw_q40(raw: np.ndarray) -> "Q41Blocks":
+        """raw [N, K/32 * 18] bytes of GGUF Q4_0 blocks: float16 d, 16 bytes of nibbles; w = d * (q - 8)."""
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 18)  # [N, K/32, 18]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        nib = blocks[..., 2:]  # [N, K/32, 16]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, -1)  # [N, K]
+        return Q41Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-8 * d))
+
     def dequantize(self) -> Tensor:
         """[N, K] float32, exactly what GGUF readers produce."""
         return self.q.float() * self.d.repeat_interleave(GROUP, 1) + self.m.repeat_interleave(GROUP, 1)
+
+    def half_steps(self) -> "Q41Blocks":
+        """d and m rounded to float16, as GGUF stores them (a no-op for blocks read from a file)."""
+        return Q41Blocks(self.q, self.d.half().float(), self.m.half().float())
+
+
+@dataclass
+class Q80Blocks:
+    """A Q8_0 matrix [N, K] unpacked: q [N, K] int8 codes -127..127, d [N, K/32] float32; w = d * q."""
+
+    q: Tensor
+    d: Tensor
+
+    @staticmethod
+    def from_raw(raw: np.ndarray) -> "Q80Blocks":
+        """raw [N, K/32 * 34] bytes of GGUF Q8_0 blocks: float16 d, 32 int8 codes."""
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 34)  # [N, K/32, 34]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)  # [N, K]
+        return Q80Blocks(torch.from_numpy(q), torch.from_numpy(d))
+
+    def rows(self, index: Tensor) -> "Q80Blocks":
+        return Q80Blocks(self.q[index], self.d[index])
+
+    @staticmethod
+    def cat(parts: list["Q80Blocks"]) -> "Q80Blocks":
+        return Q80Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+    def dequantize(self) -> Tensor:
+        """[N, K] float32."""
+        return self.q.float() * self.d.repeat_interleave(GROUP, 1)
+
+
+def quantize_q80(w: Tensor) -> Q80Blocks:
+    """Q8_0's recipe on a float weight [N, K] (K a multiple of 32): per block, d = max|w| / 127
+    rounded to float16, q = round(w / d)."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    d = (g.abs().amax(-1) / 127).half().float()  # [N, K/32]
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = (g * inv[..., None]).round().clamp_(-127, 127).to(torch.int8).reshape(N, K)
+    return Q80Blocks(q, d)
 
 
 def quantize_q41(w: Tensor) -> Q41Blocks:
@@ -81,4 +137,4 @@ def int8_per_channel(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return q.contiguous(), scale.to(dtype)
 
 
-__all__ = ["GROUP", "Q41Blocks", "quantize_q41", "int4_pack", "int8_per_channel"]
+__all__ = ["GROUP", "Q41Blocks", "Q80Blocks", "quantize_q41", "quantize_q80", "int4_pack", "int8_per_channel"]

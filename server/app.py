@@ -153,7 +153,7 @@ class Server:
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext",
                  f"{'https' if s.tls_cert else 'http'}://{s.host}:{self.http_port}/v1" if self.http else "off",
                  s.model, lm.device.type,
-                 lm.mode, lm.kernels, lm.plan.how if lm.plan else "default", s.engine.max_batch,
+                 lm.mode, lm.kernels, lm.choice, s.engine.max_batch,
                  self.engine.kv_cache_bytes / 2**30, "overlapped" if self.engine.overlap else "sequential",
                  self.engine.speculation_summary(),
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",

@@ -195,7 +195,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             max_batch_size=self.engine.max_batch, default_max_new_tokens=s.default_max_new_tokens,
             has_chat_template=bool(self.tokenizer.chat_template),
             num_parameters=lm.num_parameters, server_version=lmserve.__version__, limits=self._server_limits(),
-            quantization=lm.plan.mode.quantization if lm.plan else "none", kernels=lm.kernels)
+            quantization=lm.plan.mode.quantization if lm.plan else "none", kernels=lm.kernels,
+            precision_choice=lm.choice)
         if self.tokenizer.bos_id is not None:
             info.bos_token_id = self.tokenizer.bos_id
         return info

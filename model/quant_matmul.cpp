@@ -1,0 +1,355 @@
+// Weight-only quantized matmul on CPU: y[M, N] = x[M, K] @ W^T with W held as GGUF-style blocks of
+// 32 along K (int4 codes with a step and a minimum per block: Q4_0/Q4_1; int8 codes with a step
+// per block: Q8_0), repacked once at load (quant_matmul.py) into groups of 16 output columns.
+//
+// Each row of x is quantized on the fly per block of 32: step e = max|x| / 127, codes
+// h = round(x / e) and, for "precise" layers, a second int8 code of the remainder,
+// l = round((x - e h) / (e / 256)), so x = (e / 256) (256 h + l) to ~16 bits (finer than the
+// bfloat16 input; int8 codes alone lost 10x the KL on SmolLM2, whose norms make outlier channels).
+// Every (row, column, block) is then exact integer dot products of 32 codes (VNNI vpdpbusd, or
+// AVX2 maddubs), scaled in float32 and added to the column's sum in block order 0, 1, 2, ...
+//   int4: y += (d * u) * sum(q * c) + m * sum(x)        (w = d * q + m, q in 0..15)
+//   int8: y += (d * u) * sum(q * c)                     (w = d * q, q in -127..127)
+// with c = 256 h + l and u = e / 256 (precise), or c = h and u = e.
+// Integer sums are exact and the float steps run in one fixed order per output element, on that
+// element's own row and column only: a row's output is bitwise the same alone or among any rows
+// (batch invariance by construction), whatever the thread split (columns are split by group).
+//
+// Layout of one (16-column group, block) of the packed weight, groups outermost, blocks inner:
+//   int4: 256 bytes of codes (4 chunks of 64: byte 4c+t of chunk j holds column c's codes at
+//         k = 8j+t in the low nibble and k = 8j+4+t in the high one), 16 float16 d, 16 float16 m
+//   int8: 512 bytes (8 chunks of 64: byte 4c+t of chunk j is column c's code at k = 4j+t, plus
+//         128 so that it is unsigned), 16 float16 d
+// Paths, fixed at compile time by what -march=native defines: AVX-512 VNNI (zmm), AVX-VNNI or
+// AVX2 (two ymm halves per group). lm_qmm_path() says which one was built.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+static const int QK = 32;          // block length along K
+static const int GROUP_COLS = 16;  // output columns per packed group
+static const int Q4_GROUP_BYTES = 256 + 64;
+static const int Q8_GROUP_BYTES = 512 + 32;
+static const int ROW_TILE = 8;     // rows sharing one unpacking of a group's codes
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QMM_PATH 3
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define QMM_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QMM_PATH 1
+#else
+#define QMM_PATH 0
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; a NaN stays a NaN
+    uint32_t w;
+    memcpy(&w, &f, 4);
+    if (f != f) return (uint16_t)((w >> 16) | 0x40u);
+    return (uint16_t)((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+// One row of x -> per block of 32: int8 codes h and remainder codes l, the step e, the float sum
+// of x (int4's minimum term) and the code sums of h and l (int8's offset of 128). Depends on that
+// row only.
+static void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx,
+                         int32_t* sh, int32_t* sl) {
+    float v[QK];
+    for (int64_t b = 0; b < K / QK; ++b) {
+        float amax = 0.0f, sum = 0.0f;
+        for (int t = 0; t < QK; ++t) {
+            int64_t k = b * QK + t;
+            v[t] = bf16 ? bf16_to_f32(((const uint16_t*)x)[k]) : ((const float*)x)[k];
+            float a = fabsf(v[t]);
+            amax = a > amax ? a : amax;
+        }
+        for (int t = 0; t < QK; ++t) sum += v[t];  // in index order
+        float e = amax / 127.0f;
+        float ie = e > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s1 = 0, s2 = 0;
+        for (int t = 0; t < QK; ++t) {
+            int h = (int)nearbyintf(v[t] * ie);
+            h = h > 127 ? 127 : (h < -127 ? -127 : h);
+            int l = (int)nearbyintf((v[t] - e * (float)h) * ie * 256.0f);
+            l = l > 127 ? 127 : (l < -127 ? -127 : l);
+            xh[b * QK + t] = (int8_t)h;
+            xl[b * QK + t] = (int8_t)l;
+            s1 += h;
+            s2 += l;
+        }
+        dx[b] = e;
+        sx[b] = sum;
+        sh[b] = s1;
+        sl[b] = s2;
+    }
+}
+
+static inline void store_row(void* y, int bf16, int64_t n0, const float* v, int count) {
+    if (bf16) {
+        uint16_t* o = (uint16_t*)y + n0;
+        for (int c = 0; c < count; ++c) o[c] = f32_to_bf16(v[c]);
+    } else {
+        memcpy((float*)y + n0, v, sizeof(float) * count);
+    }
+}
+
+struct Acts {  // the quantized rows of one call
+    const int8_t *xh, *xl;  // [M, K] codes and remainder codes
+    const float *dx, *sx;  // [M, K/32] steps and float sums
+    const int32_t *sh, *sl;  // [M, K/32] code sums
+    int64_t K, KB;
+    bool precise;  // both codes (256 h + l), else h alone
+};
+
+// The activation unit of row-block rb: e / 256 with the remainder codes, else e.
+static inline float unit(const Acts& a, int64_t rb) { return a.precise ? a.dx[rb] * (1.0f / 256.0f) : a.dx[rb]; }
+// 128 x the activation code sum of row-block rb: the offset int8 codes stored unsigned add.
+static inline int32_t offset(const Acts& a, int64_t rb) { return 128 * (a.precise ? 256 * a.sh[rb] + a.sl[rb] : a.sh[rb]); }
+
+#if QMM_PATH == 3
+// sum over one block of the codes xr (32 int8) times w (the group's 8 unpacked vectors, chunk j
+// holding k = 4j .. 4j+3 when `order` is 0, int4's interleave k = 8(j/2) + 4(j%2) .. when 1)
+static inline __m512i dot_block(const __m512i w[8], const int8_t* xr, int order) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        int k0 = order ? 8 * (j / 2) : 4 * j;
+        int32_t x0, x1;
+        memcpy(&x0, xr + k0, 4);
+        memcpy(&x1, xr + k0 + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x0));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x1));
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+
+static inline __m512i codes_dot(const Acts& a, const __m512i w[8], int64_t r, int64_t b, int order) {
+    const int64_t off = r * a.K + b * QK;
+    __m512i s = dot_block(w, a.xh + off, order);
+    if (a.precise) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), dot_block(w, a.xl + off, order));
+    return s;  // exact: |s| < 2^24 for int4 codes, < 2^31 for int8
+}
+
+// rows r0 .. r0+R-1 of one column group over all blocks; R <= ROW_TILE.
+template <int R>
+static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a.KB; ++b, g += Q4_GROUP_BYTES) {
+        __m512i w[8];
+        for (int j = 0; j < 4; ++j) {
+            __m512i p = _mm512_loadu_si512(g + 64 * j);
+            w[2 * j] = _mm512_and_si512(p, low);
+            w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 256)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288)));
+        for (int r = 0; r < R; ++r) {
+            int64_t rb = (r0 + r) * a.KB + b;
+            __m512 isum = _mm512_cvtepi32_ps(codes_dot(a, w, r0 + r, b, 1));
+            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(unit(a, rb))), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[rb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+template <int R>
+static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.KB; ++b, g += Q8_GROUP_BYTES) {
+        __m512i w[8];
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 512)));
+        for (int r = 0; r < R; ++r) {
+            int64_t rb = (r0 + r) * a.KB + b;
+            __m512i s = _mm512_sub_epi32(codes_dot(a, w, r0 + r, b, 0), _mm512_set1_epi32(offset(a, rb)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(unit(a, rb))), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#elif QMM_PATH >= 1
+// 8 lanes: u8 codes (0..15 for int4) x s8 activations, 4 products per int32 lane, added on.
+static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
+#if QMM_PATH == 2
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// int4: w[j] unsigned codes 0..15, chunk j at k = 8(j/2) + 4(j%2)
+static inline __m256i dot4_block(const __m256i w[8], const int8_t* xr) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        int32_t x0, x1;
+        memcpy(&x0, xr + 8 * (j / 2), 4);
+        memcpy(&x1, xr + 8 * (j / 2) + 4, 4);
+        s0 = dot_u8s8(s0, w[j], _mm256_set1_epi32(x0));
+        s1 = dot_u8s8(s1, w[j + 1], _mm256_set1_epi32(x1));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+// int8: w[j] signed codes, chunk j at k = 4j. |w| (u8 <= 127) times x with w's sign: the pairs
+// stay within int16 and the sum is exact (the same integer VNNI computes from the offset codes).
+static inline __m256i dot8_block(const __m256i w[8], const int8_t* xr) {
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        int32_t x0;
+        memcpy(&x0, xr + 4 * j, 4);
+        __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x0), w[j]);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), xs), _mm256_set1_epi16(1)));
+    }
+    return s;
+}
+
+template <int BITS>
+static inline __m256i codes_dot(const Acts& a, const __m256i w[8], int64_t r, int64_t b) {
+    const int64_t off = r * a.K + b * QK;
+    __m256i s = BITS == 4 ? dot4_block(w, a.xh + off) : dot8_block(w, a.xh + off);
+    if (a.precise) s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), BITS == 4 ? dot4_block(w, a.xl + off) : dot8_block(w, a.xl + off));
+    return s;
+}
+
+template <int R>
+static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a.KB; ++b, g += Q4_GROUP_BYTES) {
+        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h+7
+            __m256i w[8];
+            for (int j = 0; j < 4; ++j) {
+                __m256i p = _mm256_loadu_si256((const __m256i*)(g + 64 * j + 32 * h));
+                w[2 * j] = _mm256_and_si256(p, low);
+                w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 256 + 16 * h)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 288 + 16 * h)));
+            for (int r = 0; r < R; ++r) {
+                int64_t rb = (r0 + r) * a.KB + b;
+                __m256 isum = _mm256_cvtepi32_ps(codes_dot<4>(a, w, r0 + r, b));
+                acc[r][h] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(unit(a, rb))), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[rb]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out[r], acc[r][0]);
+        _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    }
+}
+
+template <int R>
+static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < a.KB; ++b, g += Q8_GROUP_BYTES) {
+        for (int h = 0; h < 2; ++h) {
+            __m256i w[8];
+            for (int j = 0; j < 8; ++j)  // back to signed codes
+                w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(g + 64 * j + 32 * h)), flip);
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 512 + 16 * h)));
+            for (int r = 0; r < R; ++r) {
+                int64_t rb = (r0 + r) * a.KB + b;
+                __m256 isum = _mm256_cvtepi32_ps(codes_dot<8>(a, w, r0 + r, b));
+                acc[r][h] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(unit(a, rb))), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out[r], acc[r][0]);
+        _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    }
+}
+#endif
+
+#if QMM_PATH >= 1
+typedef void (*GroupFn)(const uint8_t*, const Acts&, int64_t, float[][GROUP_COLS]);
+
+template <template <int> class F>
+struct Tiles {
+    static GroupFn of(int r) {
+        switch (r) {
+            case 1: return F<1>::fn; case 2: return F<2>::fn; case 3: return F<3>::fn; case 4: return F<4>::fn;
+            case 5: return F<5>::fn; case 6: return F<6>::fn; case 7: return F<7>::fn; default: return F<8>::fn;
+        }
+    }
+};
+template <int R> struct Q4 { static void fn(const uint8_t* g, const Acts& a, int64_t r0, float o[][GROUP_COLS]) { q4_group<R>(g, a, r0, o); } };
+template <int R> struct Q8 { static void fn(const uint8_t* g, const Acts& a, int64_t r0, float o[][GROUP_COLS]) { q8_group<R>(g, a, r0, o); } };
+
+static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
+                  int64_t N, void* y, int y_bf16, int threads) {
+    if (K % QK || N % GROUP_COLS || M < 0) return 1;
+    const int64_t KB = K / QK, groups = N / GROUP_COLS;
+    const int64_t group_bytes = KB * (bits == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES);
+    static thread_local std::vector<int8_t> codes;
+    static thread_local std::vector<float> floats;
+    static thread_local std::vector<int32_t> sums;
+    codes.resize((size_t)(2 * M * K));
+    floats.resize((size_t)(2 * M * KB));
+    sums.resize((size_t)(2 * M * KB));
+    // the calling thread's buffers, by pointer: inside the parallel region a thread_local name
+    // would be each worker's own (empty) copy
+    int8_t* xh = codes.data();
+    float* fl = floats.data();
+    int32_t* su = sums.data();
+    Acts a{xh, xh + M * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0};
+    const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * K, xh + M * K + r * K, fl + r * KB,
+                         fl + M * KB + r * KB, su + r * KB, su + M * KB + r * KB);
+#pragma omp for schedule(static)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            const uint8_t* g = w + gi * group_bytes;
+            float out[ROW_TILE][GROUP_COLS];
+            for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
+                int R = (int)(M - r0 < ROW_TILE ? M - r0 : ROW_TILE);
+                (bits == 4 ? Tiles<Q4>::of(R) : Tiles<Q8>::of(R))(g, a, r0, out);
+                for (int r = 0; r < R; ++r) store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16,
+                                                      gi * GROUP_COLS, out[r], GROUP_COLS);
+            }
+        }
+    }
+    return 0;
+}
+#endif
+
+extern "C" {
+
+// 3: AVX-512 VNNI, 2: AVX-VNNI (ymm), 1: AVX2, 0: not built (the callers keep torch's kernels).
+int lm_qmm_path() { return QMM_PATH; }
+
+// y [M, N] (bfloat16 when y_bf16, else float32) = x [M, K] (bfloat16 / float32, rows packed) times
+// the packed weight's transpose. bits: 4 or 8; precise: remainder codes too. Returns 0, 1 for
+// shapes it does not take, 2 when built without a path.
+int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+           void* y, int y_bf16, int threads) {
+#if QMM_PATH >= 1
+    if (bits != 4 && bits != 8) return 1;
+    return matmul(bits, precise, x, x_bf16, M, K, w, N, y, y_bf16, threads);
+#else
+    (void)bits; (void)precise; (void)x; (void)x_bf16; (void)M; (void)K; (void)w; (void)N; (void)y; (void)y_bf16; (void)threads;
+    return 2;
+#endif
+}
+}

@@ -1,0 +1,110 @@
+"""The native weight-only matmul (quant_matmul.cpp, built by native.py): GGUF-style int4 / int8
+blocks times activations quantized per row and block of 32 to int8 codes (plus an int8 code of
+the remainder, "precise": ~16 bits), exact integer dot products.
+
+torch's weight-only kernels are fast for one row and slow down with the batch (a decode step at 32
+rows took ~2x bfloat16's on a 2-core EPYC), so a mode had to choose between one stream and many.
+This kernel unpacks a group of 16 columns' codes once and reuses them for up to 8 rows, so rows
+cost integer dot products (VNNI) rather than weight reads. Every output element is summed over
+its blocks in one fixed order from its own row and column: batch-invariant by construction.
+
+Weights are repacked at load (pack_q4 / pack_q8) into the layout the kernel streams; GGUF Q4_0,
+Q4_1 and Q8_0 codes and float16 steps are served as the file holds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .quant import GROUP, Q41Blocks, Q80Blocks
+
+GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
+PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
+_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+class QuantMatmul:
+    """The loaded kernel: `__call__(x, packed, bits, n)` -> x @ W^T."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        lib.lm_qmm_path.restype = ctypes.c_int
+        self.path = PATHS.get(lib.lm_qmm_path())  # None: built without a path (no AVX2 here)
+        fn = lib.lm_qmm
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [i32, i32, p, i32, i64, i64, p, i64, p, i32, i32]
+        fn.restype = i32
+        self._fn = fn
+
+    @staticmethod
+    def supports(n: int, k: int) -> bool:
+        return n % GROUP_COLS == 0 and k % GROUP == 0
+
+    def __call__(self, x: Tensor, packed: Tensor, bits: int, n: int, precise: bool = True) -> Tensor:
+        """x [M, K] bfloat16 or float32 -> [M, n] in x's dtype. precise: activations as two int8
+        codes per value (~16 bits), else one (int8 per block of 32: ~2x fewer dot products)."""
+        x = x.contiguous()
+        M, K = x.shape
+        out = torch.empty(M, n, dtype=x.dtype)
+        rc = self._fn(bits, int(precise), x.data_ptr(), _DTYPES[x.dtype], M, K, packed.data_ptr(), n, out.data_ptr(),
+                      _DTYPES[x.dtype], torch.get_num_threads())
+        if rc:
+            raise ValueError(f"quantized matmul does not take bits={bits}, K={K}, N={n}" if rc == 1 else
+                             "quantized matmul is not built for this CPU (no AVX2)")
+        return out
+
+
+_KERNEL: dict[str, QuantMatmul | None] = {}
+
+
+def kernel(cache_dir: Path | None = None) -> QuantMatmul | None:
+    """The kernel for this machine (native.load), or None without a compiler or an AVX2 path."""
+    from . import native
+
+    lib, _ = native.load(cache_dir)
+    key = str(cache_dir)
+    if key not in _KERNEL:
+        k = QuantMatmul(lib) if lib is not None else None
+        _KERNEL[key] = k if k is not None and k.path is not None else None
+    return _KERNEL[key]
+
+
+_default_cache: list[Path | None] = [None]
+
+
+def use_cache_dir(cache_dir: Path | None) -> None:
+    """Where default_kernel() builds and caches the library (the loader's cache_dir)."""
+    _default_cache[0] = cache_dir
+
+
+def default_kernel() -> QuantMatmul | None:
+    return kernel(_default_cache[0])
+
+
+def pack_q4(blocks: Q41Blocks) -> Tensor:
+    """Q4_0/Q4_1 blocks [N, K] -> the kernel's int4 layout (uint8, N/16 * K/32 * 320 bytes); d and m
+    in float16 (as GGUF stores them)."""
+    N, K = blocks.q.shape
+    G, B = N // GROUP_COLS, K // GROUP
+    q = blocks.q.to(torch.uint8).reshape(G, GROUP_COLS, B, 4, 2, 4)  # [G, c, B, j, h, t]: k = 32B + 8j + 4h + t
+    q = q.permute(0, 2, 3, 1, 4, 5)  # [G, B, j, c, h, t]
+    nib = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(G, B, 256)  # low nibble k = 8j+t, high k = 8j+4+t
+    d = blocks.d.half().reshape(G, GROUP_COLS, B).permute(0, 2, 1).contiguous().view(torch.uint8)  # [G, B, 32]
+    m = blocks.m.half().reshape(G, GROUP_COLS, B).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([nib, d, m], dim=-1).reshape(-1).contiguous()  # [G * B * 320]
+
+
+def pack_q8(blocks: Q80Blocks) -> Tensor:
+    """Q8_0 blocks [N, K] -> the kernel's int8 layout (uint8, N/16 * K/32 * 544 bytes): codes + 128."""
+    N, K = blocks.q.shape
+    G, B = N // GROUP_COLS, K // GROUP
+    q = (blocks.q.to(torch.int16) + 128).to(torch.uint8).reshape(G, GROUP_COLS, B, 8, 4)  # [G, c, B, j, t]
+    codes = q.permute(0, 2, 3, 1, 4).reshape(G, B, 512)  # [G, B, j, c, t]: k = 32B + 4j + t
+    d = blocks.d.half().reshape(G, GROUP_COLS, B).permute(0, 2, 1).contiguous().view(torch.uint8)  # [G, B, 32]
+    return torch.cat([codes, d], dim=-1).reshape(-1).contiguous()  # [G * B * 544]
+
+
+__all__ = ["QuantMatmul", "kernel", "default_kernel", "use_cache_dir", "pack_q4", "pack_q8", "PATHS", "GROUP_COLS"]

@@ -1,0 +1,163 @@
+"""Microbenchmark of the weight-only linear kernels on a GGUF's real weights, against the memory's
+read bandwidth: every linear of a decode step (all layers and the LM head) at 1, 8 and 32 rows.
+
+    python -m lmserve.server.bench.quant_kernels [--gguf PATH] [--rounds 7] [--out reports/quant_kernels.json]
+
+Candidates (each a whole step's linears): torch's int4 (+ int8 head) and int8 kernels, bfloat16
+on oneDNN, and the native kernel (quant_matmul.py) in int4 (+ Q8_0 head) and int8. They take turns
+within every round, in one process; each timing is the median of the rounds (min beside it), so a
+neighbour's burst on a shared machine lands on every candidate alike.
+
+Two readings of the memory: "cold" passes first read a buffer of 2x the last-level cache (the
+weights come from memory, the bound quoted against bandwidth), "warm" passes run back to back as
+a serving loop does (weights that fit the cache may partly come from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ...model import kernels as K
+from ...model import quant_matmul as QM
+from ...model.gguf_reader import read_gguf
+from .machine import lscpu
+
+ROWS = (1, 8, 32)
+CANDIDATES = {  # name -> (layers' kernel, head's kernel, dtype)
+    "torch-int4": ("int4", "int8", torch.bfloat16),
+    "torch-int8": ("int8", "int8", torch.bfloat16),
+    "onednn-bf16": ("onednn", "onednn", torch.bfloat16),
+    "native-int4": ("native-int4", "native-int8-a8", torch.bfloat16),
+    "native-int8": ("native-int8", "native-int8-a8", torch.bfloat16),
+}
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 9) -> dict:
+    """GB/s of a sum over a `mib` MiB float32 buffer on torch's threads (median and best)."""
+    buf = torch.ones(mib << 18)  # mib MiB of float32
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    nbytes = buf.numel() * 4
+    return {"buffer_mib": mib, "threads": torch.get_num_threads(), "median_gb_s": round(nbytes / statistics.median(times) / 1e9, 2),
+            "best_gb_s": round(nbytes / min(times) / 1e9, 2)}
+
+
+def role_sources(ck) -> dict[str, list[K.WeightSource]]:
+    """Every layer's fused projections and the LM head, from the checkpoint's tensors and blocks."""
+    def src(*names):
+        return K.WeightSource.cat([K.WeightSource(ck.tensors[n], None, ck.q41.get(n), ck.q80.get(n)) for n in names])
+    cfg = ck.config
+    out = {r: [] for r in K.ROLES}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out["qkv"].append(src(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")))
+        out["o"].append(src(p + "self_attn.o_proj.weight"))
+        out["gate_up"].append(src(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+        out["down"].append(src(p + "mlp.down_proj.weight"))
+    head = "lm_head.weight" if "lm_head.weight" in ck.tensors else "model.embed_tokens.weight"
+    out["head"].append(src(head))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the catalog's smollm2")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=Path("reports/quant_kernels.json"))
+    args = ap.parse_args(argv)
+    if args.gguf is None:
+        from ...model.catalog import pull
+        args.gguf = pull("smollm2", Path(".cache/models"), progress=False)
+    torch.manual_seed(0)
+    bw = read_bandwidth()
+    print("read bandwidth", bw, flush=True)
+    ck = read_gguf(args.gguf, keep_q41=True)
+    sources = role_sources(ck)
+    qm = QM.default_kernel()
+    sets = {}
+    for name, (layer_kernel, head_kernel, dtype) in CANDIDATES.items():
+        if name.startswith("native") and qm is None:
+            continue
+        sets[name] = {r: [K.build(head_kernel if r == "head" else layer_kernel, s, dtype) for s in srcs]
+                      for r, srcs in sources.items()}
+    del ck, sources
+    nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
+    K_in = {m.in_features for s in sets.values() for ls in s.values() for m in ls}
+    xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in K_in}
+    l3 = 2 * 105 << 20
+    flush = torch.ones(l3 // 4)
+    samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
+
+    def run(layers, rows):
+        t0 = time.perf_counter()
+        for m in layers:
+            m(xs[m.in_features][:rows])
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        for s in sets.values():  # warm-up: first calls, page faults of outputs
+            for ls in s.values():
+                for r in ROWS:
+                    run(ls, r)
+        for rnd in range(args.rounds):
+            for name, s in sets.items():
+                for rows in ROWS:
+                    for mode in ("cold", "warm"):
+                        if mode == "cold":
+                            flush.sum()
+                        else:
+                            for ls in s.values():
+                                run(ls, rows)  # the pass before: as a serving loop runs
+                        for role in K.ROLES:
+                            samples[name][mode][rows][role].append(run(s[role], rows))
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+
+    def med(v):
+        return round(statistics.median(v) * 1e3, 3)
+
+    report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "native_path": qm.path if qm else None, "read_bandwidth": bw, "model": args.gguf.name,
+              "rounds": args.rounds, "note": "shared 2-core machine (5 people working); timings are medians over "
+              "rounds in which the candidates take turns; per-role ms are summed over all layers",
+              "candidates": {}}
+    gbs = bw["median_gb_s"]
+    for name in sets:
+        c = {"weight_mb": round(nbytes[name] / 1e6, 1), "bound_ms_at_bandwidth": round(nbytes[name] / gbs / 1e6, 3)}
+        for mode in ("cold", "warm"):
+            per = {}
+            for rows in ROWS:
+                roles = samples[name][mode][rows]
+                steps = [sum(roles[role][i] for role in K.ROLES) for i in range(args.rounds)]
+                per[rows] = {"step_ms": med(steps), "step_ms_min": round(min(steps) * 1e3, 3),
+                             "roles_ms": {role: med(v) for role, v in roles.items()}}
+            per1 = per[1]["step_ms"]
+            c[mode] = {"rows": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per1, 3),
+                       "m8_over_m1": round(per[8]["step_ms"] / per1, 3), "m32_over_m1": round(per[32]["step_ms"] / per1, 3)}
+        report["candidates"][name] = c
+    if "onednn-bf16" in report["candidates"]:
+        ref = report["candidates"]["onednn-bf16"]
+        for c in report["candidates"].values():
+            for mode in ("cold", "warm"):
+                c[mode]["m32_vs_onednn_bf16"] = round(ref[mode]["rows"][32]["step_ms"] / c[mode]["rows"][32]["step_ms"], 3)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    for name, c in report["candidates"].items():
+        print(f"{name:12s} {c['weight_mb']:7.1f} MB  cold ms " +
+              " ".join(f"M{r}={c['cold']['rows'][r]['step_ms']:.2f}" for r in ROWS) +
+              f"  bw {c['cold']['m1_fraction_of_bandwidth']:.2f}  m8/m1 {c['cold']['m8_over_m1']:.2f}  warm ms " +
+              " ".join(f"M{r}={c['warm']['rows'][r]['step_ms']:.2f}" for r in ROWS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""The native weight-only kernel (quant_matmul.py) on SmolLM2's own Q4_1 and Q8_0 blocks, at the
+model's real shapes: it computes the dequantized weights' product, each row is bitwise the same
+alone or among any rows and on any thread count, the narrower AVX2 paths give the same bits, and
+the GGUF block readers (Q4_0 as well) reproduce gguf's own dequantization.
+
+Oracles: float64 matmuls of the dequantized weights with the activations quantized by the
+kernel's documented recipe (tight), and with the float activations (loose: the int8 step), the
+`gguf` package's dequantizer, and each row computed alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmserve.model import kernels as K
+from lmserve.model import native
+from lmserve.model import quant_matmul as QM
+from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.quant import Q41Blocks, Q80Blocks, quantize_q41, quantize_q80
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built(tmp_path_factory):
+    """The library built into this module's own cache directory (as the loader points it at its own)."""
+    QM.use_cache_dir(tmp_path_factory.mktemp("kernels"))
+    if QM.default_kernel() is None:
+        pytest.skip("no C++ compiler or no AVX2 here")
+    yield
+    QM.use_cache_dir(None)
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_gguf_path):
+    return read_gguf(smollm2_gguf_path, keep_q41=True)
+
+
+def real_shapes(gguf):
+    """(role, blocks) at every shape a decode step multiplies: hidden 576, intermediate 1536, vocab 49152."""
+    L = "model.layers.7."
+    q41 = gguf.q41
+    return {
+        "qkv": Q41Blocks.cat([q41[L + f"self_attn.{x}_proj.weight"] for x in "qkv"]),  # [960, 576]
+        "o": q41[L + "self_attn.o_proj.weight"],  # [576, 576]
+        "gate_up": Q41Blocks.cat([q41[L + "mlp.gate_proj.weight"], q41[L + "mlp.up_proj.weight"]]),  # [3072, 576]
+        "down": q41[L + "mlp.down_proj.weight"],  # [576, 1536]
+        "head": gguf.q80["model.embed_tokens.weight"],  # [49152, 576] Q8_0
+    }
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's one-code recipe (a8), in float32 like the kernel: per row and block of 32,
+    e = max|x| / 127 and h = round(x * (127 / max|x|)); returns h * e in float64, [M, K]."""
+    xf = x.float().reshape(x.shape[0], -1, 32)  # [M, K/32, 32]
+    amax = xf.abs().amax(-1, keepdim=True)
+    h = torch.where(amax > 0, xf * (127 / amax), torch.zeros_like(xf)).round().clamp(-127, 127)
+    return (h.double() * (amax / 127).double()).reshape(x.shape)
+
+
+def reference(blocks, x: torch.Tensor, precise: bool) -> torch.Tensor:
+    """What the kernel computes, in float64: the float activations when precise (two codes: ~16
+    bits), else their one-code quantization; int4's minimum term uses the float block sums of x."""
+    xq = x.double() if precise else int8_activations(x)
+    if isinstance(blocks, Q80Blocks):
+        return xq @ blocks.dequantize().double().T
+    d = blocks.d.double().repeat_interleave(32, 1)
+    m = blocks.m.double().repeat_interleave(32, 1)
+    return xq @ (blocks.q.double() * d).T + x.double() @ m.T
+
+
+def run(kernel, blocks, x, precise=True):
+    packed = QM.pack_q4(blocks) if isinstance(blocks, Q41Blocks) else QM.pack_q8(blocks)
+    return kernel(x, packed, 4 if isinstance(blocks, Q41Blocks) else 8, blocks.q.shape[0], precise)
+
+
+def test_the_kernel_says_which_path_it_runs():
+    assert QM.default_kernel().path in QM.PATHS.values()
+
+
+@pytest.mark.parametrize("precise", [True, False], ids=["two-codes", "a8"])
+@pytest.mark.parametrize("role", ["qkv", "o", "gate_up", "down", "head"])
+def test_computes_the_dequantized_weights_product_at_the_real_shapes(gguf, role, precise):
+    blocks = real_shapes(gguf)[role]
+    k = QM.default_kernel()
+    g = torch.Generator().manual_seed(1)
+    K_in = blocks.q.shape[1]
+    x = torch.randn(5, K_in, generator=g) * torch.linspace(0.1, 3, K_in)  # [5, K]
+    x[1, 7::97] *= 40  # outlier channels, as RMSNorm weights make them
+    x[2, :64] = 0  # all-zero blocks: a zero step
+    y = run(k, blocks, x, precise).double()  # float32 in and out
+    want = reference(blocks, x, precise)
+    scale = want.abs().amax(1, keepdim=True)
+    # float32 sums of exact integer dot products. Two codes leave each value within ~2^-16 of its
+    # block's largest (an outlier's block: ~1e-4 of the row here); rounding x to bfloat16 costs 2^-9
+    assert ((y - want).abs() / scale).max() < (1e-3 if precise else 2e-5)
+    if not precise:  # one int8 code: the float activations' product within the int8 step
+        exact = reference(blocks, x, True)
+        assert ((y - exact).abs() / scale).max() < 0.05
+    yb = run(k, blocks, x.bfloat16(), precise).double()  # bfloat16 in and out: rounded output
+    want_b = reference(blocks, x.bfloat16().float(), precise)
+    assert ((yb - want_b).abs() / want_b.abs().amax(1, keepdim=True)).max() < 2 ** -8 + (1e-3 if precise else 2e-5)
+
+
+@pytest.mark.parametrize("role", ["qkv", "o", "gate_up", "down", "head"])
+def test_each_row_is_the_same_alone_or_batched_at_the_real_shapes(gguf, role):
+    """rows_invariant: 64 rows alone, then 2..17, 31..33, 64, 100, 256 rows in one call."""
+    blocks = real_shapes(gguf)[role]
+    for precise in (True, False):
+        layer = K.NativeQuantLinear(blocks, None, precise=precise)
+        assert K.rows_invariant(layer, blocks.q.shape[1], torch.bfloat16, seed=3)
+    assert K.rows_invariant(K.NativeQuantLinear(blocks, None), blocks.q.shape[1], torch.float32, seed=4)
+
+
+def test_rows_do_not_depend_on_the_thread_count(gguf):
+    blocks = real_shapes(gguf)["gate_up"]
+    k = QM.default_kernel()
+    x = torch.randn(19, blocks.q.shape[1]).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(run(k, blocks, x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.fixture(scope="module")
+def narrower_paths(tmp_path_factory):
+    """The kernel built for AVX2 (x86-64-v3) and for AVX-VNNI on ymm, where this CPU runs them."""
+    flags = open("/proc/cpuinfo").read()
+    out = {}
+    cache = tmp_path_factory.mktemp("narrow-kernels")
+    src = [s for s in native.SOURCES if s.name == "quant_matmul.cpp"]
+    for march, need, path in (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni")):
+        if need not in flags:
+            continue
+        lib, why = native.build(cache, march=march, sources=src)
+        assert lib is not None, why
+        out[path] = QM.QuantMatmul(lib)
+    if not out:
+        pytest.skip("this CPU has no AVX2")
+    return out
+
+
+@pytest.mark.parametrize("role", ["gate_up", "down", "head"])
+def test_narrower_paths_give_the_same_bits(gguf, narrower_paths, role):
+    """Exact integer sums, then one fixed order of float steps: the AVX2 and AVX-VNNI builds agree
+    bit for bit with the native one (and are invariant like it)."""
+    blocks = real_shapes(gguf)[role]
+    x = torch.randn(11, blocks.q.shape[1]).bfloat16()
+    for precise in (True, False):
+        want = run(QM.default_kernel(), blocks, x, precise)
+        for path, k in narrower_paths.items():
+            assert k.path == path
+            got = run(k, blocks, x, precise)
+            assert torch.equal(got, want), (path, precise)
+            alone = torch.cat([run(k, blocks, x[i: i + 1], precise) for i in range(x.shape[0])])
+            assert torch.equal(alone, got), (path, precise)
+
+
+def test_q40_and_q80_readers_match_gguf_dequantization():
+    from gguf import GGMLQuantizationType as T, quants
+
+    w = (torch.randn(32, 96) * 0.1).numpy()
+    for qtype, read in ((T.Q4_0, Q41Blocks.from_raw_q40), (T.Q8_0, Q80Blocks.from_raw)):
+        raw = quants.quantize(w, qtype)  # [32, K/32 * block bytes]
+        want = quants.dequantize(raw, qtype)
+        got = read(np.ascontiguousarray(raw)).dequantize().numpy()
+        np.testing.assert_array_equal(got, want)
+
+
+def test_float_weights_are_blocked_like_the_files():
+    """A weight with no blocks (an HF checkpoint) goes through Q4_1's and Q8_0's recipes."""
+    w = torch.randn(64, 576) * 0.05
+    for blocks, step in ((quantize_q41(w).half_steps(), 15), (quantize_q80(w), 127 * 2)):
+        err = (blocks.dequantize() - w).abs().reshape(64, -1, 32).amax(-1)  # [N, K/32]
+        span = (w.reshape(64, -1, 32).amax(-1) - w.reshape(64, -1, 32).amin(-1))
+        assert (err <= span / step * 0.51 + 1e-3).all()
