@@ -287,7 +287,8 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 
 
 def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.device) -> list[str]:
-    """Kernels that compute `role` in this mode; all give the same product up to rounding."""
+    """Kernels that compute `role` in this mode: the same product up to rounding, but for the native
+    ones' GGUF blocks and int8-coded activations (see above; quality is checked per plan)."""
     native = device.type == "cpu" and QM.default_kernel() is not None
     if role == "head" and quantization in ("int8", "int4"):  # the LM head stays int8 in int4 mode (GGUF: Q8_0)
         return ["int8", *(["native-int8-a8"] if native else [])]

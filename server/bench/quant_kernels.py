@@ -10,7 +10,9 @@ neighbour's burst on a shared machine lands on every candidate alike.
 
 Two readings of the memory: "cold" passes first read a buffer of 2x the last-level cache (the
 weights come from memory, the bound quoted against bandwidth), "warm" passes run back to back as
-a serving loop does (weights that fit the cache may partly come from it).
+a serving loop does (weights that fit the cache may partly come from it). Beside each wall time,
+the process's CPU time of the pass (all threads): on a machine shared with other work a pass
+may wait for a core, which wall time counts and CPU time does not.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
     l3 = 2 * 105 << 20
     flush = torch.ones(l3 // 4)
     samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
+    cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
 
     def run(layers, rows):
         t0 = time.perf_counter()
@@ -118,8 +121,10 @@ def main(argv=None) -> int:
                         else:
                             for ls in s.values():
                                 run(ls, rows)  # the pass before: as a serving loop runs
+                        c0 = time.process_time()
                         for role in K.ROLES:
                             samples[name][mode][rows][role].append(run(s[role], rows))
+                        cpu[name][mode][rows].append(time.process_time() - c0)
             print(f"round {rnd + 1}/{args.rounds}", flush=True)
 
     def med(v):
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
                 roles = samples[name][mode][rows]
                 steps = [sum(roles[role][i] for role in K.ROLES) for i in range(args.rounds)]
                 per[rows] = {"step_ms": med(steps), "step_ms_min": round(min(steps) * 1e3, 3),
+                             "cpu_ms_all_threads": med(cpu[name][mode][rows]),
                              "roles_ms": {role: med(v) for role, v in roles.items()}}
             per1 = per[1]["step_ms"]
             c[mode] = {"rows": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per1, 3),
@@ -155,7 +161,8 @@ def main(argv=None) -> int:
         print(f"{name:12s} {c['weight_mb']:7.1f} MB  cold ms " +
               " ".join(f"M{r}={c['cold']['rows'][r]['step_ms']:.2f}" for r in ROWS) +
               f"  bw {c['cold']['m1_fraction_of_bandwidth']:.2f}  m8/m1 {c['cold']['m8_over_m1']:.2f}  warm ms " +
-              " ".join(f"M{r}={c['warm']['rows'][r]['step_ms']:.2f}" for r in ROWS))
+              " ".join(f"M{r}={c['warm']['rows'][r]['step_ms']:.2f}" for r in ROWS) + "  cpu ms " +
+              " ".join(f"M{r}={c['cold']['rows'][r]['cpu_ms_all_threads']:.2f}" for r in ROWS))
     return 0
 
 
