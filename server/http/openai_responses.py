@@ -33,7 +33,10 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def token_surface(tokenizer, token_id: int) -> tuple[str, bytes]:
     """What one token adds to the text, as (text, bytes): the vocabulary's bytes where they do not depend
-    on context (byte-level BPE), else its piece with sentencepiece's word-boundary mark as a space."""
+    on context (byte-level BPE), else its piece with sentencepiece's word-boundary mark as a space.
+    A special token (the end-of-turn that ends an answer, say) adds nothing to the text: ""."""
+    if token_id in tokenizer.special_ids or token_id in tokenizer.eos_ids:
+        return "", b""
     table = tokenizer.token_bytes
     if table is not None and 0 <= token_id < len(table):
         raw = table[token_id]
@@ -43,7 +46,7 @@ def token_surface(tokenizer, token_id: int) -> tuple[str, bytes]:
     if byte:
         raw = bytes([int(byte.group(1), 16)])
         return raw.decode("utf-8", errors="replace"), raw
-    text = piece if token_id in tokenizer.special_ids else piece.replace("\u2581", " ")
+    text = piece.replace("\u2581", " ")
     return text, text.encode("utf-8")
 
 
