@@ -1,0 +1,140 @@
+"""One request's matcher: the allowed-token mask for its next token, advanced on every accepted token.
+
+The mask for step k+1 starts computing on `MaskWorker`'s thread as soon as step k's token is
+accepted (`advance`), and the library releases the GIL while it computes, so the work overlaps the
+rest of the step and the next forward; `mask()` waits only for what is left of it.
+
+End of sequence is allowed exactly where the constraint is complete (the library puts the eos ids
+in the mask then, and only them once nothing can follow). `rollback(n)` undoes the last n tokens
+and `count_valid(tokens)` says how many of a draft the constraint accepts: the two calls
+speculative decoding needs to verify a draft and rewind the rejected part.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from .vocabulary import Vocabulary
+
+
+def new_bitmask(vocab: int) -> Tensor:
+    """[1, ceil(vocab / 32)] int32, all allowed (the library overwrites every word)."""
+    return torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill_bitmask(matcher, bits: Tensor) -> None:
+    """Write `matcher`'s next-token mask into `bits` [1, W] (the library releases the GIL meanwhile).
+    Called directly rather than through the library's torch helpers, whose import pulls in torch.compile."""
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
+
+
+class MaskWorker:
+    """The thread that computes masks ahead of the sampler (one: masks are ~50 us each; a batch of
+    32 fits well within a forward, and the forward needs the cores)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmserve-mask")
+
+    def submit(self, fn) -> Future:
+        return self._pool.submit(fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ConstraintError(RuntimeError):
+    """A token the constraint does not allow reached the matcher (a bug upstream, never the request's)."""
+
+
+class ConstraintState:
+    """The matcher of one request (not thread-safe: one sequence, one caller at a time)."""
+
+    def __init__(self, matcher, vocabulary: Vocabulary, worker: MaskWorker):
+        self._m = matcher
+        self._vocab = vocabulary
+        self._worker = worker
+        self._bits = new_bitmask(vocabulary.size)  # [1, W] int32, bit t of word t//32
+        self._pending: Future | None = None
+        self.tokens = 0  # accepted so far
+        self._start_mask()
+
+    def _fill(self) -> None:
+        fill_bitmask(self._m, self._bits)
+
+    def _start_mask(self) -> None:
+        self._pending = self._worker.submit(self._fill)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def mask(self) -> Tensor:
+        """[W] int32 bitmask of the ids allowed next (waits for its computation if it is still running)."""
+        self._wait()
+        return self._bits[0]
+
+    def allowed(self, token: int) -> bool:
+        row = self.mask()
+        return 0 <= token < self._vocab.size and bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+    def advance(self, token: int) -> None:
+        """Accept `token` and start computing the next mask. Raises ConstraintError if the constraint
+        does not allow it (the sampler only offers allowed tokens, so that is a bug)."""
+        self._wait()
+        if not self._m.consume_token(int(token)):
+            raise ConstraintError(f"token {token} is not allowed by the constraint: {self._m.get_error()[:200]}")
+        self.tokens += 1
+        self._start_mask()
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens."""
+        self._wait()
+        if n:
+            if n > self.tokens or not self._m.rollback(n):
+                raise ConstraintError(f"cannot roll back {n} of {self.tokens} tokens")
+            self.tokens -= n
+        self._start_mask()
+
+    def count_valid(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the constraint accepts from here (the state is unchanged)."""
+        self._wait()
+        return self._m.validate_tokens([int(t) for t in tokens])
+
+    @property
+    def is_complete(self) -> bool:
+        """The output so far satisfies the constraint (end of sequence is allowed now)."""
+        self._wait()
+        return self._m.is_accepting()
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing but end of sequence may follow."""
+        self._wait()
+        return self._m.is_stopped()
+
+
+def unpack(bitmasks: Tensor, vocab: int) -> Tensor:
+    """[R, W] int32 bitmasks -> [R, vocab] bool (True = allowed), on the bitmasks' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmasks.device)  # [32]
+    bits = (bitmasks[:, :, None] >> shifts) & 1  # [R, W, 32]
+    return bits.reshape(bitmasks.shape[0], -1)[:, :vocab].bool()  # [R, vocab]
+
+
+def mask_logits(logits: Tensor, rows: list[int], states: list[ConstraintState]) -> None:
+    """Set to -inf, in place, the logits [N, V] of ids each constrained row's state does not allow."""
+    if not rows:
+        return
+    V = logits.shape[1]
+    bitmasks = torch.stack([s.mask() for s in states]).to(logits.device, non_blocking=True)  # [R, W]
+    allowed = unpack(bitmasks, V)  # [R, V]
+    if allowed.shape[1] < V:  # logits wider than the vocabulary: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+__all__ = ["ConstraintError", "ConstraintState", "MaskWorker", "fill_bitmask", "mask_logits", "new_bitmask", "unpack"]

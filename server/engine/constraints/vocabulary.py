@@ -1,0 +1,96 @@
+"""The bridge from an lmserve tokenizer to the matcher library's vocabulary: the bytes of every id.
+
+A grammar matcher decides which tokens may come next by the bytes each token adds to the output, so
+it needs one byte string per id, the one the output text is made of:
+
+* byte-level BPE (GGUF "gpt2", most `tokenizer.json` files): `Tokenizer.token_bytes` already gives
+  them (a multi-byte character may be split across tokens; the matcher works on bytes, so a token
+  holding half of one is allowed exactly where the grammar allows the whole character);
+* sentencepiece (GGUF "llama", `tokenizer.model`): a piece's `▁` is a space, and a byte-fallback
+  piece `<0xNN>` is the single byte NN;
+* special ids (control tokens, `<|im_end|>`) are marked with a leading 0xFF byte, which no UTF-8
+  text contains, so no grammar can spell them: they can only be allowed as end of sequence;
+* ids past the tokenizer's vocabulary (a model's padded embedding rows) are empty and never allowed.
+
+Building the index costs about a second for a 50k vocabulary, so one is built per served model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SPECIAL_MARK = b"\xff"
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's vocabulary as the matcher sees it.
+
+    size: the width of the model's logits (>= the tokenizer's vocabulary);
+    token_bytes: the bytes each id adds to the output (special ids: SPECIAL_MARK + their text);
+    eos_ids: the ids allowed where, and only where, a constraint is complete;
+    ll_tokenizer: the library's index over those bytes, shared by every matcher of this model.
+    """
+
+    size: int
+    token_bytes: tuple[bytes, ...]
+    eos_ids: tuple[int, ...]
+    ll_tokenizer: object
+
+    def __repr__(self) -> str:
+        return f"Vocabulary(size={self.size}, eos_ids={self.eos_ids})"
+
+
+def token_bytes_of(tokenizer) -> list[bytes]:
+    """The output bytes of each of `tokenizer`'s ids, special ids marked (see the module docstring)."""
+    special = tokenizer.special_ids
+    fixed = tokenizer.token_bytes
+    table: list[bytes] = []
+    for i in range(tokenizer.vocab_size):
+        if fixed is not None:
+            raw = fixed[i]
+        else:  # sentencepiece: spell the piece
+            piece = tokenizer.id_to_token(i) or ""
+            m = _BYTE_PIECE.fullmatch(piece)
+            raw = bytes([int(m.group(1), 16)]) if m and i not in special else piece.replace("\u2581", " ").encode("utf-8")
+        table.append(SPECIAL_MARK + raw if i in special else raw)
+    return table
+
+
+class _Encoder:
+    """What the library calls to tokenize text (it does so only to render forced text): lmserve's own
+    encoding, with special-token text read as plain text."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], eos_id: int):
+        self._tokenizer = tokenizer
+        self.tokens = tokens
+        self.eos_token_id = eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._tokenizer.encode(text, parse_special=False)
+
+
+def build_vocabulary(tokenizer, logits_size: int | None = None) -> Vocabulary:
+    """Index `tokenizer`'s vocabulary for the matcher (about a second for 50k ids: build once per model).
+
+    logits_size: the model's logits width when it exceeds the tokenizer's vocabulary."""
+    import llguidance
+
+    size = max(logits_size or 0, tokenizer.vocab_size)
+    tokens = token_bytes_of(tokenizer)
+    tokens += [b""] * (size - len(tokens))
+    eos_ids = tuple(tokenizer.eos_ids)
+    if not eos_ids:
+        raise ValueError("the tokenizer names no end-of-sequence id; constrained decoding needs one")
+    wrapper = llguidance.TokenizerWrapper(_Encoder(tokenizer, tokens, eos_ids[0]))
+    ll = llguidance.LLTokenizer(wrapper, n_vocab=size, eos_token=list(eos_ids))
+    return Vocabulary(size=size, token_bytes=tuple(tokens), eos_ids=eos_ids, ll_tokenizer=ll)
+
+
+__all__ = ["SPECIAL_MARK", "Vocabulary", "build_vocabulary", "token_bytes_of"]

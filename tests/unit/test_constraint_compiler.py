@@ -1,0 +1,220 @@
+"""Constraint compiling, limits, cache and per-request matcher state, on SmolLM2's real vocabulary.
+
+Outputs are produced without a model by walking the masks: at each step a seeded random choice
+among the allowed ids (end of sequence as soon as it is allowed). Every walk's text must satisfy
+the constraint by an independent oracle: the jsonschema library, lark, re.fullmatch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from lmserve.model.tokenizer import Tokenizer
+from lmserve.server.engine.constraints.compiler import ConstraintCompiler
+from lmserve.server.engine.constraints.spec import Constraint
+from lmserve.server.engine.constraints.state import ConstraintError, mask_logits, unpack
+from lmserve.server.engine.request import RequestValidationError
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city"], "additionalProperties": False},
+        "nick": {"type": "string", "maxLength": 6},
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+}
+ARITH = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]{1,3}/\n'
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf_path) -> Tokenizer:
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+
+@pytest.fixture(scope="module")
+def compiler(smol):
+    c = ConstraintCompiler(smol)
+    yield c
+    c.close()
+
+
+def walk(compiled, tok: Tokenizer, seed: int, max_steps: int = 400) -> str:
+    """Text of a random walk over the allowed ids, ended by end of sequence."""
+    rng = random.Random(seed)
+    state = compiled.new_state()
+    eos = set(compiled.vocabulary.eos_ids)
+    ids = []
+    for _ in range(max_steps):
+        allowed = unpack(state.mask()[None], compiled.vocabulary.size)[0].nonzero().flatten()  # [n]
+        assert allowed.numel(), "a state with nothing allowed"
+        ends = any(state.allowed(t) for t in eos)
+        assert ends == state.is_complete, "end of sequence must be allowed exactly when complete"
+        if ends:
+            return tok.decode(ids)
+        token = int(allowed[rng.randrange(allowed.numel())])
+        state.advance(token)
+        ids.append(token)
+    raise AssertionError(f"walk did not finish in {max_steps} steps: {tok.decode(ids)!r}")
+
+
+def test_json_schema_walks_validate(compiler, smol):
+    jsonschema = pytest.importorskip("jsonschema")
+    compiled = compiler.compile(Constraint.json_schema(PERSON))
+    for seed in range(6):
+        text = walk(compiled, smol, seed)
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_accepts_objects_only(compiler, smol):
+    compiled = compiler.compile(Constraint.json_object())
+    for text, ok in (('{"a": [1, 2.5, "x"], "b": {"c": null}}', True), ("[1, 2]", False), ('"s"', False),
+                     ('{"a": 1', None)):
+        state = compiled.new_state()
+        taken = state.count_valid(smol.encode(text))
+        if ok is False:
+            assert taken < len(smol.encode(text))
+            continue
+        for t in smol.encode(text):
+            state.advance(t)
+        assert state.is_complete is bool(ok)
+
+
+def test_regex_walks_fullmatch(compiler, smol):
+    for pattern in (r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)( [a-z]{1,5}){0,3}", r"\d+(\.\d{1,2})?e?"):
+        compiled = compiler.compile(Constraint.regex(pattern))
+        for seed in range(6):
+            text = walk(compiled, smol, seed)
+            assert re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_grammar_walks_parse_with_lark(compiler, smol):
+    lark = pytest.importorskip("lark")
+    parser = lark.Lark(ARITH, start="start")
+    compiled = compiler.compile(Constraint.grammar(ARITH))
+    for seed in range(8):
+        parser.parse(walk(compiled, smol, seed, max_steps=1000))
+
+
+def test_choice_walks_are_one_option(compiler, smol):
+    options = ['say "hi"', "naïve ☃", "a\\b", "x\ny", "yes", "yes!"]
+    compiled = compiler.compile(Constraint.choice(options))
+    seen = {walk(compiled, smol, seed) for seed in range(20)}
+    assert seen <= set(options) and len(seen) >= 2
+
+
+def test_end_of_sequence_only_when_complete_and_rollback(compiler, smol):
+    state = compiler.compile(Constraint.regex("ab(cd)?")).new_state()
+    eos = compiler.vocabulary.eos_ids[0]
+    start = state.mask().clone()
+    assert not state.allowed(eos)
+    state.advance(smol.encode("a")[0])
+    state.advance(smol.encode("b")[0])
+    assert state.is_complete and state.allowed(eos) and not state.is_finished
+    assert state.count_valid(smol.encode("cd")) == len(smol.encode("cd"))
+    assert state.count_valid(smol.encode("x")) == 0
+    state.rollback(2)
+    assert state.tokens == 0 and torch.equal(state.mask(), start)
+    with pytest.raises(ConstraintError):
+        state.advance(smol.encode("z")[0])
+    state2 = compiler.compile(Constraint.regex("ab(cd)?")).new_state()
+    for t in smol.encode("abcd"):
+        state2.advance(t)
+    allowed = unpack(state2.mask()[None], compiler.vocabulary.size)[0].nonzero().flatten().tolist()
+    assert state2.is_finished and set(allowed) <= set(compiler.vocabulary.eos_ids)
+
+
+def test_mask_logits_masks_only_constrained_rows(compiler, smol):
+    state = compiler.compile(Constraint.choice(["42"])).new_state()
+    V = compiler.vocabulary.size
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))  # [3, V]
+    before = logits.clone()
+    mask_logits(logits, [1], [state])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    allowed = unpack(state.mask()[None], V)[0]
+    assert torch.isinf(logits[1][~allowed]).all() and torch.equal(logits[1][allowed], before[1][allowed])
+    assert state.allowed(int(logits[1].argmax()))
+
+
+def test_cache_hits_return_the_compiled_constraint(smol, compiler):
+    a = compiler.compile(Constraint.json_schema(json.dumps(PERSON)))
+    hits = compiler.stats.hits
+    b = compiler.compile(Constraint.json_schema(PERSON))  # same content, other spelling: one key
+    assert b is a and compiler.stats.hits == hits + 1
+
+
+def test_cache_is_bounded(smol, compiler):
+    small = ConstraintCompiler(smol, max_entries=3, max_cached_chars=40)
+    small._vocab = compiler.vocabulary
+    for i in range(6):
+        small.compile(Constraint.regex(f"x{i}"))
+    assert small.stats.entries == 3 and small.stats.misses == 6
+    small.compile(Constraint.regex("y" * 30))
+    assert small.stats.source_chars <= 40 and small.stats.entries <= 3
+    small.close()
+
+
+def _refusal(compiler, constraint) -> tuple[str, str]:
+    with pytest.raises(RequestValidationError) as e:
+        compiler.compile(constraint)
+    (field, reason), = e.value.violations
+    return field, reason
+
+
+@pytest.mark.parametrize("constraint, field, words", [
+    (Constraint.json_schema({"type": "strin"}), "json_schema", "invalid JSON schema"),
+    (Constraint.json_schema({"type": "array", "uniqueItems": True}), "json_schema", "uniqueItems"),
+    (Constraint.json_schema("{not json"), "json_schema", "invalid JSON schema"),
+    (Constraint.json_schema("[1, 2]"), "json_schema", "invalid JSON schema"),
+    (Constraint.regex("a(b"), "regex", "invalid regular expression"),
+    (Constraint.regex("[^\\s\\S]"), "regex", "vocabulary"),  # matches nothing at all
+    (Constraint.grammar("start: foo\nfoo: ("), "grammar", "invalid grammar"),
+    (Constraint.grammar("start: undefined_rule"), "grammar", "invalid grammar"),
+    (Constraint.choice([]), "choice", "at least one"),
+    (Constraint.regex(""), "regex", "empty"),
+])
+def test_bad_constraints_are_refused_by_field(compiler, constraint, field, words):
+    got_field, reason = _refusal(compiler, constraint)
+    assert got_field == field and words in reason, reason
+
+
+def test_size_and_complexity_limits(compiler):
+    limits = compiler.limits
+    deep: dict = {"type": "integer"}
+    for _ in range(limits.max_schema_depth + 5):
+        deep = {"type": "array", "items": deep}
+    assert "levels deep" in _refusal(compiler, Constraint.json_schema(deep))[1]
+    very_deep = "[" * 200_000 + "]" * 200_000  # deeper than Python's JSON parser recurses
+    assert "at most" in _refusal(compiler, Constraint.json_schema(very_deep))[1]
+    assert "at most" in _refusal(compiler, Constraint.regex("a" * (limits.max_regex_chars + 1)))[1]
+    rules = "start: r0\n" + "".join(f"r{i}: \"x\" r{i + 1}\n" for i in range(limits.max_grammar_rules + 1))
+    assert "rules" in _refusal(compiler, Constraint.grammar(rules))[1]
+    field, reason = _refusal(compiler, Constraint.choice(["x" * (limits.max_choice_chars + 1)]))
+    assert field == "choice[0]"
+    # a schema bomb: alternatives that multiply (6^8 combinations of properties)
+    bomb = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"k{j}{i}": {"type": "integer"}}}
+                                 for i in range(6)]} for j in range(8)]}
+    assert "too complex" in _refusal(compiler, Constraint.json_schema(bomb))[1]
+
+
+def test_redos_regexes_compile_and_stay_exact(compiler, smol):
+    # catastrophic for a backtracking engine; the library's automaton has no backtracking
+    for pattern in (r"(a+)+b", r"(x+x+)+y", r"(a|aa)+c", r"((ab)*)*c"):
+        compiled = compiler.compile(Constraint.regex(pattern))
+        text = walk(compiled, smol, seed=1, max_steps=600)
+        assert re.fullmatch(pattern, text)

@@ -1,0 +1,106 @@
+"""The tokenizer -> matcher vocabulary bridge, on SmolLM2's byte-level BPE and on a sentencepiece
+vocabulary with byte fallback (the project's own trained model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserve.model.tokenizer import Tokenizer
+from lmserve.server.engine.constraints.vocabulary import SPECIAL_MARK, build_vocabulary, token_bytes_of
+
+MULTIBYTE = "naïve café — 你好，世界 🌍🍵"
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf_path) -> Tokenizer:
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+
+@pytest.fixture(scope="module")
+def smol_vocab(smol):
+    return build_vocabulary(smol, logits_size=smol.vocab_size + 64)
+
+
+def test_byte_level_tokens_concatenate_to_the_text_bytes(smol):
+    table = token_bytes_of(smol)
+    for text in (MULTIBYTE, '{"name": "Zoë", "tags": ["a"]}', "x\n\ty"):
+        ids = smol.encode(text)
+        assert b"".join(table[i] for i in ids) == text.encode("utf-8")
+    split = [i for i in smol.encode("🌍🍵") if _not_utf8(table[i])]
+    assert split, "expected the emoji to be spelled with tokens that split a character"
+
+
+def test_special_ids_are_marked_and_text_ids_are_not(smol):
+    table = token_bytes_of(smol)
+    im_end = smol.token_to_id("<|im_end|>")
+    assert table[im_end] == SPECIAL_MARK + b"<|im_end|>"
+    assert all(table[i].startswith(SPECIAL_MARK) for i in smol.special_ids)
+    assert not any(table[i].startswith(SPECIAL_MARK) for i in smol.encode(MULTIBYTE))
+
+
+def test_matcher_accepts_a_character_split_across_tokens(smol, smol_vocab):
+    from llguidance import LLMatcher
+
+    m = LLMatcher(smol_vocab.ll_tokenizer, LLMatcher.grammar_from_regex("🌍+"), log_level=0)
+    ids = smol.encode("🌍🌍")
+    assert m.consume_tokens(ids), m.get_error()
+    assert m.is_accepting()
+
+
+def test_padded_logit_ids_are_never_allowed(smol, smol_vocab):
+    from lmserve.server.engine.constraints.compiler import ConstraintCompiler
+    from lmserve.server.engine.constraints.spec import Constraint
+    from lmserve.server.engine.constraints.state import unpack
+
+    compiler = ConstraintCompiler(smol, logits_size=smol.vocab_size + 64)
+    compiler._vocab = smol_vocab
+    state = compiler.compile(Constraint.regex(".*")).new_state()  # anything: every text id is allowed
+    allowed = unpack(state.mask()[None], smol_vocab.size)[0]  # [V]
+    assert allowed.shape[0] == smol.vocab_size + 64
+    assert not allowed[smol.vocab_size:].any()
+    assert allowed[smol.encode("hello")[0]]
+    compiler.close()
+
+
+def test_sentencepiece_byte_fallback_and_word_spaces(trained_model_dir):
+    tok = Tokenizer.from_dir(trained_model_dir)
+    assert tok.token_bytes is None  # the sentencepiece path of the bridge
+    table = token_bytes_of(tok)
+    byte_ids = [i for i in range(tok.vocab_size) if (tok.id_to_token(i) or "").startswith("<0x")]
+    assert len(byte_ids) == 256
+    for i in byte_ids:
+        assert table[i] == bytes([int(tok.id_to_token(i)[3:5], 16)])
+    text = "the fox 你好 🌍"
+    ids = tok.encode(text)
+    assert any(i in byte_ids for i in ids), "expected byte-fallback pieces for the rare characters"
+    spelled = b"".join(table[i] for i in ids).decode("utf-8")
+    assert spelled.strip() == text and spelled == " " * (len(spelled) - len(spelled.lstrip(" "))) + tok.decode(ids)
+
+
+def test_sentencepiece_matcher_sees_the_bytes(trained_model_dir):
+    from llguidance import LLMatcher
+
+    tok = Tokenizer.from_dir(trained_model_dir)
+    vocab = build_vocabulary(tok)
+    m = LLMatcher(vocab.ll_tokenizer, LLMatcher.grammar_from_regex(" ?the fox [^a-z]+"), log_level=0)
+    assert m.consume_tokens(tok.encode("the fox 你好")), m.get_error()
+    assert m.is_accepting()
+
+
+def _not_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_unpack_bit_order():
+    from lmserve.server.engine.constraints.state import unpack
+
+    words = torch.tensor([[1 - (1 << 31), 1 << 3]], dtype=torch.int32)  # bits 0 and 31 (the sign bit), 35
+    assert unpack(words, 40)[0].nonzero().flatten().tolist() == [0, 31, 35]
