@@ -63,6 +63,16 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.json_schema is not None:
+        msg.json_schema = params.json_schema
+    elif params.json_object:
+        msg.json_object = True
+    elif params.regex is not None:
+        msg.regex = params.regex
+    elif params.grammar is not None:
+        msg.grammar = params.grammar
+    elif params.choice is not None:
+        msg.choice.options.extend(params.choice)
     return msg
 
 
@@ -83,7 +93,15 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         speculate=not msg.disable_speculation,
+        **_constraint_from_proto(msg),
     )
+
+
+def _constraint_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
+    kind = msg.WhichOneof("constraint")
+    if kind == "choice":
+        return {"choice": tuple(msg.choice.options)}
+    return {kind: getattr(msg, kind)} if kind else {}
 
 
 def to_chat_message(item: ChatMessage | Mapping[str, str] | Sequence[str]) -> ChatMessage:

@@ -38,6 +38,13 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_new_tokens: int = 
     group.add_argument("--seed", type=int, default=None, help="sampling seed")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    shape = parser.add_argument_group("output constraint (at most one; docs/constrained-decoding.md)")
+    one = shape.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", help="JSON valid under the schema in FILE")
+    one.add_argument("--json-object", action="store_true", help="one JSON object")
+    one.add_argument("--regex", metavar="PATTERN", help="text the regular expression matches whole")
+    one.add_argument("--grammar", metavar="FILE", help="text derived from the Lark grammar in FILE")
+    one.add_argument("--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -53,7 +60,22 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        json_schema=_read_file(args.json_schema, "--json-schema"),
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=_read_file(args.grammar, "--grammar"),
+        choice=tuple(args.choice) if args.choice else None,
     )
+
+
+def _read_file(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise CliUsageError(f"{flag}: cannot read {path}: {exc.strerror}") from None
 
 
 def make_client(args: argparse.Namespace, **overrides: Any):

@@ -6,6 +6,7 @@ messages, so callers never handle protobuf objects.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ __all__ = [
     "ModelInfo",
     "FINISH_REASONS",
 ]
+
+# The SamplingParams fields that constrain the output; a request sets at most one.
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 # Finish reasons as the SDK spells them (lmserve.v1.FinishReason without its prefix).
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "deadline", "error", "context_length")
@@ -53,9 +57,17 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past EOS tokens.
         logprobs: None for no log-probabilities, 0 for the chosen token's only,
-            n > 0 to add the n most likely alternatives per position.
+            n > 0 to add the n most likely alternatives per position (with a constraint:
+            the model's own, before the constraint's mask).
         speculate: False to opt out of the server's speculative decoding (the tokens are
             the same either way).
+
+    Constrained decoding (at most one; see docs/constrained-decoding.md):
+        json_schema: the output is JSON valid under this schema (a dict, or its JSON text).
+        json_object: the output is one JSON object.
+        regex: the whole output matches this regular expression.
+        grammar: the output derives from this Lark grammar's ``start`` rule.
+        choice: the output is exactly one of these strings.
     """
 
     max_new_tokens: int = 0
@@ -72,12 +84,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculate: bool = True
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept any iterable (a list, a single string) for the tuple fields.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.json_schema is not None and not isinstance(self.json_schema, str):  # a dict: held as JSON text
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise TypeError("choice takes a list of strings, not one string")
+            object.__setattr__(self, "choice", tuple(str(c) for c in self.choice))
+        chosen = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        if len(chosen) > 1:
+            raise ValueError(f"set at most one constraint; got {', '.join(chosen)}")
 
 
 @dataclass(frozen=True)

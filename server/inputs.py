@@ -20,12 +20,14 @@ from lmserve.model.chat_template import ChatTemplateError
 from lmserve.model.tokenizer import Tokenizer
 from lmserve.v1 import lmserve_pb2 as pb
 
+from .engine.constraints import Constraint, ConstraintLimits
 from .engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Request, RequestValidationError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_MESSAGES = 256
 MAX_REQUEST_ID_CHARS = 128
 CHARS_PER_CONTEXT_TOKEN = 32  # the default character cap: far more text than the context can hold
+CONSTRAINT_LIMITS = ConstraintLimits()
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class InputParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculate: bool = True  # False: this request opts out of speculative decoding
+    # the output constraint as sent: (kind, its text / True / the choice's strings), None for free text;
+    # held by reference (O(1)) and built into a Constraint on a worker thread
+    constraint: tuple[str, object] | None = None
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams) -> "InputParams":
@@ -76,7 +81,26 @@ class InputParams:
                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                    seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
                    ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
-                   speculate=not p.disable_speculation)
+                   speculate=not p.disable_speculation, constraint=_proto_constraint(p))
+
+
+def _proto_constraint(p: pb.SamplingParams) -> tuple[str, object] | None:
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):  # json_object = false sets none
+        return None
+    return kind, (p.choice.options if kind == "choice" else getattr(p, kind))
+
+
+def build_constraint(sent: tuple[str, object] | None) -> Constraint | None:
+    """InputParams.constraint -> the engine's Constraint (parses a schema's JSON: a worker thread's job)."""
+    if sent is None:
+        return None
+    kind, value = sent
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint.choice(value)
+    return {"json_schema": Constraint.json_schema, "regex": Constraint.regex, "grammar": Constraint.grammar}[kind](value)
 
 
 @dataclass(frozen=True)
@@ -143,6 +167,15 @@ def _params_violations(p: InputParams) -> list[tuple[str, str]]:
         v.append(("params.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"))
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         v.append(("params.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}"))
+    if p.constraint is not None:  # sizes only; the content is checked on a worker thread
+        kind, value = p.constraint
+        if kind == "choice":
+            if len(value) > CONSTRAINT_LIMITS.max_choices:
+                v.append(("params.choice.options", f"at most {CONSTRAINT_LIMITS.max_choices} strings, got {len(value)}"))
+        elif kind != "json_object":
+            cap = CONSTRAINT_LIMITS.max_regex_chars if kind == "regex" else CONSTRAINT_LIMITS.max_source_chars
+            if len(value) > cap:
+                v.append((f"params.{kind}", f"at most {cap} characters, got {len(value)}"))
     return v
 
 
@@ -216,6 +249,7 @@ class InputConverter:
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs,
             speculate=p.speculate,
+            constraint=build_constraint(p.constraint),
         )
 
     def generate_request(self, req: GenerateInput, engine_id: str, deadline: float | None,

@@ -23,6 +23,7 @@ import torch
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
 
+from .constraints.compiler import ConstraintCompiler
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
@@ -192,6 +193,8 @@ class Engine:
                                    step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer),
                                    speculation=None)
         self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
+        # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
+        self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
         graphs = None
         if s.cuda_graphs and loaded.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
@@ -284,6 +287,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.constraints.close()
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -293,7 +297,11 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------
     def validate(self, request: Request) -> None:
+        """Raise RequestValidationError naming every bad field; compiles the request's constraint (the
+        caller's thread: the edge calls this on its worker threads, never on the event loop)."""
         request.validate(self.loaded.config.vocab_size, self.max_model_len, self.settings.max_new_tokens_cap)
+        if request.params.constraint is not None and request.compiled is None:
+            request.compiled = self.constraints.compile(request.params.constraint)
 
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue a validated request; its chunks go to `sink` (called on the engine thread).

@@ -7,6 +7,12 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .constraints.spec import Constraint
+
+if TYPE_CHECKING:
+    from .constraints.compiler import CompiledConstraint
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -59,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)
     speculate: bool = True  # False: never verify drafted tokens for this request (the output is the same)
+    constraint: Constraint | None = None  # the output's shape (constraints/spec.py); None: free text
 
     def __post_init__(self):
         if 0 < self.temperature < GREEDY_TEMPERATURE:
@@ -68,6 +75,8 @@ class SamplingParams:
             object.__setattr__(self, "repetition_penalty", min(max(self.repetition_penalty, lo), hi))
         if not isinstance(self.stop_token_ids, frozenset):
             object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if self.constraint is not None:  # drafts are not verified against a constraint's mask yet
+            object.__setattr__(self, "speculate", False)
 
     def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
         v: list[tuple[str, str]] = []
@@ -110,6 +119,9 @@ class SamplingParams:
                 bad("stop_token_ids", f"{len(outside)} id(s) outside the vocabulary [0, {vocab_size}), e.g. {outside[0]}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.constraint is not None and self.ignore_eos:
+            bad("ignore_eos", f"cannot be combined with a constraint ({self.constraint.field}): the output ends "
+                              "where the constraint is complete")
         return v
 
 
@@ -123,6 +135,8 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
     arrival: float = field(default_factory=time.monotonic)
     origin: str = ""  # which edge sent it ("grpc", "http"): a metrics label, nothing in the engine reads it
+    # params.constraint compiled for the served model (Engine.validate does it, off the engine thread)
+    compiled: "CompiledConstraint | None" = field(default=None, repr=False)
 
     def validate(self, vocab_size: int, max_context: int, max_new_tokens_cap: int | None = None) -> None:
         """Raise RequestValidationError listing every bad field."""

@@ -6,6 +6,11 @@ fails alone. Only rows with a temperature, penalties or logprobs are copied out 
 only sampled rows with top-k/top-p/min-p pay for a sort. Penalty tallies are kept per request and
 updated with each new token instead of being rebuilt from the history every step.
 
+Constrained rows (a request with a compiled constraint) first have the ids their constraint does
+not allow set to -inf, before any of that, greedy included; their matcher takes the sampled token at
+once and starts computing the next step's mask (constraints/state.py). Their log-probabilities are
+the model's own, from the logits before the mask.
+
 `general_sample` is the straightforward reference (every row through every stage); the fast path
 returns exactly its tokens, which the tests check row type by row type.
 """
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .constraints.state import ConstraintError, ConstraintState, mask_logits
 from .request import SamplingParams
 
 
@@ -164,6 +170,12 @@ def _generator(seq, device: torch.device) -> torch.Generator:
     return state.generator
 
 
+def _constraint_state(seq) -> ConstraintState:
+    if seq.constraint is None:
+        seq.constraint = seq.request.compiled.new_state()
+    return seq.constraint
+
+
 def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     chosen = float(lp_row[token])
     if n == 0:
@@ -178,10 +190,16 @@ class Sampler:
 
         Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
         generator and penalty tallies, which are updated with the sampled token."""
+        constrained = [i for i, seq in enumerate(seqs) if seq.request.compiled is not None]
+        unmasked: dict[int, Tensor] = {}
+        if constrained:  # (a constrained request verifies no drafts: one row each)
+            unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask
+                        for i in constrained if seqs[i].request.params.logprobs is not None}
+            mask_logits(logits, constrained, [_constraint_state(seqs[i]) for i in constrained])  # in place
         row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
-        if logits.device.type == "cuda" and all(_plain_greedy(seq.request.params) for seq in seqs):
+        if logits.device.type == "cuda" and not constrained and all(_plain_greedy(seq.request.params) for seq in seqs):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
-        ok = [math.isfinite(m) for m in row_max.tolist()]
+        ok = [math.isfinite(m) for m in row_max.tolist()]  # a constrained row with nothing allowed is not finite
         token_list = tokens.tolist()
         lps: list = [None] * len(seqs)
         V, dev = logits.shape[1], logits.device
@@ -203,8 +221,14 @@ class Sampler:
             elif row is not raw:
                 token_list[i] = int(row.argmax())
             if p.logprobs is not None:
-                lps[i] = _top_logprobs(raw.log_softmax(dim=-1), token_list[i], p.logprobs)
+                lps[i] = _top_logprobs(unmasked.get(i, raw).log_softmax(dim=-1), token_list[i], p.logprobs)
         for i, seq in enumerate(seqs):
             if ok[i] and seq.sampling is not None and seq.sampling.penalties is not None:
                 seq.sampling.penalties.add(token_list[i])
+        for i in constrained:
+            if ok[i]:
+                try:
+                    seqs[i].constraint.advance(token_list[i])  # and the next step's mask starts computing
+                except ConstraintError:  # fails this row alone (a matcher past its end: a dropped overlapped row)
+                    ok[i] = False
         return SampleOutput(torch.tensor(token_list, device=dev) if worked else tokens, lps, host=(token_list, ok))

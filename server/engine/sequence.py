@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from .request import FinishReason, Request
 
 if TYPE_CHECKING:
+    from .constraints.state import ConstraintState
     from .ngram import NgramProposer
     from .processor import OutputState
     from .sampler import SamplingState
@@ -42,6 +43,7 @@ class Sequence:
     sampling: "SamplingState | None" = None  # the sampler's: seeded generator, penalty tallies
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
+    constraint: "ConstraintState | None" = None  # constrained decoding's matcher, made at the first sampled step
 
     @property
     def request_id(self) -> str:

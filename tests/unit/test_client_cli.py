@@ -26,6 +26,20 @@ def test_generate_flags_map_to_sampling_params(monkeypatch):
     assert cli.build_parser().parse_args(["info", "-t", "h:1"]).target == "h:1"
 
 
+def test_constraint_flags_map_to_sampling_params(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    parse = cli.build_parser().parse_args
+    assert cli.sampling_from_args(parse(["generate", "hi", "--json-schema", str(schema)])).json_schema == schema.read_text()
+    assert cli.sampling_from_args(parse(["generate", "hi", "--regex", "[0-9]+"])).regex == "[0-9]+"
+    assert cli.sampling_from_args(parse(["generate", "hi", "--choice", "a", "--choice", "b"])).choice == ("a", "b")
+    assert cli.sampling_from_args(parse(["generate", "hi", "--json-object"])).json_object is True
+    with pytest.raises(SystemExit):  # argparse: not allowed with each other
+        parse(["generate", "hi", "--regex", "a", "--json-object"])
+    with pytest.raises(cli.CliUsageError):
+        cli.sampling_from_args(parse(["generate", "hi", "--grammar", str(tmp_path / "missing.lark")]))
+
+
 def test_no_torch_on_import_or_parser_build():
     code = (
         "import sys, lmserve.client, lmserve.client.cli, lmserve.client.bench\n"

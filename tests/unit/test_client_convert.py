@@ -157,3 +157,31 @@ def test_tokenize_request_forms():
     assert req.WhichOneof("input") == "messages" and not req.add_generation_prompt
     with pytest.raises(TypeError):
         conv.build_tokenize_request(42)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(json_schema={"type": "object", "required": ["a"]}), "json_schema"),
+    (dict(json_schema='{"type": "string"}'), "json_schema"),
+    (dict(json_object=True), "json_object"),
+    (dict(regex=r"\d+"), "regex"),
+    (dict(grammar='start: "a"+'), "grammar"),
+    (dict(choice=["yes", "no"]), "choice"),
+])
+def test_constraints_set_the_constraint_oneof_and_round_trip(kw, field):
+    params = conv.resolve_params(None, kw)
+    msg = conv.params_to_proto(params)
+    assert msg.WhichOneof("constraint") == field
+    back = conv.params_from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
+    assert back == params
+    if field == "json_schema" and isinstance(kw[field], dict):
+        import json
+
+        assert json.loads(msg.json_schema) == kw[field]
+
+
+def test_no_constraint_leaves_the_oneof_unset_and_two_are_refused():
+    assert conv.params_to_proto(SamplingParams()).WhichOneof("constraint") is None
+    with pytest.raises(ValueError, match="at most one"):
+        SamplingParams(regex="a", json_object=True)
+    with pytest.raises(TypeError):
+        SamplingParams(choice="yes")

@@ -185,7 +185,7 @@ def _refusal(compiler, constraint) -> tuple[str, str]:
     (Constraint.regex("[^\\s\\S]"), "regex", "vocabulary"),  # matches nothing at all
     (Constraint.grammar("start: foo\nfoo: ("), "grammar", "invalid grammar"),
     (Constraint.grammar("start: undefined_rule"), "grammar", "invalid grammar"),
-    (Constraint.choice([]), "choice", "at least one"),
+    (Constraint.choice([]), "choice.options", "at least one"),
     (Constraint.regex(""), "regex", "empty"),
 ])
 def test_bad_constraints_are_refused_by_field(compiler, constraint, field, words):
@@ -205,7 +205,7 @@ def test_size_and_complexity_limits(compiler):
     rules = "start: r0\n" + "".join(f"r{i}: \"x\" r{i + 1}\n" for i in range(limits.max_grammar_rules + 1))
     assert "rules" in _refusal(compiler, Constraint.grammar(rules))[1]
     field, reason = _refusal(compiler, Constraint.choice(["x" * (limits.max_choice_chars + 1)]))
-    assert field == "choice[0]"
+    assert field == "choice.options[0]"
     # a schema bomb: alternatives that multiply (6^8 combinations of properties)
     bomb = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"k{j}{i}": {"type": "integer"}}}
                                  for i in range(6)]} for j in range(8)]}

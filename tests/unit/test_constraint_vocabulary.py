@@ -104,3 +104,21 @@ def test_unpack_bit_order():
 
     words = torch.tensor([[1 - (1 << 31), 1 << 3]], dtype=torch.int32)  # bits 0 and 31 (the sign bit), 35
     assert unpack(words, 40)[0].nonzero().flatten().tolist() == [0, 31, 35]
+
+
+def test_sentencepiece_forced_text_is_spelled_without_the_word_space(trained_model_dir):
+    """Where a constraint forces a literal, the library asks the tokenizer for it; sentencepiece alone
+    would spell "a" as "▁a" (a space the text lacks), leaving only a token the constraint rejects."""
+    from lmserve.server.engine.constraints.compiler import ConstraintCompiler
+    from lmserve.server.engine.constraints.spec import Constraint
+    from lmserve.server.engine.constraints.state import unpack
+
+    tok = Tokenizer.from_dir(trained_model_dir)
+    compiler = ConstraintCompiler(tok)
+    for pattern, first in (("a+b", b"a"), ("the fox", b"the fox")):
+        state = compiler.compile(Constraint.regex(pattern)).new_state()
+        allowed = unpack(state.mask()[None], tok.vocab_size)[0].nonzero().flatten().tolist()
+        table = compiler.vocabulary.token_bytes
+        assert allowed and all(first.startswith(table[i]) for i in allowed), [table[i] for i in allowed]
+        state.advance(allowed[0])
+    compiler.close()

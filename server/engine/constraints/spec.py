@@ -75,7 +75,7 @@ class Constraint:
     @property
     def field(self) -> str:
         """The request field this constraint is set by (SamplingParams.<field>)."""
-        return self.kind.value
+        return "choice.options" if self.kind is ConstraintKind.CHOICE else self.kind.value
 
     @property
     def choices(self) -> list[str]:

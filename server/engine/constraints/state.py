@@ -69,7 +69,10 @@ class ConstraintState:
 
     def _wait(self) -> None:
         if self._pending is not None:
-            self._pending.result()
+            try:
+                self._pending.result()
+            except Exception:  # noqa: BLE001 - the library failed on this matcher: nothing is allowed, the row fails alone
+                self._bits.zero_()
             self._pending = None
 
     def mask(self) -> Tensor:
@@ -134,7 +137,8 @@ def mask_logits(logits: Tensor, rows: list[int], states: list[ConstraintState]) 
     if allowed.shape[1] < V:  # logits wider than the vocabulary: the extra ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    with torch.inference_mode():  # the model's logits are inference tensors: updated in place, not copied
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 __all__ = ["ConstraintError", "ConstraintState", "MaskWorker", "fill_bitmask", "mask_logits", "new_bitmask", "unpack"]

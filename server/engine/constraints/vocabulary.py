@@ -60,8 +60,10 @@ def token_bytes_of(tokenizer) -> list[bytes]:
 
 
 class _Encoder:
-    """What the library calls to tokenize text (it does so only to render forced text): lmserve's own
-    encoding, with special-token text read as plain text."""
+    """What the library calls to tokenize text it forces (a literal the constraint requires): lmserve's
+    own encoding when its tokens spell exactly that text, else the longest matching token at each
+    position. (A sentencepiece encoding starts with a word-boundary space the text does not have, and
+    the library would then allow only that token.)"""
 
     def __init__(self, tokenizer, tokens: list[bytes], eos_id: int):
         self._tokenizer = tokenizer
@@ -69,11 +71,31 @@ class _Encoder:
         self.eos_token_id = eos_id
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(tokenizer.special_ids)
+        self._by_bytes: dict[bytes, int] = {}
+        for i, b in enumerate(tokens):  # the last id of equal bytes: a piece over sentencepiece's earlier byte pieces
+            if b and not b.startswith(SPECIAL_MARK):
+                self._by_bytes[b] = i
+        self._longest = max(map(len, self._by_bytes), default=1)
 
     def __call__(self, text) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", "replace")
-        return self._tokenizer.encode(text, parse_special=False)
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = self._tokenizer.encode(data.decode("utf-8", "replace"), parse_special=False)
+        if b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        return self._longest_match(data)
+
+    def _longest_match(self, data: bytes) -> list[int]:
+        ids, at = [], 0
+        while at < len(data):
+            for n in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._by_bytes.get(data[at:at + n])
+                if token is not None:
+                    ids.append(token)
+                    at += n
+                    break
+            else:  # a byte no token spells: skipped (the library then finds no tokens for it)
+                at += 1
+        return ids
 
 
 def build_vocabulary(tokenizer, logits_size: int | None = None) -> Vocabulary:

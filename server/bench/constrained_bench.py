@@ -1,0 +1,156 @@
+"""What constrained decoding costs: inter-token latency with and without a JSON schema, side by side.
+
+    python -m lmserve.server.bench.constrained_bench --out reports/constrained_bench.json
+
+In one process, on one engine, rounds alternate an unconstrained and a constrained run of the same
+chat prompts at each concurrency, so a busy machine slows both alike; the report gives each
+round's ratio and their median. Also: compiling a typical schema cold and from the cache, the
+vocabulary index, and the share of constrained outputs the jsonschema library validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .machine import lscpu
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 60},
+        "city": {"type": "string", "maxLength": 40},
+        "interests": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "interests", "employed"],
+    "additionalProperties": False,
+}
+QUESTIONS = ["Invent a person and describe them as JSON.", "Describe a fictional customer as JSON.",
+             "Give a made-up user profile as JSON.", "Create a character for a novel, as JSON."]
+
+
+def _chat_ids(tok, i: int) -> list[int]:
+    return tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"}])[0]
+
+
+async def _wave(engine, tok, c: int, n: int, constrained: bool) -> dict:
+    from ..engine.constraints import Constraint
+    from ..engine.request import Request, SamplingParams
+
+    gaps: list[float] = []
+    texts: list[str] = []
+    tokens = 0
+
+    async def one(i: int):
+        nonlocal tokens
+        p = (SamplingParams(max_new_tokens=n, constraint=Constraint.json_schema(SCHEMA)) if constrained
+             else SamplingParams(max_new_tokens=n, ignore_eos=True))
+        last, out = None, []
+        async for ch in engine.generate(Request(_chat_ids(tok, i), p)):
+            now = time.perf_counter()
+            if ch.token_ids:
+                if last is not None:
+                    gaps.append((now - last) / len(ch.token_ids))
+                last = now
+                tokens += len(ch.token_ids)
+            out.append(ch.text)
+        texts.append("".join(out))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(c)))
+    seconds = time.perf_counter() - t0
+    return {"itl_ms_median": statistics.median(gaps) * 1e3, "tokens": tokens, "tok_per_s": tokens / seconds,
+            "texts": texts}
+
+
+def _valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def run(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
+    from ..engine import Engine, EngineSettings
+    from ..engine.constraints import Constraint
+    from ..engine.constraints.compiler import ConstraintCompiler
+
+    tok = loaded.tokenizer
+    fresh = ConstraintCompiler(tok, loaded.config.vocab_size)
+    t = time.perf_counter()
+    _ = fresh.vocabulary
+    vocab_s = time.perf_counter() - t
+    t = time.perf_counter()
+    fresh.compile(Constraint.json_schema(SCHEMA))
+    cold_ms = (time.perf_counter() - t) * 1e3
+    hits = []
+    for _ in range(20):
+        t = time.perf_counter()
+        fresh.compile(Constraint.json_schema(SCHEMA))
+        hits.append((time.perf_counter() - t) * 1e6)
+    fresh.close()
+
+    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), prefix_cache=False)).start()
+    rows, valid, total = [], 0, 0
+    try:
+        asyncio.run(_wave(engine, tok, 1, 8, True))  # warm: the vocabulary index and the first compile
+        for c in concurrencies:
+            ratios, pairs = [], []
+            for r in range(rounds):
+                free = asyncio.run(_wave(engine, tok, c, n, False))
+                held = asyncio.run(_wave(engine, tok, c, n, True))
+                ratios.append(held["itl_ms_median"] / free["itl_ms_median"])
+                pairs.append({"unconstrained": {k: round(v, 3) for k, v in free.items() if k != "texts"},
+                              "constrained": {k: round(v, 3) for k, v in held.items() if k != "texts"}})
+                valid += sum(_valid(x) for x in held["texts"])
+                total += len(held["texts"])
+            rows.append({"concurrency": c, "itl_ratio_median": round(statistics.median(ratios), 3),
+                         "itl_ratios": [round(x, 3) for x in ratios], "rounds": pairs})
+        stats = engine.constraints.stats
+        cache = {"hits": stats.hits, "misses": stats.misses}
+    finally:
+        engine.shutdown()
+    return {"itl": rows, "compile": {"vocabulary_index_s": round(vocab_s, 3), "schema_cold_ms": round(cold_ms, 2),
+                                     "schema_cache_hit_us_median": round(statistics.median(hits), 1)},
+            "engine_compile_cache": cache, "valid_outputs": f"{valid}/{total}",
+            "note": "outputs that ran out of tokens mid-object count as invalid"}
+
+
+def main(argv=None) -> int:
+    from lmserve.model.loader import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default=None, help="served dtype (default: as the server would choose)")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--note", default="", help="what the report should say about the machine (e.g. shared)")
+    ap.add_argument("--out", type=Path, default=Path("reports/constrained_bench.json"))
+    args = ap.parse_args(argv)
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
+    report = run(loaded, args.concurrency, args.rounds, args.max_new_tokens)
+    report.update(model=args.model, dtype=str(loaded.dtype).removeprefix("torch."), machine=lscpu(), note=args.note,
+                  date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), max_new_tokens=args.max_new_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for row in report["itl"]:
+        print(f"c={row['concurrency']}: constrained/unconstrained ITL {row['itl_ratio_median']} ({row['itl_ratios']})")
+    print("compile:", report["compile"], "valid:", report["valid_outputs"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Constrained decoding in the engine with the real SmolLM2 model (float32).
+
+Every output is checked by an independent oracle (jsonschema, lark, re.fullmatch), and greedy tokens
+against a reference loop: full-recompute logits, the constraint's mask, argmax. Mixed batches,
+load, preemption by recompute, stop strings, logprobs, length limits and cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+
+from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
+    collect, full_forward_logits, one_torch_thread, running, wait_idle, wait_until)
+from lmserve.model.kv_cache import KVCache
+from lmserve.server.engine.constraints import Constraint
+from lmserve.server.engine.constraints.state import mask_logits
+from lmserve.server.engine.request import FinishReason, Request, RequestValidationError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "height_m": {"type": "number", "minimum": 1.2, "maximum": 2.2},
+        "role": {"enum": ["engineer", "doctor", "artist"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 15}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "country": {"type": "string", "maxLength": 20}},
+                    "required": ["city"], "additionalProperties": False},
+        "nickname": {"type": "string", "maxLength": 10},
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+    "additionalProperties": False,
+}
+ARITH = 'start: expr\nexpr: term | term " " OP " " term\nterm: NUMBER | "(" expr ")"\nOP: "+" | "-"\nNUMBER: /[0-9]{1,3}/\n'
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf_path):
+    from lmserve.model.loader import load_model
+
+    return load_model(smollm2_gguf_path, dtype=torch.float32, device="cpu")
+
+
+def chat(loaded, text: str) -> list[int]:
+    return loaded.tokenizer.encode_chat([{"role": "user", "content": text}])[0]
+
+
+def params(constraint: Constraint, n: int = 80, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, constraint=constraint, **kw)
+
+
+def reference(engine, loaded, prompt: list[int], constraint: Constraint, n: int) -> list[int]:
+    """Greedy under the constraint by full recompute: logits of the whole sequence, the mask, argmax."""
+    state = engine.constraints.compile(constraint).new_state()
+    ids, out = list(prompt), []
+    eos = set(loaded.tokenizer.eos_ids)
+    for _ in range(n):
+        logits = full_forward_logits(loaded.model, ids)[-1:].clone()  # [1, V]
+        mask_logits(logits, [0], [state])
+        token = int(logits[0].argmax())
+        out.append(token)
+        if token in eos:
+            break
+        state.advance(token)
+        ids.append(token)
+    return out
+
+
+def text_of(loaded, result) -> str:
+    return loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+async def test_json_schema_outputs_validate_and_greedy_matches_the_reference(smol):
+    jsonschema = pytest.importorskip("jsonschema")
+    prompt = chat(smol, "Describe a fictional person as JSON.")
+    c = Constraint.json_schema(PERSON)
+    with running(smol) as engine:
+        greedy, _ = await collect(engine, Request(prompt, params(c, 120)))
+        sampled = [await collect(engine, Request(prompt, params(c, 120, temperature=1.0, seed=1)))]
+        ref = reference(engine, smol, prompt, c, 40)
+    assert greedy.token_ids[:40] == ref
+    for res in [greedy] + [r for r, _ in sampled]:
+        assert res.finish_reason is FinishReason.EOS, res.text
+        jsonschema.validate(json.loads(res.text), PERSON)
+
+
+async def test_regex_grammar_and_choice_outputs(smol):
+    lark = pytest.importorskip("lark")
+    parser = lark.Lark(ARITH, start="start")
+    options = ["red", "green", "blue", "dark purple"]
+    with running(smol) as engine:
+        phone = await collect(engine, Request(chat(smol, "Give a phone number."), params(Constraint.regex(PHONE), 30)))
+        arith = await collect(engine, Request(chat(smol, "Write a sum."), params(Constraint.grammar(ARITH), 60,
+                                                                                  temperature=0.8, seed=3)))
+        pick = await collect(engine, Request(chat(smol, "Your favourite colour?"), params(Constraint.choice(options))))
+        obj = await collect(engine, Request(chat(smol, "A JSON object about a cat."),
+                                            params(Constraint.json_object(), 150)))
+    for res, _ in (phone, arith, pick):
+        assert res.finish_reason is FinishReason.EOS, res.text
+    assert re.fullmatch(PHONE, phone[0].text)
+    parser.parse(arith[0].text)
+    assert pick[0].text in options
+    if obj[0].finish_reason is FinishReason.EOS:
+        assert isinstance(json.loads(obj[0].text), dict)
+    else:  # ran out of tokens mid-object: a prefix of one
+        assert obj[0].finish_reason is FinishReason.LENGTH and obj[0].text.startswith("{")
+
+
+async def test_mixed_batch_and_load_give_the_tokens_of_each_request_alone(smol):
+    prompts = [chat(smol, q) for q in ("Describe a person as JSON.", "Tell me about Paris.", "A phone number?",
+                                       "What is 2+2?", "Name a colour.", "Write a haiku.")]
+    reqs = [
+        (prompts[0], params(Constraint.json_schema(PERSON), 60)),
+        (prompts[1], SamplingParams(max_new_tokens=40)),  # free text
+        (prompts[2], params(Constraint.regex(PHONE), 30)),
+        (prompts[3], SamplingParams(max_new_tokens=30, temperature=0.7, seed=5)),
+        (prompts[4], params(Constraint.choice(["red", "green", "blue"]))),
+        (prompts[5], params(Constraint.grammar(ARITH), 30, temperature=0.9, seed=8)),
+    ]
+    with running(smol) as engine:
+        alone = [(await collect(engine, Request(p, sp)))[0].token_ids for p, sp in reqs]
+        together = await asyncio.gather(*(collect(engine, Request(p, sp)) for p, sp in reqs * 2))
+    for i, (res, _) in enumerate(together):
+        assert res.token_ids == alone[i % len(reqs)], i
+
+
+async def test_preemption_by_recompute_keeps_the_matcher_in_step(smol):
+    cfg = smol.config
+    page = KVCache(cfg, 1, 64, smol.dtype).bytes_per_page
+    prompts = [chat(smol, f"Describe person number {i} as JSON.") for i in range(4)]
+    c = Constraint.json_schema(PERSON)
+    with running(smol, prefix_cache=False) as engine:
+        alone = [(await collect(engine, Request(p, params(c, 60))))[0] for p in prompts]
+    with running(smol, max_batch=4, max_model_len=128, kv_cache_gb=10 * page / 2**30, prefix_cache=False) as engine:
+        outs = await asyncio.gather(*(collect(engine, Request(p, params(c, 60))) for p in prompts))
+        assert engine.stats().preemptions_total > 0
+    for (res, chunks), ref in zip(outs, alone):
+        assert res.token_ids == ref.token_ids
+        assert [t for ch in chunks for t in ch.token_ids] == res.token_ids
+
+
+async def test_prefix_cache_hit_then_constrained(smol):
+    prompt = chat(smol, "Describe a fictional person as JSON.")
+    c = Constraint.json_schema(PERSON)
+    with running(smol) as engine:
+        first, _ = await collect(engine, Request(prompt, params(c, 60)))
+        before = engine.stats().prefix_hit_tokens_total
+        again, _ = await collect(engine, Request(prompt, params(c, 60)))
+        assert engine.stats().prefix_hit_tokens_total > before
+    assert again.token_ids == first.token_ids
+
+
+async def test_stop_strings_length_and_logprobs(smol):
+    prompt = chat(smol, "Describe a fictional person as JSON.")
+    c = Constraint.json_schema(PERSON)
+    with running(smol) as engine:
+        full, _ = await collect(engine, Request(prompt, params(c, 120)))
+        stopped, _ = await collect(engine, Request(prompt, params(c, 120, stop=('"age"',))))
+        short, _ = await collect(engine, Request(prompt, params(c, 5)))
+        lp, _ = await collect(engine, Request(prompt, params(c, 8, logprobs=3)))
+    assert stopped.finish_reason is FinishReason.STOP and full.text.startswith(stopped.text)
+    assert '"age"' not in stopped.text and '"age"' in full.text
+    assert short.finish_reason is FinishReason.LENGTH and len(short.token_ids) == 5
+    assert lp.token_ids == full.token_ids[:8]
+    # the model's own distribution (before the mask): the first token's as a full forward gives it
+    model_lp = full_forward_logits(smol.model, prompt)[-1].float().log_softmax(-1)  # [V]
+    first = lp.logprobs[0]
+    assert first.logprob == pytest.approx(float(model_lp[first.token_id]), abs=1e-4)
+    top = model_lp.topk(3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+
+
+async def test_cancel_a_constrained_request_and_serve_the_next(smol):
+    prompt = chat(smol, "Describe a fictional person as JSON.")
+    c = Constraint.json_schema(PERSON)
+    with running(smol) as engine:
+        req = Request(prompt, params(c, 200))
+        stream = engine.generate(req)
+        await stream.__anext__()
+        engine.cancel(req.request_id)
+        async for chunk in stream:
+            last = chunk
+        assert last.finish_reason is FinishReason.CANCELLED
+        await wait_idle(engine)
+        after, _ = await collect(engine, Request(prompt, params(c, 60)))
+        ref, _ = await collect(engine, Request(prompt, params(c, 60)))
+    assert after.token_ids == ref.token_ids
+
+
+def test_bad_constraints_fail_validation_before_queueing(smol):
+    with running(smol) as engine:
+        for constraint, field in ((Constraint.json_schema({"type": "array", "uniqueItems": True}), "json_schema"),
+                                  (Constraint.regex("(unclosed"), "regex")):
+            with pytest.raises(RequestValidationError) as e:
+                engine.validate(Request(chat(smol, "hi"), params(constraint)))
+            assert [f for f, _ in e.value.violations] == [field]
+        with pytest.raises(RequestValidationError) as e:
+            engine.validate(Request(chat(smol, "hi"), params(Constraint.json_object(), ignore_eos=True)))
+        assert [f for f, _ in e.value.violations] == ["ignore_eos"]
+        assert engine.stats().waiting == 0
