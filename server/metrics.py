@@ -85,10 +85,11 @@ class Metrics:
         if prefill:
             self.step_prefill.labels(kind=kind).observe(prefill)
 
-    def on_token(self, seq, gap_seconds) -> None:
-        self.generated_tokens.inc()
-        if gap_seconds is not None:
-            self.itl.observe(gap_seconds)
+    def on_tokens(self, seq, count, gap_seconds) -> None:
+        self.generated_tokens.inc(count)
+        if gap_seconds is not None:  # several tokens in one step (an accepted draft): the gap per token
+            for _ in range(count):
+                self.itl.observe(gap_seconds / count)
 
     def on_finish(self, seq, final) -> None:
         protocol = seq.request.origin or "engine"

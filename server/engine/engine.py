@@ -95,7 +95,9 @@ class EngineObserver(Protocol):
     """Hooks for metrics; called on the engine thread, must be cheap and must not raise."""
 
     def on_step(self, seconds: float, batch: ScheduledBatch) -> None: ...
-    def on_token(self, seq: Sequence, gap_seconds: float | None) -> None: ...
+    def on_tokens(self, seq: Sequence, count: int, gap_seconds: float | None) -> None:
+        """`count` new tokens of `seq` in one step (several where a draft was accepted), `gap_seconds`
+        after its previous ones (None for its first)."""
     def on_finish(self, seq: Sequence, final: GenerationChunk) -> None: ...
 
 
@@ -534,7 +536,7 @@ class Engine:
                 finished.append(o.seq)
                 continue
             for obs in self.observers:
-                obs.on_token(o.seq, o.gap)
+                obs.on_tokens(o.seq, len(o.chunk.token_ids), o.gap)
             if o.reason is None:
                 items.append((o.seq.request_id, o.chunk))
             else:

@@ -223,7 +223,7 @@ class StepPacer:
     def on_step(self, seconds: float, batch) -> None:
         self.model.observe(batch_features(batch.decode, batch.prefill, batch.drafts), seconds * 1000.0)
 
-    def on_token(self, seq, gap_seconds) -> None:
+    def on_tokens(self, seq, count, gap_seconds) -> None:
         pass
 
     def on_finish(self, seq, final) -> None:

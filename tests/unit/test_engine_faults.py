@@ -33,7 +33,7 @@ class FinishLog:
     def on_step(self, seconds, batch):
         pass
 
-    def on_token(self, seq, gap_seconds):
+    def on_tokens(self, seq, count, gap_seconds):
         pass
 
     def on_finish(self, seq, final):

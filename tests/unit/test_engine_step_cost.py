@@ -25,7 +25,7 @@ class StepLog:
     def on_step(self, seconds, batch):
         self.steps.append(({s.request_id for s in batch.decode}, [(c.seq.request_id, c.start, c.length) for c in batch.prefill]))
 
-    def on_token(self, seq, gap):
+    def on_tokens(self, seq, count, gap):
         pass
 
     def on_finish(self, seq, final):

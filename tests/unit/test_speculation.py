@@ -183,3 +183,24 @@ def test_the_step_cost_model_counts_a_verifying_row_as_its_decode_rows():
         r.num_cached = 10 + j + 1
     assert batch_features([a, b], [], [(7, 8, 9), ()]) == batch_features([*rows, b], [])
     assert batch_features([b], []) == batch_features([b], [], [()])
+
+
+async def test_metrics_count_every_token_of_an_accepted_draft(trained):
+    """Several tokens in one step still count one by one: generated tokens equal the requests' usage,
+    each token after a request's first has its inter-token gap, and the speculation counters scrape."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmserve.server.metrics import Metrics
+
+    with running(trained, speculation="ngram") as engine:
+        m = Metrics(engine, "trained")
+        got = await results_of(engine, _requests(trained.tokenizer))
+        st = engine.stats()
+        text = generate_latest(m.registry).decode()
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    assert st.accepted_tokens_total > 0  # some step did carry several tokens of one request
+    assert values["lmserve_generated_tokens_total"] == sum(len(r.token_ids) for r in got)
+    assert values["lmserve_inter_token_latency_seconds_count"] == sum(len(r.token_ids) - 1 for r in got)
+    assert values["lmserve_speculative_draft_tokens_total"] == st.drafted_tokens_total
+    assert values["lmserve_speculative_accepted_tokens_total"] == st.accepted_tokens_total
