@@ -342,20 +342,14 @@ class Scheduler:
 
         decoding = [s for s in self.running if not s.in_prefill]
         budget = self._prefill_budget(decoding)
-        drafting = self.speculation is not None and len(decoding) <= self.speculation.max_batch
         for seq in list(self.running):  # oldest first: the newest are preempted when pages run out
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted in this loop
             if not seq.in_prefill:
                 if seq.pending and seq.out_of_tokens:
                     continue  # its token in flight is its last (overlapped steps): nothing more to compute
-                draft = self._draft(seq, budget) if drafting else ()
-                covered = self._hold(batch, seq, seq.num_cached + 1 + len(draft), seq.num_cached + 1)
-                if covered:
-                    draft = draft[: covered - seq.num_cached - 1]
+                if self._hold(batch, seq, seq.num_cached + 1, seq.num_cached + 1):
                     batch.decode.append(seq)
-                    batch.drafts.append(draft)
-                    budget -= len(draft)  # drafts are step tokens like any other
             elif budget > 0:  # chunked prompts already holding a slot go before new ones
                 n = min(seq.prefill_len - seq.num_cached, budget)
                 n = self._hold(batch, seq, seq.num_cached + n, seq.num_cached + 1) - seq.num_cached
@@ -372,7 +366,24 @@ class Scheduler:
             if not self._admit(batch, head, budget, now):
                 break
             budget -= batch.prefill[-1].length
+        if self.speculation is not None and len(batch.decode) <= self.speculation.max_batch:
+            self._add_drafts(batch, budget)
         return batch.freeze()
+
+    def _add_drafts(self, batch: _Plan, budget: int) -> None:
+        """Drafts for the decode rows from the step tokens prompts left over (prefill goes first), on KV
+        pages that are free (a draft never evicts or preempts anything)."""
+        for seq in batch.decode:
+            draft = self._draft(seq, budget)
+            if draft and self.kv_pages is not None:
+                held = self._held.get(seq, 0) * self.kv_page_tokens
+                need = self._pages(seq.num_cached + 1 + len(draft)) - self._held.get(seq, 0)
+                grant = max(0, min(need, self.pages_free))
+                if grant:
+                    self._charge(seq, grant)
+                draft = draft[: held + grant * self.kv_page_tokens - seq.num_cached - 1]
+            batch.drafts.append(draft)
+            budget -= len(draft)  # drafts are step tokens like any other
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Tokens for a decode row to verify: at most what the step's tokens, the request's remaining
