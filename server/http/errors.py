@@ -13,7 +13,8 @@ from ..engine.request import RequestValidationError
 
 # proto field (as inputs.py names it) -> OpenAI parameter; a missing one keeps its name less "params."
 _PARAMS = {"params.max_new_tokens": "max_tokens", "params.logprobs": "logprobs", "token_ids": "prompt",
-           "request_id": "x-request-id", "input": "prompt"}
+           "request_id": "x-request-id", "input": "prompt", "params.json_schema": "response_format.json_schema.schema",
+           "params.json_object": "response_format"}
 
 
 class OpenAINames:

@@ -104,7 +104,7 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
     n = r.get("n", int, low=1)
     if n not in (None, 1):
         raise BodyError("n", "only n=1 is served; send n requests (they share the prompt's prefix cache)")
-    _response_format(r.get("response_format", dict))
+    constraint = _response_format(r.get("response_format", dict))
     stream = bool(r.get("stream", bool))
     options = r.get("stream_options", dict)
     if options is not None and not stream:
@@ -125,6 +125,7 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
         repetition_penalty=r.get("repetition_penalty", float),
         ignore_eos=bool(r.get("ignore_eos", bool)),
         stop_token_ids=tuple(_ints(r.get("stop_token_ids", list) or [], "stop_token_ids")),
+        constraint=constraint,
     )
     if chat:
         inp = GenerateInput(messages=_messages(r.get("messages", list, required=True)), params=params)
@@ -138,15 +139,20 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
                          include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"))
 
 
-def _response_format(fmt: dict | None) -> None:
+def _response_format(fmt: dict | None) -> tuple[str, object] | None:
+    """response_format -> the constraint as sent (inputs.InputParams.constraint): None for text."""
     if fmt is None:
-        return
+        return None
     kind = fmt.get("type")
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise BodyError("response_format", f"type {kind!r} needs constrained decoding, which this server does not "
-                                           "offer yet; use type 'text'")
+        return None
+    if kind == "json_object":
+        return "json_object", True
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BodyError("response_format.json_schema.schema", "must be a JSON schema object")
+        return "json_schema", json.dumps(spec["schema"])
     raise BodyError("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 

@@ -193,7 +193,10 @@ def test_a_bad_or_unsupported_parameter_is_a_400_naming_it(client, model_id, kwa
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                         "if": {}}}}),
+     "response_format.json_schema.schema"),
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
