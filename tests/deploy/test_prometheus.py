@@ -76,7 +76,7 @@ def served(server, prometheus):
     """Prometheus scraped the idle server, then REQUESTS generations (half read to the end, half left
     after the first token), then their final counts, at least twice. Returns the client-side TTFTs."""
     server_harness.wait_until(
-        lambda: scalar(prometheus.query("lmserve_time_to_first_token_seconds_count")) == 0,
+        lambda: scalar(prometheus.query("lmserve_running_requests")) == 0,
         timeout=30, interval=0.2, what="a first scrape of the idle server")
     client_ttfts = []
     prompts = trained_model.prompt_continuations((2, 5))
