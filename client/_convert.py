@@ -197,7 +197,8 @@ def _logprobs(items: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
 def _usage(msg: pb.GenerateResponse | pb.GenerateStreamResponse) -> Usage | None:
     if not msg.HasField("usage"):
         return None
-    return Usage(prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens)
+    return Usage(prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
+                 cached_prompt_tokens=msg.usage.cached_prompt_tokens)
 
 
 def _timing(msg: pb.GenerateResponse | pb.GenerateStreamResponse) -> Timing | None:

@@ -201,7 +201,9 @@ class OpenAIStreamClient:
                             raise error_from_code(grpc.StatusCode.INTERNAL, f"error event: {obj['error'].get('message')}")
                         rid = obj.get("id", rid)
                         if obj.get("usage"):
-                            usage = Usage(obj["usage"]["prompt_tokens"], obj["usage"]["completion_tokens"])
+                            u = obj["usage"]
+                            usage = Usage(u["prompt_tokens"], u["completion_tokens"],
+                                          (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                         for choice in obj.get("choices") or ():
                             text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                             finish = choice.get("finish_reason") or finish

@@ -112,6 +112,7 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens served from the server's prefix cache
 
     @property
     def total_tokens(self) -> int:

@@ -94,7 +94,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     def _final_fields(c: GenerationChunk | GenerationResult) -> dict:
         out = {"finish_reason": FINISH[c.finish_reason], "matched_stop": c.matched_stop or ""}
         if c.usage:
-            out["usage"] = pb.Usage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens)
+            out["usage"] = pb.Usage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens,
+                                    cached_prompt_tokens=c.usage.cached_prompt_tokens)
         if c.timings:
             out["timing"] = pb.Timing(queue_seconds=c.timings.queue_seconds,
                                       time_to_first_token_seconds=c.timings.time_to_first_token_seconds,

@@ -18,6 +18,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at admission
 
 
 @dataclass(frozen=True)

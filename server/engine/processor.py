@@ -77,7 +77,8 @@ class OutputProcessor:
             time_to_first_token_seconds=(seq.first_token or now) - arrival,
             total_seconds=now - arrival,
         )
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids))
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
+                      cached_prompt_tokens=seq.cached_prompt_tokens)
         base = chunk or GenerationChunk(request_id=seq.request_id)
         return GenerationChunk(request_id=seq.request_id, text=base.text, token_ids=base.token_ids,
                                logprobs=base.logprobs, finish_reason=reason, usage=usage, timings=timings,

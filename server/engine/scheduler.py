@@ -416,6 +416,7 @@ class Scheduler:
         seq.slot, seq.status = slot, SeqStatus.RUNNING
         if seq.first_scheduled is None:
             seq.first_scheduled = now
+            seq.cached_prompt_tokens = min(hit, seq.prompt_len)
         self.running.append(seq)
         self._charge(seq, need)
         if self.prefix_cache is not None:

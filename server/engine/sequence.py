@@ -40,6 +40,7 @@ class Sequence:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token_time: float | None = None  # when the latest token was recorded (inter-token gaps)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission (usage)
     sampling: "SamplingState | None" = None  # the sampler's: seeded generator, penalty tallies
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts

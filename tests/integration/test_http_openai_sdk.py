@@ -153,6 +153,22 @@ def test_usage_and_presence_penalty_change_nothing_else(client, model_id, stub):
     assert plain.usage.prompt_tokens == penalised.usage.prompt_tokens
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_supplied(client, model_id, stub, training_prompts):
+    # a prompt this module has not sent before, long enough to hold whole prefix blocks (16 tokens)
+    prompt = "usage and the cache: " + " ".join(p for p, _ in training_prompts[5:8])
+    first = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0)
+    again = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the first request's K/V is reused, all but the last prompt token (computed again, to sample from)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == again.usage.prompt_tokens - 1
+    stream = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    assert [c.usage for c in stream if c.usage][-1].prompt_tokens_details.cached_tokens == cached
+    assert grpc_generate(stub, prompt, max_new_tokens=3).usage.cached_prompt_tokens == cached
+
+
 async def test_async_client_streams_and_answers(server, model_id, training_prompts):
     async with openai.AsyncOpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as client:
         prefix = training_prompts[2][0]
