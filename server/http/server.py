@@ -100,7 +100,8 @@ class HttpServer:
                 tls.update(ssl_ca_certs=s.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, interface="asgi3", http=protocol, lifespan="off", log_config=None, log_level="warning",
                                 access_log=False, proxy_headers=False, server_header=False,
-                                limit_concurrency=s.http_max_connections + 1,  # uvicorn refuses at >= its limit timeout_keep_alive=s.http_keep_alive_timeout,
+                                limit_concurrency=s.http_max_connections + 1,  # uvicorn refuses at >= its limit
+                                timeout_keep_alive=s.http_keep_alive_timeout,
                                 timeout_graceful_shutdown=SHUTDOWN_SECONDS, **tls)
         self.server = _Embedded(config)
         self._task: asyncio.Task | None = None

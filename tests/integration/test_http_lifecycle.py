@@ -44,9 +44,9 @@ def test_a_client_that_disconnects_mid_stream_cancels_and_frees_its_kv(server):
 
 @pytest.fixture(scope="module")
 def tight(start_module_server, trained_model_dir):
-    """One slot, one queue place, short read timeouts and at most CAP HTTP connections."""
+    """One slot, one queue place, short read and keep-alive timeouts, at most CAP HTTP connections."""
     return start_module_server(trained_model_dir, threads=1, max_batch=1, max_queue=1, http_read_timeout=1,
-                               http_max_connections=CAP)
+                               http_keep_alive_timeout=1, http_max_connections=CAP)
 
 
 async def test_a_full_queue_is_a_429(tight):
@@ -74,6 +74,17 @@ def test_headers_that_never_finish_lose_the_connection(tight):
     with socket.create_connection((HOST, tight.http_port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
         assert s.recv(1024) == b""  # closed by the server after --http-read-timeout (the timeout here: 30 s)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(tight):
+    with socket.create_connection((HOST, tight.http_port), timeout=4) as s:  # uvicorn's own default is 5 s
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
+        while chunk := s.recv(4096):  # the body, then the server's close after --http-keep-alive-timeout (1 s)
+            reply += chunk
 
 
 def test_a_body_that_never_finishes_is_a_408(tight):
