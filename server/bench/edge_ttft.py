@@ -14,38 +14,12 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from . import served
 from .machine import lscpu
-
-
-def serve(args) -> tuple[subprocess.Popen, str, str, Path]:
-    """Start the server; returns (process, gRPC target, HTTP base URL, log path) once it is ready."""
-    log = Path(tempfile.mkstemp(prefix="edge-ttft-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", args.model, "--port", "0",
-           "--http-port", "-1", "--metrics-port", "0", "--max-batch", "4", "--threads", str(args.threads),
-           "--dtype", args.dtype, "--compile", "false"]
-    if args.models_dir:
-        cmd += ["--models-dir", args.models_dir]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        text = log.read_text(errors="replace")
-        grpc_port = re.search(r"lmserve bound \S+?:(\d+)", text)
-        http = re.search(r"HTTP API listening on (http://\S+?:\d+)", text)
-        if grpc_port and http and "ready in" in text:
-            return proc, f"127.0.0.1:{grpc_port.group(1)}", http.group(1) + "/v1", log
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server did not become ready:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def main(argv=None) -> int:
@@ -64,12 +38,14 @@ def main(argv=None) -> int:
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
-    proc, target, url, log = serve(args)
+    flags = ["--model", args.model, "--max-batch", "4", "--threads", str(args.threads), "--dtype", args.dtype,
+             "--compile", "false", *(["--models-dir", args.models_dir] if args.models_dir else [])]
     cfg = BenchConfig(concurrency=1, rate=None, requests=args.requests, duration=None, warmup=2,
                       max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, ignore_eos=True, timeout=120)
     items = synthetic_workload()
     rounds = {"grpc": [], "http": []}
-    try:
+    with served.lmserve(flags, args.startup_timeout) as server:
+        target, url, log = server.grpc_target, server.http_url, server.log
         for r in range(args.rounds):
             order = ("grpc", "http") if r % 2 == 0 else ("http", "grpc")  # neither edge always goes first
             for edge in order:
@@ -81,9 +57,6 @@ def main(argv=None) -> int:
                                      "e2e_p50_ms": 1e3 * agg.e2e.p50})
                 print(f"round {r} {edge}: TTFT p50 {1e3 * agg.ttft.p50:.2f} ms, mean {1e3 * agg.ttft.mean:.2f} ms",
                       flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     diffs = sorted(h["ttft_p50_ms"] - g["ttft_p50_ms"] for g, h in zip(rounds["grpc"], rounds["http"]))
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": lscpu(),
               "cpus": os.cpu_count(), "model": args.model, "dtype": args.dtype, "threads": args.threads,

@@ -1,0 +1,185 @@
+"""lmserve beside llama.cpp's `llama-server` in one run: the same GGUF, prompts and token counts.
+
+    sh server/bench/build_llama_server.sh      # once: builds the peer into .cache/peers (~10 min)
+    python -m lmserve.server.bench.peer_bench --out reports/peer_llama_cpp.json
+
+One server at a time, each driven by `lmserve bench`'s clients (lmserve through gRPC, the peer through
+its OpenAI API), streaming:
+- chat: the built-in chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32;
+- repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1; the
+  peer runs once without and once with its n-gram speculation, lmserve with speculation on and off;
+- json: the same chat questions under a JSON schema (`response_format` over both OpenAI APIs), c=1:
+  tokens/s and the share of outputs that validate, beside the same questions unconstrained.
+The report names the machine (lscpu), the modes each server ran and every run's numbers. A benchmark,
+not a test: run it on a quiet machine. llama.cpp is a reference here, never a dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import served
+from .constrained_bench import QUESTIONS, SCHEMA
+from .machine import lscpu
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_BINARY = ROOT / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server"
+
+
+def _bench(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
+    from lmserve.client.bench import BenchConfig, run_bench
+    from lmserve.client.bench_prompts import repeating_workload, synthetic_workload
+    from lmserve.client.bench_stats import aggregate
+
+    items = repeating_workload() if workload == "repeat" else synthetic_workload()
+    cfg = BenchConfig(concurrency=concurrency, rate=None, requests=requests, duration=None,
+                      warmup=min(2, requests), max_new_tokens=max_new, temperature=0.0, seed=0, ignore_eos=True,
+                      timeout=600)
+    run = asyncio.run(run_bench(where, cfg, items, progress=False, api=api))
+    agg = aggregate(run.records, run.duration)
+    out = {"workload": workload, "concurrency": concurrency, "requests": requests, "completed": agg.completed,
+           "failed": agg.failed, "output_tokens": agg.output_tokens,
+           "tok_s": round(agg.output_token_throughput, 1),
+           "itl_p50_ms": round(1e3 * agg.itl.p50, 2) if agg.itl else None,
+           "ttft_p50_ms": round(1e3 * agg.ttft.p50, 1) if agg.ttft else None}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
+    """c=1: each question with and without the schema; tok/s from the reply's usage over wall time."""
+    import jsonschema
+
+    out = {}
+    for constrained in (False, True):
+        tokens, seconds, valid, n = 0, 0.0, 0, 0
+        for r in range(rounds):
+            for i, q in enumerate(QUESTIONS):
+                body = {"model": model, "max_tokens": max_new, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"{q} (#{r * len(QUESTIONS) + i})"}]}
+                if constrained:
+                    body["response_format"] = {"type": "json_schema",
+                                               "json_schema": {"name": "person", "schema": SCHEMA}}
+                t0 = time.perf_counter()
+                reply = _post(http_url + "/chat/completions", body)
+                seconds += time.perf_counter() - t0
+                tokens += reply["usage"]["completion_tokens"]
+                n += 1
+                if constrained:
+                    try:
+                        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
+                        valid += 1
+                    except (ValueError, jsonschema.ValidationError):
+                        pass
+        key = "json_schema" if constrained else "unconstrained"
+        out[key] = {"requests": n, "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
+        if constrained:
+            out[key]["valid_fraction"] = round(valid / n, 3)
+    out["constrained_over_unconstrained_tok_s"] = round(out["json_schema"]["tok_s"] / out["unconstrained"]["tok_s"], 3)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _model_id(http_url: str) -> str:
+    with urllib.request.urlopen(http_url + "/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def main(argv=None) -> int:
+    from lmserve.model.catalog import resolve_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the peer's binary")
+    ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--requests", type=int, default=8, help="measured requests at c=1 (c=32: 2 per slot)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeat-max-new-tokens", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["lmserve", "llama.cpp", "chat", "repeat", "json"])
+    ap.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
+    ap.add_argument("--out", type=Path, default=Path("reports/peer_llama_cpp.json"))
+    args = ap.parse_args(argv)
+    if "llama.cpp" not in args.skip and not args.llama_server.exists():
+        ap.error(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
+    gguf = resolve_model("smollm2", args.models_dir)
+    n1, n32 = args.requests, 64
+
+    def runs(where: str, api: str, repeat: bool = True) -> list[dict]:
+        out = []
+        if "chat" not in args.skip:
+            out += [_bench(where, api, "chat", 1, n1, args.max_new_tokens),
+                    _bench(where, api, "chat", 32, n32, args.max_new_tokens)]
+        if repeat and "repeat" not in args.skip:
+            out.append(_bench(where, api, "repeat", 1, 6, args.repeat_max_new_tokens))
+        return out
+
+    servers = {}
+    lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
+    if "lmserve" not in args.skip:
+        with served.lmserve(lm_flags) as s:
+            info = next(line for line in s.log.read_text().splitlines() if "lmserve listening" in line)
+            servers["lmserve"] = {"startup_line": info.split("lmserve listening", 1)[1].strip(),
+                                  "runs": runs(s.grpc_target, "lmserve")}
+            if "json" not in args.skip:
+                servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
+        if "repeat" not in args.skip:
+            with served.lmserve([*lm_flags, "--speculation", "off"]) as s:
+                servers["lmserve --speculation off"] = {
+                    "runs": [_bench(s.grpc_target, "lmserve", "repeat", 1, 6, args.repeat_max_new_tokens)]}
+    if "llama.cpp" not in args.skip:
+        base = ["-t", str(args.threads), "-np", "32", "-c", str(32 * 1024)]
+        with served.llama_server(args.llama_server, gguf, base) as s:
+            servers["llama.cpp"] = {"flags": base, "runs": runs(s.http_url, "openai")}
+            if "json" not in args.skip:
+                servers["llama.cpp"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
+        if "repeat" not in args.skip:
+            for spec in ("ngram-simple", "ngram-mod"):
+                flags = [*base, "--spec-type", spec]
+                with served.llama_server(args.llama_server, gguf, flags) as s:
+                    servers[f"llama.cpp --spec-type {spec}"] = {
+                        "flags": flags,
+                        "runs": [_bench(s.http_url, "openai", "repeat", 1, 6, args.repeat_max_new_tokens)]}
+
+    def rate(server: str, workload: str, c: int) -> float | None:
+        for r in servers.get(server, {}).get("runs", []):
+            if r["workload"] == workload and r["concurrency"] == c:
+                return r["tok_s"]
+        return None
+
+    ratios = {}
+    for name, (a, b, w, c) in {
+        "chat_c1_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 1),
+        "chat_c32_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 32),
+        "repeat_c1_lmserve_over_its_speculation_off": ("lmserve", "lmserve --speculation off", "repeat", 1),
+        "repeat_c1_lmserve_over_llama_cpp_ngram_simple": ("lmserve", "llama.cpp --spec-type ngram-simple", "repeat", 1),
+        "repeat_c1_lmserve_over_llama_cpp_ngram_mod": ("lmserve", "llama.cpp --spec-type ngram-mod", "repeat", 1),
+    }.items():
+        x, y = rate(a, w, c), rate(b, w, c)
+        if x and y:
+            ratios[name] = round(x / y, 2)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
+              "gguf": gguf.name, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "repeat_max_new_tokens": args.repeat_max_new_tokens, "ratios": ratios, "servers": servers}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(ratios, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
