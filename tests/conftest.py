@@ -15,3 +15,14 @@ def smollm2_gguf_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF (pulled and sha256-verified on first use)."""
     models_dir = os.environ.get("LMSERVE_TEST_MODELS_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "models"
     return pull("smollm2", models_dir, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    """SmolLM2's byte-level BPE tokenizer, read from the GGUF's metadata (no weights loaded)."""
+    import gguf
+
+    from lmserve.model.tokenizer import Tokenizer
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})

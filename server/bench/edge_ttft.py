@@ -2,8 +2,8 @@
 
     python -m lmserve.server.bench.edge_ttft --out reports/edge_ttft.json
 
-One `lmserve serve` process (the real model) serves both edges; `lmserve bench` sends the same chat
-prompts through each, the edges alternating round by round so that a busy machine weighs on both
+One `lmserve serve` process (the real model, no prefix cache) serves both edges; `lmserve bench` sends
+the same short chat prompts through each, the edges alternating round by round so that a busy machine weighs on both
 alike. Reported per edge and round: TTFT p50 and mean (client side, request sent -> first text), and
 the median over rounds of HTTP minus gRPC. A benchmark, not a test.
 """
@@ -38,11 +38,13 @@ def main(argv=None) -> int:
     from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
+    # no prefix cache: every round sends the same prompts, and a hit would favour whichever edge came later
     flags = ["--model", args.model, "--max-batch", "4", "--threads", str(args.threads), "--dtype", args.dtype,
-             "--compile", "false", *(["--models-dir", args.models_dir] if args.models_dir else [])]
+             "--compile", "false", "--prefix-cache", "false",
+             *(["--models-dir", args.models_dir] if args.models_dir else [])]
     cfg = BenchConfig(concurrency=1, rate=None, requests=args.requests, duration=None, warmup=2,
                       max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, ignore_eos=True, timeout=120)
-    items = synthetic_workload()
+    items = synthetic_workload()[::3]  # the short questions: a TTFT of a few ms, so 1 ms shows
     rounds = {"grpc": [], "http": []}
     with served.lmserve(flags, args.startup_timeout) as server:
         target, url, log = server.grpc_target, server.http_url, server.log

@@ -6,8 +6,9 @@
 One server at a time, each driven by `lmserve bench`'s clients (lmserve through gRPC, the peer through
 its OpenAI API), streaming:
 - chat: the built-in chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32;
-- repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1; the
-  peer runs once without and once with its n-gram speculation, lmserve with speculation on and off;
+- repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1, each
+  to its end (EOS), at most 256 tokens; the peer runs without and with its n-gram speculation
+  (ngram-simple, ngram-mod), lmserve with speculation on and off;
 - json: the same chat questions under a JSON schema (`response_format` over both OpenAI APIs), c=1:
   tokens/s and the share of outputs that validate, beside the same questions unconstrained.
 The report names the machine (lscpu), the modes each server ran and every run's numbers. A benchmark,
@@ -35,13 +36,15 @@ DEFAULT_BINARY = ROOT / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server
 
 
 def _bench(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
+    """chat: EOS ignored, every request decodes max_new tokens; repeat: the answer as a user gets it (to EOS)."""
     from lmserve.client.bench import BenchConfig, run_bench
     from lmserve.client.bench_prompts import repeating_workload, synthetic_workload
     from lmserve.client.bench_stats import aggregate
 
     items = repeating_workload() if workload == "repeat" else synthetic_workload()
     cfg = BenchConfig(concurrency=concurrency, rate=None, requests=requests, duration=None,
-                      warmup=min(2, requests), max_new_tokens=max_new, temperature=0.0, seed=0, ignore_eos=True,
+                      warmup=min(2, requests), max_new_tokens=max_new, temperature=0.0, seed=0,
+                      ignore_eos=workload != "repeat",
                       timeout=600)
     run = asyncio.run(run_bench(where, cfg, items, progress=False, api=api))
     agg = aggregate(run.records, run.duration)

@@ -34,12 +34,12 @@ def workloads(tok) -> dict[str, list[int]]:
     return out
 
 
-async def _wave(engine, prompts: list[list[int]], max_new: int):
+async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True):
     from ..engine import Request, SamplingParams
 
     async def one(ids):
         toks = []
-        async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True))):
+        async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))):
             toks += ch.token_ids
         return toks
 
@@ -49,7 +49,7 @@ async def _wave(engine, prompts: list[list[int]], max_new: int):
 
 
 def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
-        draft_tokens: int = 4) -> dict:
+        draft_tokens: int = 4, ignore_eos: bool = False) -> dict:
     """tokens/s with speculation off and on (alternating rounds), acceptance and token identity."""
     from ..engine import Engine, EngineSettings
 
@@ -63,7 +63,7 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
             try:
                 asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
                 before = engine.stats()
-                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new))
+                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos))
                 after = engine.stats()
             finally:
                 engine.shutdown()
@@ -74,7 +74,8 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
                 a = after.accepted_tokens_total - before.accepted_tokens_total
                 stats = (d + (stats or (0, 0))[0], a + (stats or (0, 0))[1])
     off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-    return {"concurrency": concurrency, "tok_s_off": round(off, 1), "tok_s_on": round(on, 1),
+    return {"concurrency": concurrency, "output_tokens": len(tokens["off"][0]),
+            "tok_s_off": round(off, 1), "tok_s_on": round(on, 1),
             "speedup": round(on / off, 3), "rounds_off": [round(r, 1) for r in rates["off"]],
             "rounds_on": [round(r, 1) for r in rates["ngram"]], "drafted": stats[0], "accepted": stats[1],
             "acceptance": round(stats[1] / max(1, stats[0]), 3),
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per request and step")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="decode max-new-tokens every time (default: stop at the answer's end, as a user's request "
+                         "does; the tokens are the same with speculation on and off either way)")
     ap.add_argument("--out", default="reports/speculation.json")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
@@ -102,12 +106,13 @@ def main(argv=None) -> int:
     for name, ids in prompts.items():
         for c in args.concurrency:
             r = {"workload": name, "prompt_tokens": len(ids), "draft_tokens": args.draft_tokens,
-                 **run(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens)}
+                 **run(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens,
+                     args.ignore_eos)}
             print(json.dumps(r), flush=True)
             results.append(r)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "model": args.model, "mode": loaded.mode, "kernels": loaded.kernels,
-              "max_new_tokens": args.max_new_tokens, "results": results}
+              "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

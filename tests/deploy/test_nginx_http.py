@@ -14,7 +14,7 @@ import signal
 import httpx
 import pytest
 from _procs import Nginx, render_nginx_conf
-from _repo import DEPLOY, server_harness
+from _repo import DEPLOY, replica_pair, server_harness
 
 SERVER_FLAGS = dict(threads=1, max_batch=8, grace_period=30)
 KEYS = [f"conversation-{i}" for i in range(4)]
@@ -22,17 +22,8 @@ KEYS = [f"conversation-{i}" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def replicas(trained_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("http-replica-logs")
-    servers = [server_harness.ServerProcess(trained_model_dir, log_dir=log_dir) for _ in range(2)]
-    try:
-        for srv in servers:
-            srv.start(wait=False, **SERVER_FLAGS)
-        for srv in servers:
-            srv.wait_ready()
+    with replica_pair(trained_model_dir, tmp_path_factory.mktemp("http-replica-logs"), **SERVER_FLAGS) as servers:
         yield servers
-    finally:
-        for srv in servers:
-            srv.stop()
 
 
 @pytest.fixture(scope="module")

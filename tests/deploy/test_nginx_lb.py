@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from _procs import Nginx, render_nginx_conf
-from _repo import DEPLOY, server_harness, trained_model
+from _repo import DEPLOY, replica_pair, server_harness, trained_model
 
 SERVER_FLAGS = dict(threads=1, max_batch=8, grace_period=20)
 
@@ -33,20 +33,8 @@ def prompts_file(tmp_path_factory):
 def replicas(trained_model_dir, tmp_path_factory):
     """Two servers of the trained model, started (and stopped) side by side. Shared by this module's
     tests; the SIGTERM test, which ends one of them, runs last."""
-    log_dir = tmp_path_factory.mktemp("replica-logs")
-    servers = [server_harness.ServerProcess(trained_model_dir, log_dir=log_dir) for _ in range(2)]
-    try:
-        for srv in servers:
-            srv.start(wait=False, **SERVER_FLAGS)
-        for srv in servers:
-            srv.wait_ready()
+    with replica_pair(trained_model_dir, tmp_path_factory.mktemp("replica-logs"), **SERVER_FLAGS) as servers:
         yield servers
-    finally:
-        for srv in servers:
-            if srv.running:
-                srv.signal(signal.SIGTERM)
-        for srv in servers:
-            srv.stop()
 
 
 def shipped_conf() -> str:

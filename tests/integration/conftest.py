@@ -5,6 +5,7 @@
         the test session / the test module / one test
     trained_server   one server of the small trained model shared by the whole session (TRAINED_SERVER_FLAGS);
                      tests that use it leave it idle (see ServerProcess.wait_idle)
+    server, stub     that server checked idle at a module's start, and a gRPC stub on it for the module
 
 Every server started through these factories is stopped (SIGTERM, then SIGKILL) at teardown.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 from _server import ServerProcess
+
+from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 # Servers stop fast in tests: a drain waits at most this long for in-flight calls.
 TEST_GRACE_PERIOD = 5
@@ -83,6 +86,14 @@ def server(trained_server):
     """The shared trained-model server, checked idle at the start of a module."""
     trained_server.wait_idle()
     return trained_server
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """A TextGeneration stub on the module's `server` (a module may override `server`)."""
+    ch = server.channel()
+    yield pb_grpc.TextGenerationStub(ch)
+    ch.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,9 @@ from test_cli import error_lines, lmserve
 
 from lmserve.client import AsyncClient, Client, InvalidRequestError
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 INTERNALS = re.compile(r"Traceback|File \"|\.py\b|lmserve\.server|0x[0-9a-f]{6,}|Error\(|<state>")
 PROMPT = "The lighthouse keeper"
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    ch = server.channel()
-    yield pb_grpc.TextGenerationStub(ch)
-    ch.close()
 
 
 def P(**kw) -> pb.SamplingParams:

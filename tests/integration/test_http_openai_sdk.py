@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +26,6 @@ def model_id(server) -> str:
 def client(server):
     with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    ch = server.channel()
-    yield pb_grpc.TextGenerationStub(ch)
-    ch.close()
 
 
 def grpc_generate(stub, prompt: str, **params) -> pb.GenerateResponse:

@@ -28,12 +28,12 @@ def test_chat_tokens_equal_the_grpc_path(smollm2, messages):
         stub = pb_grpc.TextGenerationStub(ch)
         want = stub.Generate(pb.GenerateRequest(
             messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]),
-            params=pb.SamplingParams(max_new_tokens=24, logprobs=0)), timeout=120)
+            params=pb.SamplingParams(max_new_tokens=12, logprobs=0)), timeout=120)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model_name
     with openai.OpenAI(base_url=smollm2.http_url, api_key="x", max_retries=0, timeout=120) as client:
-        got = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+        got = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                              logprobs=True)
-        streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+        streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                                        stream=True, stream_options={"include_usage": True}))
     (choice,) = got.choices
     assert choice.message.content == want.text
@@ -71,7 +71,7 @@ def test_response_format_json_schema_gives_json_that_validates_and_json_object_g
         got = client.chat.completions.create(
             model=model, messages=messages, max_tokens=80, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-        obj = client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0,
+        obj = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
                                              response_format={"type": "json_object"})
     (choice,) = got.choices
     assert choice.finish_reason == "stop", choice

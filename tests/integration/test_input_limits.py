@@ -9,17 +9,9 @@ import pytest
 from _server import field_violations
 
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 CONTEXT = 128
 P = pb.SamplingParams
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    ch = server.channel()
-    yield pb_grpc.TextGenerationStub(ch)
-    ch.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 HISTOGRAMS = ("lmserve_time_to_first_token_seconds", "lmserve_inter_token_latency_seconds",
               "lmserve_request_duration_seconds", "lmserve_queue_time_seconds", "lmserve_request_prompt_tokens",
@@ -22,13 +21,6 @@ GAUGES = ("lmserve_running_requests", "lmserve_waiting_requests", "lmserve_kv_sl
           "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes", "lmserve_prefix_cache_entries")
 PER_REQUEST = ("lmserve_time_to_first_token_seconds", "lmserve_request_duration_seconds",
                "lmserve_queue_time_seconds", "lmserve_request_prompt_tokens", "lmserve_request_generated_tokens")
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    ch = server.channel()
-    yield pb_grpc.TextGenerationStub(ch)
-    ch.close()
 
 
 def delta(after, before, sample: str, **labels) -> float:

@@ -15,7 +15,6 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from lmserve.client import Client, InvalidRequestError
 from lmserve.v1 import lmserve_pb2 as pb
-from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 CONTEXT = 128  # the fixture model's; these constants are checked against the server below
 CAP = 120
@@ -29,13 +28,6 @@ def server(trained_server, trained_server_flags):
     assert (trained_server_flags["max_new_tokens_cap"], trained_server_flags["max_receive_message_bytes"]) == (
         CAP, MAX_MESSAGE)
     return trained_server
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    ch = server.channel()
-    yield pb_grpc.TextGenerationStub(ch)
-    ch.close()
 
 
 def P(**kw) -> pb.SamplingParams:

@@ -40,16 +40,8 @@ ARITH = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUMBER | "(" expr ")
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf_path) -> Tokenizer:
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
-    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
-
-
-@pytest.fixture(scope="module")
-def compiler(smol):
-    c = ConstraintCompiler(smol)
+def compiler(smollm2_tokenizer):
+    c = ConstraintCompiler(smollm2_tokenizer)
     yield c
     c.close()
 
@@ -73,73 +65,73 @@ def walk(compiled, tok: Tokenizer, seed: int, max_steps: int = 400) -> str:
     raise AssertionError(f"walk did not finish in {max_steps} steps: {tok.decode(ids)!r}")
 
 
-def test_json_schema_walks_validate(compiler, smol):
+def test_json_schema_walks_validate(compiler, smollm2_tokenizer):
     jsonschema = pytest.importorskip("jsonschema")
     compiled = compiler.compile(Constraint.json_schema(PERSON))
     for seed in range(6):
-        text = walk(compiled, smol, seed)
+        text = walk(compiled, smollm2_tokenizer, seed)
         jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_accepts_objects_only(compiler, smol):
+def test_json_object_accepts_objects_only(compiler, smollm2_tokenizer):
     compiled = compiler.compile(Constraint.json_object())
     for text, ok in (('{"a": [1, 2.5, "x"], "b": {"c": null}}', True), ("[1, 2]", False), ('"s"', False),
                      ('{"a": 1', None)):
         state = compiled.new_state()
-        taken = state.count_valid(smol.encode(text))
+        taken = state.count_valid(smollm2_tokenizer.encode(text))
         if ok is False:
-            assert taken < len(smol.encode(text))
+            assert taken < len(smollm2_tokenizer.encode(text))
             continue
-        for t in smol.encode(text):
+        for t in smollm2_tokenizer.encode(text):
             state.advance(t)
         assert state.is_complete is bool(ok)
 
 
-def test_regex_walks_fullmatch(compiler, smol):
+def test_regex_walks_fullmatch(compiler, smollm2_tokenizer):
     for pattern in (r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)( [a-z]{1,5}){0,3}", r"\d+(\.\d{1,2})?e?"):
         compiled = compiler.compile(Constraint.regex(pattern))
         for seed in range(6):
-            text = walk(compiled, smol, seed)
+            text = walk(compiled, smollm2_tokenizer, seed)
             assert re.fullmatch(pattern, text), (pattern, text)
 
 
-def test_grammar_walks_parse_with_lark(compiler, smol):
+def test_grammar_walks_parse_with_lark(compiler, smollm2_tokenizer):
     lark = pytest.importorskip("lark")
     parser = lark.Lark(ARITH, start="start")
     compiled = compiler.compile(Constraint.grammar(ARITH))
     for seed in range(8):
-        parser.parse(walk(compiled, smol, seed, max_steps=1000))
+        parser.parse(walk(compiled, smollm2_tokenizer, seed, max_steps=1000))
 
 
-def test_choice_walks_are_one_option(compiler, smol):
+def test_choice_walks_are_one_option(compiler, smollm2_tokenizer):
     options = ['say "hi"', "naïve ☃", "a\\b", "x\ny", "yes", "yes!"]
     compiled = compiler.compile(Constraint.choice(options))
-    seen = {walk(compiled, smol, seed) for seed in range(20)}
+    seen = {walk(compiled, smollm2_tokenizer, seed) for seed in range(20)}
     assert seen <= set(options) and len(seen) >= 2
 
 
-def test_end_of_sequence_only_when_complete_and_rollback(compiler, smol):
+def test_end_of_sequence_only_when_complete_and_rollback(compiler, smollm2_tokenizer):
     state = compiler.compile(Constraint.regex("ab(cd)?")).new_state()
     eos = compiler.vocabulary.eos_ids[0]
     start = state.mask().clone()
     assert not state.allowed(eos)
-    state.advance(smol.encode("a")[0])
-    state.advance(smol.encode("b")[0])
+    state.advance(smollm2_tokenizer.encode("a")[0])
+    state.advance(smollm2_tokenizer.encode("b")[0])
     assert state.is_complete and state.allowed(eos) and not state.is_finished
-    assert state.count_valid(smol.encode("cd")) == len(smol.encode("cd"))
-    assert state.count_valid(smol.encode("x")) == 0
+    assert state.count_valid(smollm2_tokenizer.encode("cd")) == len(smollm2_tokenizer.encode("cd"))
+    assert state.count_valid(smollm2_tokenizer.encode("x")) == 0
     state.rollback(2)
     assert state.tokens == 0 and torch.equal(state.mask(), start)
     with pytest.raises(ConstraintError):
-        state.advance(smol.encode("z")[0])
+        state.advance(smollm2_tokenizer.encode("z")[0])
     state2 = compiler.compile(Constraint.regex("ab(cd)?")).new_state()
-    for t in smol.encode("abcd"):
+    for t in smollm2_tokenizer.encode("abcd"):
         state2.advance(t)
     allowed = unpack(state2.mask()[None], compiler.vocabulary.size)[0].nonzero().flatten().tolist()
     assert state2.is_finished and set(allowed) <= set(compiler.vocabulary.eos_ids)
 
 
-def test_mask_logits_masks_only_constrained_rows(compiler, smol):
+def test_mask_logits_masks_only_constrained_rows(compiler, smollm2_tokenizer):
     state = compiler.compile(Constraint.choice(["42"])).new_state()
     V = compiler.vocabulary.size
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))  # [3, V]
@@ -151,15 +143,15 @@ def test_mask_logits_masks_only_constrained_rows(compiler, smol):
     assert state.allowed(int(logits[1].argmax()))
 
 
-def test_cache_hits_return_the_compiled_constraint(smol, compiler):
+def test_cache_hits_return_the_compiled_constraint(smollm2_tokenizer, compiler):
     a = compiler.compile(Constraint.json_schema(json.dumps(PERSON)))
     hits = compiler.stats.hits
     b = compiler.compile(Constraint.json_schema(PERSON))  # same content, other spelling: one key
     assert b is a and compiler.stats.hits == hits + 1
 
 
-def test_cache_is_bounded(smol, compiler):
-    small = ConstraintCompiler(smol, max_entries=3, max_cached_chars=40)
+def test_cache_is_bounded(smollm2_tokenizer, compiler):
+    small = ConstraintCompiler(smollm2_tokenizer, max_entries=3, max_cached_chars=40)
     small._vocab = compiler.vocabulary
     for i in range(6):
         small.compile(Constraint.regex(f"x{i}"))
@@ -212,9 +204,9 @@ def test_size_and_complexity_limits(compiler):
     assert "too complex" in _refusal(compiler, Constraint.json_schema(bomb))[1]
 
 
-def test_redos_regexes_compile_and_stay_exact(compiler, smol):
+def test_redos_regexes_compile_and_stay_exact(compiler, smollm2_tokenizer):
     # catastrophic for a backtracking engine; the library's automaton has no backtracking
     for pattern in (r"(a+)+b", r"(x+x+)+y", r"(a|aa)+c", r"((ab)*)*c"):
         compiled = compiler.compile(Constraint.regex(pattern))
-        text = walk(compiled, smol, seed=1, max_steps=600)
+        text = walk(compiled, smollm2_tokenizer, seed=1, max_steps=600)
         assert re.fullmatch(pattern, text)

@@ -13,56 +13,48 @@ MULTIBYTE = "naïve café — 你好，世界 🌍🍵"
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf_path) -> Tokenizer:
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
-    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+def smol_vocab(smollm2_tokenizer):
+    return build_vocabulary(smollm2_tokenizer, logits_size=smollm2_tokenizer.vocab_size + 64)
 
 
-@pytest.fixture(scope="module")
-def smol_vocab(smol):
-    return build_vocabulary(smol, logits_size=smol.vocab_size + 64)
-
-
-def test_byte_level_tokens_concatenate_to_the_text_bytes(smol):
-    table = token_bytes_of(smol)
+def test_byte_level_tokens_concatenate_to_the_text_bytes(smollm2_tokenizer):
+    table = token_bytes_of(smollm2_tokenizer)
     for text in (MULTIBYTE, '{"name": "Zoë", "tags": ["a"]}', "x\n\ty"):
-        ids = smol.encode(text)
+        ids = smollm2_tokenizer.encode(text)
         assert b"".join(table[i] for i in ids) == text.encode("utf-8")
-    split = [i for i in smol.encode("🌍🍵") if _not_utf8(table[i])]
+    split = [i for i in smollm2_tokenizer.encode("🌍🍵") if _not_utf8(table[i])]
     assert split, "expected the emoji to be spelled with tokens that split a character"
 
 
-def test_special_ids_are_marked_and_text_ids_are_not(smol):
-    table = token_bytes_of(smol)
-    im_end = smol.token_to_id("<|im_end|>")
+def test_special_ids_are_marked_and_text_ids_are_not(smollm2_tokenizer):
+    table = token_bytes_of(smollm2_tokenizer)
+    im_end = smollm2_tokenizer.token_to_id("<|im_end|>")
     assert table[im_end] == SPECIAL_MARK + b"<|im_end|>"
-    assert all(table[i].startswith(SPECIAL_MARK) for i in smol.special_ids)
-    assert not any(table[i].startswith(SPECIAL_MARK) for i in smol.encode(MULTIBYTE))
+    assert all(table[i].startswith(SPECIAL_MARK) for i in smollm2_tokenizer.special_ids)
+    assert not any(table[i].startswith(SPECIAL_MARK) for i in smollm2_tokenizer.encode(MULTIBYTE))
 
 
-def test_matcher_accepts_a_character_split_across_tokens(smol, smol_vocab):
+def test_matcher_accepts_a_character_split_across_tokens(smollm2_tokenizer, smol_vocab):
     from llguidance import LLMatcher
 
     m = LLMatcher(smol_vocab.ll_tokenizer, LLMatcher.grammar_from_regex("🌍+"), log_level=0)
-    ids = smol.encode("🌍🌍")
+    ids = smollm2_tokenizer.encode("🌍🌍")
     assert m.consume_tokens(ids), m.get_error()
     assert m.is_accepting()
 
 
-def test_padded_logit_ids_are_never_allowed(smol, smol_vocab):
+def test_padded_logit_ids_are_never_allowed(smollm2_tokenizer, smol_vocab):
     from lmserve.server.engine.constraints.compiler import ConstraintCompiler
     from lmserve.server.engine.constraints.spec import Constraint
     from lmserve.server.engine.constraints.state import unpack
 
-    compiler = ConstraintCompiler(smol, logits_size=smol.vocab_size + 64)
+    compiler = ConstraintCompiler(smollm2_tokenizer, logits_size=smollm2_tokenizer.vocab_size + 64)
     compiler._vocab = smol_vocab
     state = compiler.compile(Constraint.regex(".*")).new_state()  # anything: every text id is allowed
     allowed = unpack(state.mask()[None], smol_vocab.size)[0]  # [V]
-    assert allowed.shape[0] == smol.vocab_size + 64
-    assert not allowed[smol.vocab_size:].any()
-    assert allowed[smol.encode("hello")[0]]
+    assert allowed.shape[0] == smollm2_tokenizer.vocab_size + 64
+    assert not allowed[smollm2_tokenizer.vocab_size:].any()
+    assert allowed[smollm2_tokenizer.encode("hello")[0]]
     compiler.close()
 
 

@@ -44,14 +44,6 @@ def stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True) -> list[str]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf_path) -> Tokenizer:
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
-    return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
-
-
-@pytest.fixture(scope="module")
 def sp_dir(tmp_path_factory):
     """A sentencepiece BPE model with byte fallback, saved as an HF-style directory."""
     import sentencepiece as spm
@@ -77,7 +69,7 @@ def sp(sp_dir) -> Tokenizer:
 
 @pytest.fixture(params=["smollm2-bpe", "sentencepiece"])
 def tok(request) -> Tokenizer:
-    return request.getfixturevalue("smol" if request.param == "smollm2-bpe" else "sp")
+    return request.getfixturevalue("smollm2_tokenizer" if request.param == "smollm2-bpe" else "sp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,20 +103,20 @@ def test_held_back_bytes_come_out_in_the_same_step_the_character_completes(tok):
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens_follow_skip_flag(smol, skip):
-    ids = smol.encode("<|im_start|>assistant\n你好 😀, fine.<|im_end|>") + [smol.eos_ids[0]]
-    text = "".join(stream(smol, ids, skip_special_tokens=skip))
-    assert text == smol.decode(ids, skip_special_tokens=skip)
+def test_special_tokens_follow_skip_flag(smollm2_tokenizer, skip):
+    ids = smollm2_tokenizer.encode("<|im_start|>assistant\n你好 😀, fine.<|im_end|>") + [smollm2_tokenizer.eos_ids[0]]
+    text = "".join(stream(smollm2_tokenizer, ids, skip_special_tokens=skip))
+    assert text == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
     assert ("<|im_end|>" in text) is (not skip)
 
 
-def test_prompt_context_byte_level_equals_decode_of_generated(smol):
-    full = smol.encode("Question: 你好吗? Answer: 我很好 😀 thanks, and you?")
+def test_prompt_context_byte_level_equals_decode_of_generated(smollm2_tokenizer):
+    full = smollm2_tokenizer.encode("Question: 你好吗? Answer: 我很好 😀 thanks, and you?")
     for cut in range(1, len(full)):
         prompt, generated = full[:cut], full[cut:]
-        if REPLACEMENT in smol.decode(prompt) or REPLACEMENT in smol.decode(generated):
+        if REPLACEMENT in smollm2_tokenizer.decode(prompt) or REPLACEMENT in smollm2_tokenizer.decode(generated):
             continue  # the cut falls inside a character
-        assert "".join(stream(smol, generated, prompt)) == smol.decode(generated)
+        assert "".join(stream(smollm2_tokenizer, generated, prompt)) == smollm2_tokenizer.decode(generated)
 
 
 def test_prompt_context_sentencepiece_keeps_the_word_boundary_space(sp):
@@ -194,33 +186,33 @@ def byte_stream(tokenizer, ids, skip_special_tokens=True) -> list[str]:
     return pieces
 
 
-def test_byte_level_vocabularies_get_the_byte_stream_and_sentencepiece_the_window(smol, sp):
-    assert smol.token_bytes is not None and len(smol.token_bytes) == smol.vocab_size
+def test_byte_level_vocabularies_get_the_byte_stream_and_sentencepiece_the_window(smollm2_tokenizer, sp):
+    assert smollm2_tokenizer.token_bytes is not None and len(smollm2_tokenizer.token_bytes) == smollm2_tokenizer.vocab_size
     assert sp.token_bytes is None
-    assert isinstance(make_detokenizer(smol, [1, 2]), ByteStreamDetokenizer)
+    assert isinstance(make_detokenizer(smollm2_tokenizer, [1, 2]), ByteStreamDetokenizer)
     assert isinstance(make_detokenizer(sp, [1, 2]), IncrementalDetokenizer)
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_byte_stream_equals_decode_on_text_random_ids_and_every_single_id(smol, skip):
+def test_byte_stream_equals_decode_on_text_random_ids_and_every_single_id(smollm2_tokenizer, skip):
     rng = random.Random(5)
     for text in STREAM_TEXTS + random_texts(6, 40):
-        ids = smol.encode(text)
-        pieces = byte_stream(smol, ids, skip)
-        assert "".join(pieces) == smol.decode(ids, skip_special_tokens=skip)
+        ids = smollm2_tokenizer.encode(text)
+        pieces = byte_stream(smollm2_tokenizer, ids, skip)
+        assert "".join(pieces) == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
         assert all(REPLACEMENT not in p for p in pieces)  # valid UTF-8 never shows a half character
     for _ in range(200):  # arbitrary ids: malformed bytes, special tokens, everything
-        ids = [rng.randrange(smol.vocab_size) for _ in range(rng.randint(1, 25))]
-        assert "".join(byte_stream(smol, ids, skip)) == smol.decode(ids, skip_special_tokens=skip)
-    wrong = [i for i in range(smol.vocab_size) if "".join(byte_stream(smol, [i], skip)) != smol.decode([i], skip_special_tokens=skip)]
+        ids = [rng.randrange(smollm2_tokenizer.vocab_size) for _ in range(rng.randint(1, 25))]
+        assert "".join(byte_stream(smollm2_tokenizer, ids, skip)) == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
+    wrong = [i for i in range(smollm2_tokenizer.vocab_size) if "".join(byte_stream(smollm2_tokenizer, [i], skip)) != smollm2_tokenizer.decode([i], skip_special_tokens=skip)]
     assert wrong == []
 
 
-def test_byte_stream_emits_a_character_in_the_step_that_completes_it(smol):
-    ids = smol.encode("😀中")
-    detok = ByteStreamDetokenizer(smol)
+def test_byte_stream_emits_a_character_in_the_step_that_completes_it(smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("😀中")
+    detok = ByteStreamDetokenizer(smollm2_tokenizer)
     out = [detok.push(i) for i in ids]
     text = ""
     for n, piece in enumerate(out, 1):
         text += piece
-        assert text == smol.decode(ids[:n]).rstrip(REPLACEMENT)
+        assert text == smollm2_tokenizer.decode(ids[:n]).rstrip(REPLACEMENT)

@@ -86,8 +86,8 @@ async def test_json_schema_outputs_validate_and_greedy_matches_the_reference(smo
     with running(smol) as engine:
         greedy, _ = await collect(engine, Request(prompt, params(c, 120)))
         sampled = [await collect(engine, Request(prompt, params(c, 120, temperature=1.0, seed=1)))]
-        ref = reference(engine, smol, prompt, c, 40)
-    assert greedy.token_ids[:40] == ref
+        ref = reference(engine, smol, prompt, c, 24)
+    assert greedy.token_ids[:24] == ref
     for res in [greedy] + [r for r, _ in sampled]:
         assert res.finish_reason is FinishReason.EOS, res.text
         jsonschema.validate(json.loads(res.text), PERSON)
@@ -103,7 +103,7 @@ async def test_regex_grammar_and_choice_outputs(smol):
                                                                                   temperature=0.8, seed=3)))
         pick = await collect(engine, Request(chat(smol, "Your favourite colour?"), params(Constraint.choice(options))))
         obj = await collect(engine, Request(chat(smol, "A JSON object about a cat."),
-                                            params(Constraint.json_object(), 150)))
+                                            params(Constraint.json_object(), 60)))
     for res, _ in (phone, arith, pick):
         assert res.finish_reason is FinishReason.EOS, res.text
     assert re.fullmatch(PHONE, phone[0].text)
@@ -119,8 +119,8 @@ async def test_mixed_batch_and_load_give_the_tokens_of_each_request_alone(smol):
     prompts = [chat(smol, q) for q in ("Describe a person as JSON.", "Tell me about Paris.", "A phone number?",
                                        "What is 2+2?", "Name a colour.", "Write a haiku.")]
     reqs = [
-        (prompts[0], params(Constraint.json_schema(PERSON), 60)),
-        (prompts[1], SamplingParams(max_new_tokens=40)),  # free text
+        (prompts[0], params(Constraint.json_schema(PERSON), 40)),
+        (prompts[1], SamplingParams(max_new_tokens=24)),  # free text
         (prompts[2], params(Constraint.regex(PHONE), 30)),
         (prompts[3], SamplingParams(max_new_tokens=30, temperature=0.7, seed=5)),
         (prompts[4], params(Constraint.choice(["red", "green", "blue"]))),
@@ -139,9 +139,9 @@ async def test_preemption_by_recompute_keeps_the_matcher_in_step(smol):
     prompts = [chat(smol, f"Describe person number {i} as JSON.") for i in range(4)]
     c = Constraint.json_schema(PERSON)
     with running(smol, prefix_cache=False) as engine:
-        alone = [(await collect(engine, Request(p, params(c, 60))))[0] for p in prompts]
+        alone = [(await collect(engine, Request(p, params(c, 24))))[0] for p in prompts]
     with running(smol, max_batch=4, max_model_len=128, kv_cache_gb=10 * page / 2**30, prefix_cache=False) as engine:
-        outs = await asyncio.gather(*(collect(engine, Request(p, params(c, 60))) for p in prompts))
+        outs = await asyncio.gather(*(collect(engine, Request(p, params(c, 24))) for p in prompts))
         assert engine.stats().preemptions_total > 0
     for (res, chunks), ref in zip(outs, alone):
         assert res.token_ids == ref.token_ids
@@ -152,9 +152,9 @@ async def test_prefix_cache_hit_then_constrained(smol):
     prompt = chat(smol, "Describe a fictional person as JSON.")
     c = Constraint.json_schema(PERSON)
     with running(smol) as engine:
-        first, _ = await collect(engine, Request(prompt, params(c, 60)))
+        first, _ = await collect(engine, Request(prompt, params(c, 30)))
         before = engine.stats().prefix_hit_tokens_total
-        again, _ = await collect(engine, Request(prompt, params(c, 60)))
+        again, _ = await collect(engine, Request(prompt, params(c, 30)))
         assert engine.stats().prefix_hit_tokens_total > before
     assert again.token_ids == first.token_ids
 
@@ -163,7 +163,7 @@ async def test_stop_strings_length_and_logprobs(smol):
     prompt = chat(smol, "Describe a fictional person as JSON.")
     c = Constraint.json_schema(PERSON)
     with running(smol) as engine:
-        full, _ = await collect(engine, Request(prompt, params(c, 120)))
+        full, _ = await collect(engine, Request(prompt, params(c, 40)))
         stopped, _ = await collect(engine, Request(prompt, params(c, 120, stop=('"age"',))))
         short, _ = await collect(engine, Request(prompt, params(c, 5)))
         lp, _ = await collect(engine, Request(prompt, params(c, 8, logprobs=3)))
@@ -191,8 +191,8 @@ async def test_cancel_a_constrained_request_and_serve_the_next(smol):
             last = chunk
         assert last.finish_reason is FinishReason.CANCELLED
         await wait_idle(engine)
-        after, _ = await collect(engine, Request(prompt, params(c, 60)))
-        ref, _ = await collect(engine, Request(prompt, params(c, 60)))
+        after, _ = await collect(engine, Request(prompt, params(c, 30)))
+        ref, _ = await collect(engine, Request(prompt, params(c, 30)))
     assert after.token_ids == ref.token_ids
 
 

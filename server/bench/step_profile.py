@@ -1,0 +1,137 @@
+"""Where a batch-1 decode step's time goes: the linears, attention, and everything else.
+
+    python -m lmserve.server.bench.step_profile --out reports/step_profile.json
+
+One request decodes alone through the real engine (speculation off) in the mode `auto` serves on
+this machine, or the one asked for. The engine's phase timer splits each step into schedule,
+inputs, model, sample, process and deliver; within the model, every linear (ServingLinear) and
+every attention call (the step attention's `attend`, cache write included) is timed by wrapping
+it, so "outside" = step - linears - attention is what the issue calls the step's fixed cost: norms,
+RoPE, embedding, residual adds, sampling, scheduling and Python dispatch. The wrappers add ~1 us a
+call (~0.2 ms a step for SmolLM2's 211 linears and 30 attention calls), which lands in "outside":
+it is an upper bound. Rounds alternate with the wrappers off (the plain step time, reported beside).
+A benchmark, not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .machine import lscpu
+
+
+class _Timers:
+    """Wall seconds spent in wrapped calls on the engine thread (CPU ops are synchronous)."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.on = False
+
+    def wrap(self, owner, name: str, kind: str):
+        original = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            if not timers.on:
+                return original(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.seconds[kind] += time.perf_counter() - t0
+                timers.calls[kind] += 1
+
+        setattr(owner, name, timed)
+
+
+def _decode(engine, prompt: list[int], n: int) -> None:
+    from ..engine import Request, SamplingParams
+
+    async def go():
+        async for _ in engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))):
+            pass
+
+    asyncio.run(go())
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from lmserve.model import attention_backend as AB
+    from lmserve.model import kernels as K
+    from lmserve.model.attention import AttentionMetadata
+    from lmserve.model.loader import load_model
+
+    from ..engine import Engine, EngineSettings
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--tokens", type=int, default=96, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("reports/step_profile.json"))
+    args = ap.parse_args(argv)
+
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+    timers = _Timers()
+    for cls in {type(m) for m in loaded.model.modules() if isinstance(m, K.ServingLinear)}:
+        timers.wrap(cls, "forward", "linears")
+    for cls in (AB.KernelDecode, AB.KernelPrompt, AttentionMetadata):
+        timers.wrap(cls, "attend", "attention")
+    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
+    engine = Engine(loaded, EngineSettings(max_batch=1, max_model_len=len(prompt) + args.tokens + 16,
+                                           prefix_cache=False, speculation="off")).start()
+    plain, wrapped = [], []
+    try:
+        _decode(engine, prompt, 8)  # warm-up
+        for _ in range(args.rounds):
+            for on in (False, True):
+                timers.on = on
+                before, seconds, calls = engine.phase_times.copy(), Counter(timers.seconds), Counter(timers.calls)
+                _decode(engine, prompt, args.tokens)
+                phases = engine.phase_times.per_step_ms(before)
+                steps = engine.phase_times.steps - before.steps
+                row = {"step_ms": round(sum(phases.values()), 3),
+                       "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
+                if on:
+                    for kind in ("linears", "attention"):
+                        row[f"{kind}_ms"] = round(1e3 * (timers.seconds[kind] - seconds[kind]) / steps, 3)
+                        row[f"{kind}_calls_per_step"] = round((timers.calls[kind] - calls[kind]) / steps, 1)
+                    row["outside_ms"] = round(row["step_ms"] - row["linears_ms"] - row["attention_ms"], 3)
+                (wrapped if on else plain).append(row)
+                print(json.dumps({"wrapped": on, **row}), flush=True)
+    finally:
+        engine.shutdown()
+
+    def med(rows, key):
+        return round(statistics.median(r[key] for r in rows), 3)
+
+    summary = {"step_ms_plain": med(plain, "step_ms"), "step_ms_wrapped": med(wrapped, "step_ms"),
+               "linears_ms": med(wrapped, "linears_ms"), "attention_ms": med(wrapped, "attention_ms"),
+               "outside_ms": med(wrapped, "outside_ms"),
+               "phases_ms_plain": {p: round(statistics.median(r["phases_ms"][p] for r in plain), 3)
+                                   for p in plain[0]["phases_ms"]}}
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
+              "mode": loaded.mode, "kernels": loaded.kernels, "prompt_tokens": len(prompt),
+              "tokens_per_round": args.tokens, "summary": summary, "plain": plain, "wrapped": wrapped}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
