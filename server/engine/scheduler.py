@@ -366,13 +366,15 @@ class Scheduler:
             if not self._admit(batch, head, budget, now):
                 break
             budget -= batch.prefill[-1].length
-        if self.speculation is not None and len(batch.decode) <= self.speculation.max_batch:
+        # drafts only in decode-only steps: a step that prefills is the compute-bound kind already, and a
+        # draft would lengthen it for the prompt waiting on its first token and for every stream in it
+        if self.speculation is not None and not batch.prefill and len(batch.decode) <= self.speculation.max_batch:
             self._add_drafts(batch, budget)
         return batch.freeze()
 
     def _add_drafts(self, batch: _Plan, budget: int) -> None:
-        """Drafts for the decode rows from the step tokens prompts left over (prefill goes first), on KV
-        pages that are free (a draft never evicts or preempts anything)."""
+        """Drafts for the decode rows of a decode-only step, within its step tokens, on KV pages that
+        are free (a draft never evicts or preempts anything)."""
         for seq in batch.decode:
             draft = self._draft(seq, budget)
             if draft and self.kv_pages is not None:

@@ -149,3 +149,23 @@ def test_lowest_free_slot_keeps_slots_dense():
     new = s.add(req(2, "n"))
     s.schedule()
     assert new.slot == 1
+
+
+def test_drafts_go_only_into_steps_that_prefill_nothing():
+    """A repeating history gives the decode row a draft, except in a step that also prefills a prompt
+    (that step is compute-bound already; a draft would delay the prompt's first token)."""
+    from lmserve.server.engine.ngram import Speculation
+
+    def after_first_token(then_add: bool):
+        s = Scheduler(num_slots=2, max_queue=10, token_budget=100, speculation=Speculation())
+        seq = s.add(Request(prompt_ids=[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]))
+        run_step(s, token=7)  # ... 5 6 7: the suffix (6, 7) was followed by 8 5 6 7 before
+        if then_add:
+            s.add(req(4, "newcomer"))
+        return seq, s.schedule()
+
+    seq, alone = after_first_token(then_add=False)
+    assert alone.decode == (seq,) and alone.draft_of(0) == (8, 5, 6, 7)
+    seq, mixed = after_first_token(then_add=True)
+    assert mixed.decode == (seq,) and [c.seq.request_id for c in mixed.prefill] == ["newcomer"]
+    assert mixed.draft_of(0) == ()
