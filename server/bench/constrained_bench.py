@@ -105,7 +105,10 @@ def run(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
         hits.append((time.perf_counter() - t) * 1e6)
     fresh.close()
 
-    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), prefix_cache=False)).start()
+    # no speculation: greedy unconstrained rows would draft and constrained ones do not, which would
+    # compare two different step shapes rather than what the mask costs
+    engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), prefix_cache=False,
+                                           speculation="off")).start()
     rows, valid, total = [], 0, 0
     try:
         asyncio.run(_wave(engine, tok, 1, 8, True))  # warm: the vocabulary index and the first compile

@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -132,8 +133,9 @@ def main(argv=None) -> int:
 
     report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "native_path": qm.path if qm else None, "read_bandwidth": bw, "model": args.gguf.name,
-              "rounds": args.rounds, "note": "shared 2-core machine (5 people working); timings are medians over "
-              "rounds in which the candidates take turns; per-role ms are summed over all layers",
+              "rounds": args.rounds, "note": "timings are medians over rounds in which the candidates take turns; "
+              "per-role ms are summed over all layers",
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "candidates": {}}
     gbs = bw["median_gb_s"]
     for name in sets:
