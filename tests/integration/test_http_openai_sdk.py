@@ -71,7 +71,9 @@ def test_streamed_completion_is_the_whole_one_in_pieces(client, model_id, traini
     assert [e.choices[0].finish_reason for e in pieces][-1] == whole.choices[0].finish_reason
     assert all(e.choices[0].finish_reason is None for e in pieces[:-1])
     assert all(e.usage is None for e in pieces)
-    assert last.choices == [] and last.usage == whole.usage
+    assert last.choices == []  # cached_prompt_tokens differs: the later request hits the earlier one's prefix
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (whole.usage.prompt_tokens,
+                                                                        whole.usage.completion_tokens)
     assert len({e.id for e in events}) == 1
 
 

@@ -68,7 +68,9 @@ async def test_stalled_readers_do_not_stall_other_streams(busy_server, training_
         assert "".join(m.text for m in drained) == reference.text
         # what piled up while nobody read came as merged messages, not one queued message per token
         assert len(drained) < len(reference.token_ids)
-        assert drained[-1].finish_reason == pb.FINISH_REASON_LENGTH and drained[-1].usage == reference.usage
+        assert drained[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        got, want = drained[-1].usage, reference.usage  # cached_prompt_tokens differs: the later request hits the earlier one's prefix
+        assert (got.prompt_tokens, got.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
         logprobs = [lp for m in drained for lp in m.logprobs]
         assert all(len(lp.top) == BULKY.logprobs for lp in logprobs)  # every alternative arrived
         # batching with other requests moves float rounding a little, never the chosen tokens
