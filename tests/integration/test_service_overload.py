@@ -14,7 +14,9 @@ from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
 MAX_QUEUE = 2
-LONG = pb.SamplingParams(max_new_tokens=110, ignore_eos=True)
+# held as long as the context allows, one token a step: the trained model's memorised, repeating text
+# would otherwise let speculation finish a holder in a fraction of the steps and empty the queue early
+LONG = pb.SamplingParams(max_new_tokens=110, ignore_eos=True, disable_speculation=True)
 
 
 @pytest.fixture(scope="module")
