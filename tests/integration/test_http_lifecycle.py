@@ -44,9 +44,11 @@ def test_a_client_that_disconnects_mid_stream_cancels_and_frees_its_kv(server):
 
 @pytest.fixture(scope="module")
 def tight(start_module_server, trained_model_dir):
-    """One slot, one queue place, short read and keep-alive timeouts, at most CAP HTTP connections."""
+    """One slot, one queue place, short read and keep-alive timeouts, at most CAP HTTP connections; no
+    speculation, so a long stream holds the slot for one step a token (the trained model's repeating
+    text would let drafts finish it early)."""
     return start_module_server(trained_model_dir, threads=1, max_batch=1, max_queue=1, http_read_timeout=1,
-                               http_keep_alive_timeout=1, http_max_connections=CAP)
+                               http_keep_alive_timeout=1, http_max_connections=CAP, speculation="off")
 
 
 async def test_a_full_queue_is_a_429(tight):
