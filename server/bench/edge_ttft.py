@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 from . import served
-from .machine import lscpu
+from .machine import lscpu, write_report
 
 
 def main(argv=None) -> int:
@@ -67,8 +65,7 @@ def main(argv=None) -> int:
     print(f"HTTP - gRPC TTFT p50, median over rounds: {report['http_minus_grpc_ttft_p50_ms_median']:+.2f} ms "
           f"(rounds: {', '.join(f'{d:+.2f}' for d in diffs)})")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
     log.unlink(missing_ok=True)
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import mmap
 import os
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from .machine import lscpu
+from .machine import lscpu, write_report
 
 BANK_ROWS = 512
 DEFAULT_CONCURRENCY = (1, 8, 64)
@@ -301,8 +300,7 @@ def main(argv=None) -> int:
                   f"server CPU per token {r['http_over_grpc_server_cpu_per_token']:.2f}x, "
                   f"TTFT p50 HTTP-gRPC {r['http_minus_grpc_ttft_p50_ms']:+.2f} ms", flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 
 def lscpu() -> dict:
@@ -16,4 +18,11 @@ def lscpu() -> dict:
     return {k: fields[k].strip() for k in ("Model name", "CPU(s)", "Flags", "L3 cache") if k in fields}
 
 
-__all__ = ["lscpu"]
+def write_report(path, report: dict) -> None:
+    """A benchmark's JSON report at `path` (its folder made if missing), one trailing newline."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+__all__ = ["lscpu", "write_report"]

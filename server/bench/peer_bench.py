@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import served
 from .constrained_bench import QUESTIONS, SCHEMA
-from .machine import lscpu
+from .machine import lscpu, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server"
@@ -177,8 +177,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "gguf": gguf.name, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
               "repeat_max_new_tokens": args.repeat_max_new_tokens, "ratios": ratios, "servers": servers}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(json.dumps(ratios, indent=2))
     print(f"wrote {args.out}")
     return 0

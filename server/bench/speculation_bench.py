@@ -18,9 +18,8 @@ import json
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
-from .machine import lscpu
+from .machine import lscpu, write_report
 
 def workloads(tok) -> dict[str, list[int]]:
     from lmserve.client.bench import synthetic_workload
@@ -113,8 +112,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "model": args.model, "mode": loaded.mode, "kernels": loaded.kernels,
               "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

@@ -25,7 +25,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .machine import lscpu
+from .machine import lscpu, write_report
 
 
 class _Timers:
@@ -126,8 +126,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
               "mode": loaded.mode, "kernels": loaded.kernels, "prompt_tokens": len(prompt),
               "tokens_per_round": args.tokens, "summary": summary, "plain": plain, "wrapped": wrapped}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out}")
     return 0
