@@ -1,7 +1,7 @@
 """The project's native CPU kernels (model/*.cpp), compiled for this machine on first use.
 
 One shared library holds them all (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp,
-quant_matmul.cpp; native_common.h). It is compiled with the
+quant_matmul.cpp, logit_mask.cpp; native_common.h). It is compiled with the
 system C++ compiler (`-O3 -march=native -fopenmp`, ~3 s), cached under `<cache_dir>/kernels` per
 (sources, compiler, CPU), and loaded with ctypes: no torch headers, so building is quick, and
 OpenMP resolves to the runtime torch has already loaded. Without a compiler the callers keep the
@@ -89,6 +89,12 @@ def load(cache_dir: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     return _LOADED[key]
 
 
+def loaded() -> ctypes.CDLL | None:
+    """A library this process already built or loaded through load() (the model loader's on CPU), or
+    None: for callers that use the kernels where they exist and must not build them (the sampler)."""
+    return next((lib for lib, _ in _LOADED.values() if lib is not None), None)
+
+
 def rows_packed(x):
     """x with its last two dimensions (heads, head_dim) packed, as the kernels read them; the rows
     before them may sit anywhere (their stride is passed). A copy only when they are not."""
@@ -97,4 +103,4 @@ def rows_packed(x):
     return x
 
 
-__all__ = ["build", "load", "rows_packed", "SOURCES"]
+__all__ = ["build", "load", "loaded", "rows_packed", "SOURCES"]

@@ -12,6 +12,7 @@ speculative decoding needs to verify a draft and rewind the rejected part.
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -127,13 +128,51 @@ def unpack(bitmasks: Tensor, vocab: int) -> Tensor:
     return bits.reshape(bitmasks.shape[0], -1)[:, :vocab].bool()  # [R, vocab]
 
 
+class _NativeMask:
+    """logit_mask.cpp through ctypes: the mask applied in one pass per row, in place."""
+
+    def __init__(self, lib):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._fns = {torch.float32: lib.lm_mask_logits_f32, torch.bfloat16: lib.lm_mask_logits_bf16}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = [p, i64, p, p, i32, i32, i32, i32], i32
+
+    def applies(self, logits: Tensor) -> bool:
+        return logits.device.type == "cpu" and logits.dtype in self._fns and logits.stride(1) == 1
+
+    def __call__(self, logits: Tensor, rows: list[int], bitmasks: Tensor) -> None:
+        index = torch.tensor(rows, dtype=torch.int64)
+        self._fns[logits.dtype](logits.data_ptr(), logits.stride(0), index.data_ptr(), bitmasks.data_ptr(),
+                                len(rows), bitmasks.shape[1], logits.shape[1], torch.get_num_threads())
+
+
+_native: list = []  # [_NativeMask], once the process has the native library
+
+
+def _native_mask() -> _NativeMask | None:
+    if not _native:
+        from lmserve.model import native
+
+        lib = native.loaded()  # the model loader's library on CPU; never built here
+        if lib is None or not hasattr(lib, "lm_mask_logits_f32"):
+            return None  # asked again next time: a model may load later in this process
+        _native.append(_NativeMask(lib))
+    return _native[0]
+
+
 def mask_logits(logits: Tensor, rows: list[int], states: list[ConstraintState]) -> None:
-    """Set to -inf, in place, the logits [N, V] of ids each constrained row's state does not allow."""
+    """Set to -inf, in place, the logits [N, V] of ids each constrained row's state does not allow
+    (ids past the bitmasks' width are never allowed). On CPU with the native kernels loaded, one pass
+    per row (logit_mask.cpp); otherwise the bits are unpacked and applied with torch ops."""
     if not rows:
         return
+    bitmasks = torch.stack([s.mask() for s in states])  # [R, W] int32
+    native = _native_mask()
+    if native is not None and native.applies(logits):
+        native(logits, rows, bitmasks)
+        return
     V = logits.shape[1]
-    bitmasks = torch.stack([s.mask() for s in states]).to(logits.device, non_blocking=True)  # [R, W]
-    allowed = unpack(bitmasks, V)  # [R, V]
+    allowed = unpack(bitmasks.to(logits.device, non_blocking=True), V)  # [R, V]
     if allowed.shape[1] < V:  # logits wider than the vocabulary: the extra ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
     index = torch.tensor(rows, device=logits.device)
