@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--draft-tokens", type=int, default=4, help="most tokens drafted per request and step")
+    ap.add_argument("--draft-tokens", type=int, default=8, help="most tokens drafted per request and step")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="decode max-new-tokens every time (default: stop at the answer's end, as a user's request "
                          "does; the tokens are the same with speculation on and off either way)")

@@ -34,9 +34,10 @@ from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation
 
-# auto speculation stays off where verifying a full draft costs more than this many decode steps:
-# with drafts of 4 accepted about half the time a verifying step yields ~2 tokens
-AUTO_SPECULATION_MAX_COST = 2.0
+# auto speculation stays off where drafts would have to be accepted more often than this just to break
+# even: a step verifying k drafts that costs c decode steps and keeps a*k of them yields 1 + a*k
+# tokens for c, so it pays only above a = (c - 1) / k (k=4: c <= 2.0; k=8: c <= 3.0)
+AUTO_SPECULATION_MAX_BREAK_EVEN = 0.25
 from .step_cost import StepPacer
 from .streams import ChunkStream, hand_off
 
@@ -238,7 +239,7 @@ class Engine:
             if not loaded.batch_invariant:
                 return None
             self.verify_cost = self._verify_cost(spec.max_draft)
-            if self.verify_cost > AUTO_SPECULATION_MAX_COST:
+            if (self.verify_cost - 1.0) / spec.max_draft > AUTO_SPECULATION_MAX_BREAK_EVEN:
                 log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
                          self.verify_cost)
                 return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 class Speculation:
     """Prompt-lookup speculation settings (EngineSettings.speculation resolved by the engine)."""
 
-    max_draft: int = 4  # tokens drafted per sequence and step at most
+    max_draft: int = 8  # tokens drafted per sequence and step at most
     max_batch: int = 4  # draft only while at most this many sequences decode (a full step gains little)
     min_n: int = 2
     max_n: int = 4
@@ -45,7 +45,7 @@ class Speculation:
 class NgramProposer:
     """One sequence's n-gram index and draft-length state (Sequence.draft, owned by the scheduler)."""
 
-    def __init__(self, tokens: list[int], max_draft: int = 4, min_n: int = 2, max_n: int = 4,
+    def __init__(self, tokens: list[int], max_draft: int = 8, min_n: int = 2, max_n: int = 4,
                  patience: int = 3, cooldown: int = 16):
         if not 1 <= min_n <= max_n or max_draft < 1:
             raise ValueError("need 1 <= min_n <= max_n and max_draft >= 1")

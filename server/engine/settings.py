@@ -20,7 +20,7 @@ class EngineSettings:
     cuda_graphs: bool = True  # on CUDA, replay decode steps from graphs captured at start (cuda_graphs.py)
     overlap_steps: bool | None = None  # launch step k+1 before step k's tokens are read back; None = on CUDA only
     speculation: str = "auto"  # ngram: verify prompt-lookup drafts (ngram.py); off; auto: ngram where exact
-    draft_tokens: int = 4  # most tokens drafted per sequence and step
+    draft_tokens: int = 8  # most tokens drafted per sequence and step
     draft_max_batch: int = 4  # draft only while at most this many sequences decode
 
     @property

@@ -157,13 +157,13 @@ def test_auto_speculates_only_where_it_is_exact_and_measured_to_pay(trained, mon
     from lmserve.server.engine import Engine, EngineSettings
     from lmserve.server.engine import engine as engine_module
 
-    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", float("inf"))  # no timing in the test
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", float("inf"))  # no timing in the test
     auto = Engine(trained, EngineSettings())
     assert auto.scheduler.speculation is not None and auto.verify_cost > 0  # measured; CPU, batch-invariant
-    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", 0.0)  # a device where verifying is dear
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", -1.0)  # a device where verifying is dear
     assert Engine(trained, EngineSettings()).scheduler.speculation is None
     assert Engine(trained, EngineSettings(speculation="ngram")).scheduler.speculation is not None  # asked for
-    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_COST", float("inf"))
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", float("inf"))
     assert Engine(trained, EngineSettings(overlap_steps=True)).scheduler.speculation is None
     assert Engine(replace(trained, batch_invariant=False), EngineSettings()).scheduler.speculation is None
     assert Engine(trained, EngineSettings(speculation="off")).scheduler.speculation is None
