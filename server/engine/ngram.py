@@ -6,9 +6,11 @@ proposer keeps an index of its n-grams (n = min_n..max_n) over prompt + output, 
 are recorded (O(max_n) dictionary writes per token, never a rescan), and drafts the tokens that
 followed the latest earlier occurrence of the longest suffix it finds.
 
-Draft length adapts to the sequence's own record: it grows by one after a draft accepted whole and
-falls to what was accepted plus one otherwise; after `patience` drafts in a row with nothing
-accepted the sequence stops drafting for `cooldown` tokens, then tries one token again. The engine
+Draft length adapts to the sequence's own record. The first draft is short (`first` tokens): on
+text that repeats nothing it is rejected, and a long one would cost a dear verifying step for
+nothing (a short answer pays for it in full). The length doubles after a draft accepted whole, up to
+`max_draft`, and falls to what was accepted plus one otherwise; after `patience` drafts in a row
+with nothing accepted the sequence stops drafting for `cooldown` tokens, then tries one token again. The engine
 verifies drafts (runner.py, scheduler.py); this module only guesses.
 """
 
@@ -46,7 +48,7 @@ class NgramProposer:
     """One sequence's n-gram index and draft-length state (Sequence.draft, owned by the scheduler)."""
 
     def __init__(self, tokens: list[int], max_draft: int = 8, min_n: int = 2, max_n: int = 4,
-                 patience: int = 3, cooldown: int = 16):
+                 patience: int = 3, cooldown: int = 16, first: int = 2):
         if not 1 <= min_n <= max_n or max_draft < 1:
             raise ValueError("need 1 <= min_n <= max_n and max_draft >= 1")
         self.max_draft, self.min_n, self.max_n = max_draft, min_n, max_n
@@ -54,7 +56,7 @@ class NgramProposer:
         self.tokens: list[int] = []
         # n-gram -> position just after its latest occurrence, for occurrences ending before the last token
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
-        self.length = max_draft  # the next draft's length
+        self.length = max(1, min(first, max_draft))  # the next draft's length
         self._misses = 0  # drafts in a row with nothing accepted
         self._resting = 0  # tokens still to wait before drafting again
         self.drafted_total = 0
@@ -95,7 +97,7 @@ class NgramProposer:
         self.drafted_total += drafted
         self.accepted_total += accepted
         if accepted == drafted:
-            self.length, self._misses = min(self.max_draft, drafted + 1), 0
+            self.length, self._misses = min(self.max_draft, 2 * drafted), 0
             return
         self.length = max(1, accepted + 1)
         self._misses = self._misses + 1 if accepted == 0 else 0

@@ -36,7 +36,7 @@ def test_drafts_equal_the_brute_force_lookup_as_tokens_arrive(seed):
 
 def test_a_quoted_passage_is_drafted_from_the_prompt():
     passage = list(range(100, 140))
-    p = NgramProposer([1, 2, *passage, 3, 4], max_draft=8)
+    p = NgramProposer([1, 2, *passage, 3, 4], max_draft=8, first=8)
     p.extend(passage[:3])  # the output starts quoting
     assert p.propose(8) == passage[3:11]
     assert p.propose(2) == passage[3:5]  # never more than asked
@@ -47,18 +47,20 @@ def test_no_match_no_draft():
     assert p.propose(4) == []
 
 
-def test_length_grows_on_full_acceptance_shrinks_on_partial_and_rests_after_misses():
+def test_length_starts_short_doubles_on_full_acceptance_shrinks_on_partial_and_rests_after_misses():
     p = NgramProposer([1, 2, 1, 2, 1, 2], max_draft=4, patience=2, cooldown=3)
+    assert p.length == 2  # a first draft on text that may repeat nothing is cheap to reject
+    p.accepted(2, 2)
     assert p.length == 4
     p.accepted(4, 1)
     assert p.length == 2
     p.accepted(2, 2)
-    assert p.length == 3
-    p.accepted(3, 0)
+    assert p.length == 4  # doubled, at most max_draft
+    p.accepted(4, 0)
     p.accepted(1, 0)  # second miss in a row: rest
     assert p.propose(4) == []
     p.extend([1, 2])
     assert p.propose(4) == []  # still resting (one token to go)
     p.extend([1])
     assert p.propose(4) == [2]  # one token, then it may grow again
-    assert (p.drafted_total, p.accepted_total) == (10, 3)
+    assert (p.drafted_total, p.accepted_total) == (13, 5)
