@@ -8,7 +8,8 @@ its OpenAI API), streaming:
 - chat: the built-in chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32;
 - repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1, each
   to its end (EOS), at most 256 tokens; the peer runs without and with its n-gram speculation
-  (ngram-simple, ngram-mod), lmserve with speculation on and off;
+  (ngram-simple, ngram-mod), lmserve with speculation on and off. These five servers run at once
+  and take turns, round after round (--rounds), and each reports its median round;
 - json: the same chat questions under a JSON schema (`response_format` over both OpenAI APIs), c=1:
   tokens/s and the share of outputs that validate, beside the same questions unconstrained.
 The report names the machine (lscpu), the modes each server ran and every run's numbers. A benchmark,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -97,6 +99,28 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
     return out
 
 
+def _repeat_rounds(starts: dict, rounds: int, max_new: int) -> dict[str, dict]:
+    """The repeat workload on every server in `starts` (name -> (start, api, flags)), all started
+    at once and measured in alternating rounds, so that the slow minutes of a shared machine fall on
+    each of them alike. Per server: its median round, with every round's tok/s beside it."""
+    import statistics
+
+    with contextlib.ExitStack() as stack:
+        live = {name: (stack.enter_context(start()), api) for name, (start, api, _) in starts.items()}
+        rows: dict[str, list[dict]] = {name: [] for name in live}
+        for _ in range(rounds):
+            for name, (s, api) in live.items():
+                time.sleep(1.0)  # the previous server's worker threads stop spinning
+                rows[name].append(_bench(s.grpc_target if api == "lmserve" else s.http_url, api, "repeat", 1, 6,
+                                         max_new))
+    out = {}
+    for name, rs in rows.items():
+        mid = statistics.median(r["tok_s"] for r in rs)
+        row = dict(min(rs, key=lambda r: abs(r["tok_s"] - mid)))
+        out[name] = {**row, "tok_s": round(mid, 1), "rounds_tok_s": [r["tok_s"] for r in rs]}
+    return out
+
+
 def _model_id(http_url: str) -> str:
     with urllib.request.urlopen(http_url + "/models", timeout=30) as r:
         return json.load(r)["data"][0]["id"]
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=8, help="measured requests at c=1 (c=32: 2 per slot)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeat-max-new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the repeat workload")
     ap.add_argument("--skip", nargs="*", default=[], choices=["lmserve", "llama.cpp", "chat", "repeat", "json"])
     ap.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("reports/peer_llama_cpp.json"))
@@ -121,14 +146,11 @@ def main(argv=None) -> int:
     gguf = resolve_model("smollm2", args.models_dir)
     n1, n32 = args.requests, 64
 
-    def runs(where: str, api: str, repeat: bool = True) -> list[dict]:
-        out = []
-        if "chat" not in args.skip:
-            out += [_bench(where, api, "chat", 1, n1, args.max_new_tokens),
-                    _bench(where, api, "chat", 32, n32, args.max_new_tokens)]
-        if repeat and "repeat" not in args.skip:
-            out.append(_bench(where, api, "repeat", 1, 6, args.repeat_max_new_tokens))
-        return out
+    def runs(where: str, api: str) -> list[dict]:
+        if "chat" in args.skip:
+            return []
+        return [_bench(where, api, "chat", 1, n1, args.max_new_tokens),
+                _bench(where, api, "chat", 32, n32, args.max_new_tokens)]
 
     servers = {}
     lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
@@ -139,23 +161,26 @@ def main(argv=None) -> int:
                                   "runs": runs(s.grpc_target, "lmserve")}
             if "json" not in args.skip:
                 servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
-        if "repeat" not in args.skip:
-            with served.lmserve([*lm_flags, "--speculation", "off"]) as s:
-                servers["lmserve --speculation off"] = {
-                    "runs": [_bench(s.grpc_target, "lmserve", "repeat", 1, 6, args.repeat_max_new_tokens)]}
+    base = ["-t", str(args.threads), "-np", "32", "-c", str(32 * 1024)]
     if "llama.cpp" not in args.skip:
-        base = ["-t", str(args.threads), "-np", "32", "-c", str(32 * 1024)]
         with served.llama_server(args.llama_server, gguf, base) as s:
             servers["llama.cpp"] = {"flags": base, "runs": runs(s.http_url, "openai")}
             if "json" not in args.skip:
                 servers["llama.cpp"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
-        if "repeat" not in args.skip:
-            for spec in ("ngram-simple", "ngram-mod"):
-                flags = [*base, "--spec-type", spec]
-                with served.llama_server(args.llama_server, gguf, flags) as s:
-                    servers[f"llama.cpp --spec-type {spec}"] = {
-                        "flags": flags,
-                        "runs": [_bench(s.http_url, "openai", "repeat", 1, 6, args.repeat_max_new_tokens)]}
+    if "repeat" not in args.skip:
+        starts = {}
+        if "lmserve" not in args.skip:
+            starts["lmserve"] = (lambda: served.lmserve(lm_flags), "lmserve", lm_flags)
+            off = [*lm_flags, "--speculation", "off"]
+            starts["lmserve --speculation off"] = (lambda: served.lmserve(off), "lmserve", off)
+        if "llama.cpp" not in args.skip:
+            for spec in (None, "ngram-simple", "ngram-mod"):
+                flags = [*base, "--spec-type", spec] if spec else base
+                starts[f"llama.cpp --spec-type {spec}" if spec else "llama.cpp"] = (
+                    lambda flags=flags: served.llama_server(args.llama_server, gguf, flags), "openai", flags)
+        for name, row in _repeat_rounds(starts, args.rounds, args.repeat_max_new_tokens).items():
+            servers.setdefault(name, {"flags": starts[name][2], "runs": []})
+            servers[name]["runs"].append(row)
 
     def rate(server: str, workload: str, c: int) -> float | None:
         for r in servers.get(server, {}).get("runs", []):
