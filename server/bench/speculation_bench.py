@@ -48,7 +48,7 @@ async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool
 
 
 def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
-        draft_tokens: int = 4, ignore_eos: bool = False) -> dict:
+        draft_tokens: int = 8, ignore_eos: bool = False) -> dict:
     """tokens/s with speculation off and on (alternating rounds), acceptance and token identity."""
     from ..engine import Engine, EngineSettings
 

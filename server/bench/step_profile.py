@@ -10,6 +10,8 @@ it, so "outside" = step - linears - attention is what the issue calls the step's
 RoPE, embedding, residual adds, sampling, scheduling and Python dispatch. The wrappers add ~1 us a
 call (~0.2 ms a step for SmolLM2's 211 linears and 30 attention calls), which lands in "outside":
 it is an upper bound. Rounds alternate with the wrappers off (the plain step time, reported beside).
+Then, with the engine stopped, torch.profiler lists every torch op of a batch-1 step with its calls
+and self time (op_profile): what the model's Python code dispatches beside the native kernels.
 A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -63,6 +65,37 @@ def _decode(engine, prompt: list[int], n: int) -> None:
     asyncio.run(go())
 
 
+def op_profile(engine, prompt_len: int, steps: int = 20) -> dict:
+    """torch.profiler over `steps` batch-1 decode steps of ModelRunner.step, run on this thread once the
+    engine has stopped (a sequence of `prompt_len` cached tokens on slot 0): each torch op's calls and
+    self time per step. The native kernels are called through ctypes and do not appear; their time is
+    the step's minus the ops'."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine import Request, SamplingParams
+    from ..engine.scheduler import ScheduledBatch
+    from ..engine.sequence import SeqStatus, Sequence
+
+    seq = Sequence(Request([1] * prompt_len, SamplingParams(max_new_tokens=steps + 8)))
+    seq.slot, seq.status, seq.num_cached = 0, SeqStatus.RUNNING, prompt_len - 1
+    batch = ScheduledBatch(decode=(seq,))
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.runner.step(batch)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.runner.step(batch)
+        wall = (time.perf_counter() - t0) / steps
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    ops = [{"op": e.key, "calls_per_step": round(e.count / steps, 1),
+            "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in events]
+    return {"steps": steps, "step_ms_profiled": round(1e3 * wall, 3),
+            "torch_ops_self_ms_per_step": round(sum(o["self_ms_per_step"] for o in ops), 3),
+            "torch_op_calls_per_step": round(sum(o["calls_per_step"] for o in ops), 1), "ops": ops[:30]}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -113,6 +146,8 @@ def main(argv=None) -> int:
                 print(json.dumps({"wrapped": on, **row}), flush=True)
     finally:
         engine.shutdown()
+    ops = op_profile(engine, len(prompt) + 8)
+    print(json.dumps({k: v for k, v in ops.items() if k != "ops"}), flush=True)
 
     def med(rows, key):
         return round(statistics.median(r[key] for r in rows), 3)
@@ -125,7 +160,8 @@ def main(argv=None) -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
               "mode": loaded.mode, "kernels": loaded.kernels, "prompt_tokens": len(prompt),
-              "tokens_per_round": args.tokens, "summary": summary, "plain": plain, "wrapped": wrapped}
+              "tokens_per_round": args.tokens, "summary": summary, "plain": plain, "wrapped": wrapped,
+              "op_profile": ops}
     write_report(args.out, report)
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out}")
