@@ -12,13 +12,6 @@
 
 #include "native_common.h"
 
-template <class Body>
-static void for_rows(int rows, int64_t work_per_row, int threads, Body body) {
-    const bool parallel = threads > 1 && rows > 1 && rows * work_per_row >= (1 << 16);
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int r = 0; r < rows; ++r) body(r);
-}
-
 // x, residual (may be null), sum_out (written when residual is given), weight, out: rows x D
 // bfloat16, rows packed; D a multiple of 16.
 extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* sum_out,

@@ -7,14 +7,12 @@
 //   rows: the n logits rows to mask; bits: n x words uint32, bit t % 32 of word t / 32 allows id t
 //   (ids at or past 32 * words are never allowed).
 
-#include <stdint.h>
+#include "native_common.h"
 
 template <class T>
 static void mask_rows(T* logits, int64_t row_stride, const int64_t* rows, const uint32_t* bits, int n, int words,
                       int vocab, T neg, int threads) {
-    const bool parallel = threads > 1 && n > 1 && (int64_t)n * vocab >= (1 << 18);
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-    for (int i = 0; i < n; ++i) {
+    for_rows(n, vocab, threads, [=](int i) {
         T* row = logits + rows[i] * row_stride;
         const uint32_t* b = bits + (int64_t)i * words;
         int id = 0;
@@ -26,7 +24,7 @@ static void mask_rows(T* logits, int64_t row_stride, const int64_t* rows, const 
                 if (!((word >> j) & 1u)) row[id + j] = neg;
         }
         for (; id < vocab; ++id) row[id] = neg;
-    }
+    });
 }
 
 extern "C" int lm_mask_logits_f32(float* logits, int64_t row_stride, const int64_t* rows, const uint32_t* bits,

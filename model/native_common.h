@@ -1,6 +1,7 @@
-// Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp): 16-lane float vectors
-// (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native), float32 / bfloat16
-// loads and stores, a fixed-order lane sum, e^x and the softmax numerators of one row.
+// Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp, logit_mask.cpp):
+// 16-lane float vectors (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native),
+// float32 / bfloat16 loads and stores, a fixed-order lane sum, e^x, the softmax numerators of one
+// row, and a row loop split over OpenMP threads.
 #pragma once
 
 #include <stdint.h>
@@ -106,4 +107,13 @@ static inline float softmax_numerators(float* s, int n) {
         sum = sum + p;
     }
     return 1.0f / total(sum);
+}
+
+// body(r) for r in [0, rows), split over `threads` OpenMP threads once the rows hold enough work to
+// pay for waking them (each row's result never depends on how the rows were split)
+template <class Body>
+static void for_rows(int rows, int64_t work_per_row, int threads, Body body) {
+    const bool parallel = threads > 1 && rows > 1 && rows * work_per_row >= (1 << 16);
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int r = 0; r < rows; ++r) body(r);
 }
