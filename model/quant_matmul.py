@@ -62,11 +62,11 @@ _KERNEL: dict[str, QuantMatmul | None] = {}
 
 def kernel(cache_dir: Path | None = None) -> QuantMatmul | None:
     """The kernel for this machine (native.load), or None without a compiler or an AVX2 path."""
-    from . import native
-
-    lib, _ = native.load(cache_dir)
     key = str(cache_dir)
-    if key not in _KERNEL:
+    if key not in _KERNEL:  # looked up first: native.load resolves the path (~70 us of syscalls a call)
+        from . import native
+
+        lib, _ = native.load(cache_dir)
         k = QuantMatmul(lib) if lib is not None else None
         _KERNEL[key] = k if k is not None and k.path is not None else None
     return _KERNEL[key]
