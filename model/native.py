@@ -45,6 +45,14 @@ def _identity(march: str = "native", sources=SOURCES) -> str:
     return h.hexdigest()[:20]
 
 
+def sources_digest() -> str:
+    """A digest of the kernels' sources alone (what a cached kernel choice was measured with)."""
+    h = hashlib.sha256()
+    for src in [*SOURCES, *HEADERS]:
+        h.update(src.name.encode() + src.read_bytes())
+    return h.hexdigest()[:20]
+
+
 def build(cache_dir: Path, march: str = "native", sources=SOURCES) -> tuple[ctypes.CDLL | None, str]:
     """The library for this machine (compiled on first use, then cached), or None and why not.
 
@@ -103,4 +111,4 @@ def rows_packed(x):
     return x
 
 
-__all__ = ["build", "load", "loaded", "rows_packed", "SOURCES"]
+__all__ = ["build", "load", "loaded", "rows_packed", "sources_digest", "SOURCES"]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import decode_step
 from . import kernels as K
 from .errors import ModelLoadError
 
@@ -125,10 +126,20 @@ def cpu_identity() -> dict:
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
+# Bumped when how kernels are timed or chosen changes, so that a cached choice made by older code is
+# measured again (2: native linears were timed with ~70 us of lookup overhead a call).
+CHOICE_VERSION = 2
+
+
 def cache_key(source: Path, request: dict) -> str:
+    """The cached choice's name: this machine, the model file, the request, the choosing code's
+    version and the native kernels' sources (a faster kernel must be able to win)."""
+    from .native import sources_digest
+
     st = source.stat() if source.exists() else None
     ident = {"machine": cpu_identity(), "model": [str(source.resolve()), st.st_size if st else 0,
-                                                  int(st.st_mtime) if st else 0], "request": request}
+                                                  int(st.st_mtime) if st else 0], "request": request,
+             "choice": [CHOICE_VERSION, sources_digest()]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -164,9 +175,12 @@ def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
     n_layers = len(model.model.layers)
     chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
     detail = {}
+    native_step = decode_step.possible(model.config, mode.dtype, mode.quantization, device)
     for role in K.ROLES:
-        ms, best = K.measure_role(K.candidates(mode.quantization, mode.dtype, role, device), sources[role],
-                                  mode.dtype, batch_invariant)
+        kernels = K.candidates(mode.quantization, mode.dtype, role, device)
+        if native_step and role in decode_step.LAYER_ROLES:  # the native decode loop needs them
+            kernels = [k for k in kernels if k.startswith("native")] or kernels
+        ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
         detail[role] = {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
                                    "batch_invariant": m.invariant} for m in ms}
         if best is None:

@@ -1,0 +1,120 @@
+// Every decoder layer of a decode step in one call: bfloat16 activations on CPU, each layer's four
+// linears on the native quantized kernel (quant_matmul.cpp), attention on the decode kernel
+// (decode_attention.cpp), norms, RoPE and SwiGLU fused (fused_ops.cpp).
+//
+// It composes the same entry points the eager layers call one by one from Python, with the same
+// arguments and in the same order, so its rows are bitwise the eager step's (and batch-invariant
+// for the same reasons); what it removes is the ~60 Python and torch dispatches a layer costs
+// between them. One rewrite, same arithmetic: a layer's last residual add x + down is done by the
+// next layer's add_rmsnorm (x + y rounded once either way), the last layer's by a plain rounded add.
+//
+// Per layer, for B rows of one token each:
+//   h = rmsnorm(x)                  (layer 0; later layers: x = x + down, h = rmsnorm(x), one pass)
+//   qkv = h Wqkv^T; q|k = rope(qkv) (rows written by the attention kernel, or all first when rows
+//   attn = decode attention           share a slot: a verified draft)
+//   x = x + attn Wo^T, h = rmsnorm(x)
+//   down = silu_mul(h Wgu^T) Wdown^T
+// and the last layer's x = x + down is left in x.
+
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "native_common.h"
+
+extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* sum_out,
+                                   const uint16_t* weight, uint16_t* out, int rows, int D, float eps, int threads);
+extern "C" int lm_rope_bf16(const uint16_t* qkv, int64_t row_stride, const uint16_t* cos, const uint16_t* sin_signed,
+                            uint16_t* out, int rows, int heads, int d, int threads);
+extern "C" int lm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int I, int threads);
+extern "C" int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
+                      int64_t N, void* y, int y_bf16, int threads);
+extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
+                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
+                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
+                                   int64_t max_len, float scale, int threads);
+
+struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
+    const uint8_t* packed;
+    int32_t bits;     // 4 or 8
+    int32_t precise;  // activations as two int8 codes
+};
+
+struct StepLayer {
+    StepLinear qkv, o, gate_up, down;
+    const uint16_t* input_norm;  // [D]
+    const uint16_t* post_norm;   // [D]
+    uint16_t* k_cache;           // this layer's [slots, Hkv, max_len, d]
+    uint16_t* v_cache;
+};
+
+struct StepShape {
+    int32_t layers, D, H, Hkv, d, I;
+    float eps, scale;
+    int64_t num_slots, max_len;
+};
+
+static inline int qmm(const StepLinear& w, const uint16_t* x, int B, int64_t K, int64_t N, uint16_t* y, int threads) {
+    return lm_qmm(w.bits, w.precise, x, 1, B, K, w.packed, N, y, 1, threads);
+}
+
+extern "C" {
+
+// x: [B, D] bfloat16, the embedded tokens in, the last layer's output out. cos, sin_signed: [B, d]
+// (each row's position). slots, pos: [B]. write_first: rows share a slot, so every row's k/v is
+// written before any row attends. Returns 0, or the first nonzero code of a kernel (1: a shape it
+// does not take; 2: a slot or position outside the cache), having stopped there.
+int lm_decode_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, const uint16_t* cos,
+                     const uint16_t* sin_signed, const int64_t* slots, const int64_t* pos, int B, int write_first,
+                     int threads) {
+    const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I;
+    const int64_t qkv_n = (int64_t)(H + 2 * Hkv) * d, qk_n = (int64_t)(H + Hkv) * d;
+    if (write_first)
+        for (int b = 0; b < B; ++b)
+            if (slots[b] < 0 || slots[b] >= s->num_slots || pos[b] < 0 || pos[b] >= s->max_len) return 2;
+    static thread_local std::vector<uint16_t> work;
+    const size_t need = (size_t)B * (D + qkv_n + qk_n + H * d + D + 2 * I + I + D);
+    if (work.size() < need) work.resize(need);
+    uint16_t* h = work.data();            // [B, D] normed input of a linear
+    uint16_t* qkv = h + (size_t)B * D;    // [B, qkv_n]
+    uint16_t* qk = qkv + (size_t)B * qkv_n;  // [B, qk_n] rotated q | k
+    uint16_t* attn = qk + (size_t)B * qk_n;  // [B, H d]
+    uint16_t* o = attn + (size_t)B * H * d;  // [B, D]
+    uint16_t* gate_up = o + (size_t)B * D;   // [B, 2I]
+    uint16_t* act = gate_up + (size_t)B * 2 * I;  // [B, I]
+    uint16_t* down = act + (size_t)B * I;    // [B, D]
+    int rc = 0;
+#define STEP(call)                    \
+    do {                              \
+        if ((rc = (call)) != 0) return rc; \
+    } while (0)
+    for (int l = 0; l < s->layers; ++l) {
+        const StepLayer& L = layers[l];
+        if (l == 0)
+            STEP(lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, B, D, s->eps, threads));
+        else
+            STEP(lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, B, D, s->eps, threads));
+        STEP(qmm(L.qkv, h, B, D, qkv_n, qkv, threads));
+        STEP(lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, B, H + Hkv, d, threads));
+        if (write_first)
+            for (int b = 0; b < B; ++b)
+                for (int g = 0; g < Hkv; ++g) {
+                    const size_t at = (((size_t)slots[b] * Hkv + g) * s->max_len + pos[b]) * d;
+                    memcpy(L.k_cache + at, qk + b * qk_n + (size_t)(H + g) * d, d * sizeof(uint16_t));
+                    memcpy(L.v_cache + at, qkv + b * qkv_n + (size_t)(H + Hkv + g) * d, d * sizeof(uint16_t));
+                }
+        STEP(lm_decode_attention(1, qk, qk_n, qk + (size_t)H * d, qk_n, qkv + qk_n, qkv_n, L.k_cache, L.v_cache, slots,
+                                 pos, attn, B, H, Hkv, d, s->num_slots, s->max_len, s->scale, threads));
+        STEP(qmm(L.o, attn, B, (int64_t)H * d, D, o, threads));
+        STEP(lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, B, D, s->eps, threads));
+        STEP(qmm(L.gate_up, h, B, D, 2 * I, gate_up, threads));
+        STEP(lm_silu_mul_bf16(gate_up, act, B, I, threads));
+        STEP(qmm(L.down, act, B, I, D, down, threads));
+    }
+#undef STEP
+    for (size_t i = 0; i < (size_t)B * D; i += 16)  // the last residual add, rounded as torch's
+        BF16::store(x + i, BF16::load(x + i) + BF16::load(down + i));
+    return 0;
+}
+}

@@ -1,0 +1,134 @@
+"""A decode step's decoder layers in one native call (decode_step.cpp, built by native.py).
+
+At batch 1 on a 2-core CPU the eager layers spent ~9 ms of a ~26 ms step outside their kernels:
+~1,700 torch ops and ~240 ctypes calls dispatched from Python (the per-op profile of
+server/bench/step_profile.py). When every linear runs on the native quantized kernel, attention on
+the decode kernel and the elementwise work on the fused ops, `NativeDecodeStep` calls those same
+kernels from one C++ loop instead, with the same arguments in the same order: its rows are bitwise
+the eager step's (tests/unit/test_decode_step.py), batch-invariant for the same reasons.
+
+It takes decode steps only (every row one token, `attention_backend.KernelDecode`, draft
+verification included); prefill chunks and mixed steps keep the eager layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+from torch import Tensor
+
+from .attention_backend import KernelDecode
+from .kernels import NativeQuantLinear
+from .kv_cache import KVCache
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("bits", ctypes.c_int32), ("precise", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int32), ("D", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32),
+                ("d", ctypes.c_int32), ("I", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("num_slots", ctypes.c_int64), ("max_len", ctypes.c_int64)]
+
+
+def _linear(m) -> _Linear:
+    return _Linear(m.packed.data_ptr(), m.bits, int(m.precise))
+
+
+LAYER_ROLES = ("qkv", "o", "gate_up", "down")
+
+
+def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -> bool:
+    """Whether a model in this mode can serve decode steps through the native loop, its layers' linears
+    on the native quantized kernel: then those roles are served on it (precision.measure_mode), since
+    a per-role timing cannot see the ~9 ms a batch-1 step saves in dispatch."""
+    from . import fused_ops
+    from . import quant_matmul as QM
+    from .decode_attention import DecodeAttention
+
+    return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4")
+            and QM.default_kernel() is not None
+            and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
+            and DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
+
+
+def why_not(model) -> str | None:
+    """Why the model's decode steps cannot take the native loop, or None when they can."""
+    if not model.prepared or not model.uses_fused_ops:
+        return "the elementwise ops are not fused (float32, or no native library)"
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+        return "activations are not bfloat16"
+    for layer in model.model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not isinstance(m, NativeQuantLinear):
+                return f"a layer's linear runs on {getattr(m, 'kernel', type(m).__name__)}, not the native quantized kernel"
+            if m.bias is not None:
+                return "a linear has a bias"
+    return None
+
+
+class NativeDecodeStep:
+    """`__call__(x, cos, sin_signed, meta, cache)`: every layer of a decode step, x [N, D] in place."""
+
+    def __init__(self, lib: ctypes.CDLL, model):
+        cfg = model.config
+        self._fn = lib.lm_decode_layers
+        p = ctypes.c_void_p
+        self._fn.argtypes = [p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self.model = model
+        self.n_layers = cfg.num_layers
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self._layers = None  # (cache, ctypes array): rebuilt when another cache is passed
+        self._shape = None
+
+    def applies(self, meta, cache: KVCache | None) -> bool:
+        return isinstance(meta, KernelDecode) and cache is not None and cache.k.dtype == torch.bfloat16
+
+    def _tables(self, cache: KVCache):
+        if self._layers is None or self._layers[0] is not cache:
+            arr = (_Layer * self.n_layers)()
+            for i, layer in enumerate(self.model.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                arr[i] = _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
+                                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                                cache.k[i].data_ptr(), cache.v[i].data_ptr())
+            cfg = self.model.config
+            H, Hkv, d = self.heads
+            self._shape = _Shape(cfg.num_layers, cfg.hidden_size, H, Hkv, d, cfg.intermediate_size, cfg.rms_norm_eps,
+                                 1.0 / math.sqrt(d), cache.num_slots, cache.max_len)
+            self._layers = (cache, arr)
+        return self._layers[1]
+
+    def __call__(self, x: Tensor, cos: Tensor, sin_signed: Tensor, meta: KernelDecode, cache: KVCache) -> Tensor:
+        """x [..., D] bfloat16 (one token per decode row, row-major) -> the last layer's output, same shape.
+        cos, sin_signed: [..., 1, d] per token (Rotary.tables)."""
+        layers = self._tables(cache)
+        d = self.heads[2]
+        x = x.contiguous()
+        cos, sin_signed = cos.reshape(-1, d).contiguous(), sin_signed.reshape(-1, d).contiguous()
+        slots, starts = meta.slots.contiguous(), meta.starts.contiguous()
+        B = slots.shape[0]
+        if x.numel() != B * self._shape.D or cos.shape[0] != B:
+            raise ValueError(f"native decode step: {B} rows but {x.numel() // self._shape.D} tokens")
+        rc = self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
+                      sin_signed.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, int(meta.write_first),
+                      torch.get_num_threads())
+        if rc == 2:
+            raise IndexError(f"decode step: a row's slot or position lies outside the cache "
+                             f"({cache.num_slots} slots x {cache.max_len} positions)")
+        if rc:
+            raise ValueError("native decode step: a kernel does not take this model's shapes")
+        return x
+
+
+__all__ = ["NativeDecodeStep", "LAYER_ROLES", "possible", "why_not"]

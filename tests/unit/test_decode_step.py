@@ -1,0 +1,137 @@
+"""The native decode loop (decode_step.py) on SmolLM2 at its real shapes, against the eager layers it
+replaces: bitwise the same logits and the same K/V written, for decode rows at different positions,
+for a verified draft (one slot on several consecutive rows), through both forward entry points; and
+each row is the same alone or in the batch. Oracle: the eager layers (themselves checked against
+transformers and the explicit attention elsewhere), run on a copy of the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserve.model import decode_step, native
+from lmserve.model import kernels as K
+from lmserve.model import precision as P
+from lmserve.model import quant_matmul as QM
+from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.kv_cache import KVCache
+from lmserve.model.llama import Segment
+from lmserve.model.loader import attention_and_fused_ops, build_model
+
+BF16 = torch.bfloat16
+PROMPTS = [37, 5, 120, 64]  # prompt lengths of slots 0..3
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kernels")
+    QM.use_cache_dir(d)
+    lib, why = native.build(d)
+    if lib is None or QM.default_kernel() is None:
+        pytest.skip(f"no native kernels here: {why}")
+    yield d
+    QM.use_cache_dir(None)
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_gguf_path):
+    return read_gguf(smollm2_gguf_path, keep_q41=True)
+
+
+def served(gguf, kernel_dir, layers: str, head: str):
+    quant = "int4" if layers.endswith("int4") else "int8"
+    plan = P.Plan(P.Mode(BF16, quant), {r: head if r == "head" else layers for r in K.ROLES})
+    model = build_model(gguf.config, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80)
+    backend = attention_and_fused_ops(model, torch.device("cpu"), kernel_dir, BF16, gguf.config, True)
+    return model.freeze_attributes(), backend
+
+
+@pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8"), ("native-int4", "int8")],
+                ids=["int8", "int4"])
+def loaded(request, gguf, kernel_dir):
+    model, backend = served(gguf, kernel_dir, *request.param)
+    assert model.decode_step is not None, decode_step.why_not(model)
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(model.config, 6, 256, BF16)
+    with torch.inference_mode():
+        meta, pos = backend.packed(torch.arange(len(PROMPTS)), torch.tensor(PROMPTS))
+        ids = torch.randint(0, model.config.vocab_size, (1, sum(PROMPTS)), generator=g)
+        model(ids, pos, meta, cache)
+    return model, backend, cache
+
+
+def both_ways(model, backend, cache, slots, starts, tokens, segments: bool = False):
+    """(eager logits, native logits) of one decode step from the same cache state; the cache keeps
+    the native step's writes, which must equal the eager step's."""
+    meta, pos = backend.decode(slots, starts)
+    ids = torch.tensor(tokens)[:, None]
+
+    def forward():
+        if segments:
+            return model.forward_segments([Segment(ids, pos, meta)], cache, torch.arange(len(slots)))
+        return model(ids, pos, meta, cache)[:, 0]
+
+    step = model.decode_step
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    with torch.inference_mode():
+        try:
+            model.decode_step = None
+            eager = forward()
+            k1, v1 = cache.k.clone(), cache.v.clone()
+        finally:
+            model.decode_step = step
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        native_logits = forward()
+    assert torch.equal(cache.k, k1) and torch.equal(cache.v, v1), "the native step wrote other K/V"
+    return eager, native_logits
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["forward", "forward_segments"])
+def test_decode_rows_are_bitwise_the_eager_layers(loaded, segments):
+    model, backend, cache = loaded
+    tokens = [11, 2024, 7, 310]
+    for step in range(3):
+        starts = [n + step for n in PROMPTS]
+        eager, got = both_ways(model, backend, cache, [0, 1, 2, 3], starts, tokens, segments)
+        assert torch.equal(eager, got), (step, (eager.float() - got.float()).abs().max())
+        tokens = got.argmax(-1).tolist()
+
+
+def test_a_verified_draft_is_bitwise_the_eager_layers(loaded):
+    """Slot 2 verifies a 4-token draft (4 rows at consecutive positions: every K/V written before any
+    row attends) beside slot 0's decode row."""
+    model, backend, cache = loaded
+    p0, p2 = PROMPTS[0] + 8, PROMPTS[2] + 8
+    eager, got = both_ways(model, backend, cache, [0, 2, 2, 2, 2], [p0, p2, p2 + 1, p2 + 2, p2 + 3],
+                           [5, 9, 400, 17, 2])
+    assert torch.equal(eager, got)
+
+
+def test_each_row_is_the_same_alone_or_in_the_batch(loaded):
+    model, backend, cache = loaded
+    slots, starts, tokens = [0, 1, 2, 3], [n + 12 for n in PROMPTS], [3, 1000, 42, 9]
+    with torch.inference_mode():
+        meta, pos = backend.decode(slots, starts)
+        batch = model(torch.tensor(tokens)[:, None], pos, meta, cache)[:, 0]
+        for i in range(4):
+            meta, pos = backend.decode(slots[i: i + 1], starts[i: i + 1])
+            alone = model(torch.tensor(tokens[i: i + 1])[:, None], pos, meta, cache)[:, 0]
+            assert torch.equal(alone[0], batch[i]), i
+
+
+def test_a_row_outside_the_cache_is_refused(loaded):
+    model, backend, cache = loaded
+    meta, pos = backend.decode([0, 2, 2], [10, cache.max_len - 1, cache.max_len])  # shared slot: write first
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
+        model(torch.tensor([[1], [2], [3]]), pos, meta, cache)
+
+
+def test_it_is_built_only_where_every_layer_linear_is_native(gguf, kernel_dir):
+    torch_layers, _ = served(gguf, kernel_dir, "int8", "int8")
+    assert torch_layers.decode_step is None
+    assert "not the native quantized kernel" in decode_step.why_not(torch_layers)
+    plan = P.Plan(P.Mode(torch.float32), {r: "dense" for r in K.ROLES})
+    f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan)
+    attention_and_fused_ops(f32, torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
+    assert f32.decode_step is None and "not fused" in decode_step.why_not(f32)
