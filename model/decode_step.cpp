@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <chrono>
 #include <vector>
 
 #include "native_common.h"
@@ -59,15 +60,21 @@ static inline int qmm(const StepLinear& w, const uint16_t* x, int B, int64_t K, 
     return lm_qmm(w.bits, w.precise, x, 1, B, K, w.packed, N, y, 1, threads);
 }
 
+static inline int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
 extern "C" {
 
 // x: [B, D] bfloat16, the embedded tokens in, the last layer's output out. cos, sin_signed: [B, d]
 // (each row's position). slots, pos: [B]. write_first: rows share a slot, so every row's k/v is
-// written before any row attends. Returns 0, or the first nonzero code of a kernel (1: a shape it
+// written before any row attends. phase_ns: null, or 3 counters the call adds its nanoseconds to
+// (linears, attention with its cache writes, everything else). Returns 0, or the first nonzero code of a kernel (1: a shape it
 // does not take; 2: a slot or position outside the cache), having stopped there.
 int lm_decode_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, const uint16_t* cos,
                      const uint16_t* sin_signed, const int64_t* slots, const int64_t* pos, int B, int write_first,
-                     int threads) {
+                     int threads, int64_t* phase_ns) {
     const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I;
     const int64_t qkv_n = (int64_t)(H + 2 * Hkv) * d, qk_n = (int64_t)(H + Hkv) * d;
     if (write_first)
@@ -85,18 +92,25 @@ int lm_decode_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, c
     uint16_t* act = gate_up + (size_t)B * 2 * I;  // [B, I]
     uint16_t* down = act + (size_t)B * I;    // [B, D]
     int rc = 0;
-#define STEP(call)                    \
-    do {                              \
-        if ((rc = (call)) != 0) return rc; \
+    int64_t t = phase_ns ? now_ns() : 0;
+    // the call, then (when timing) its time added to phase p: 0 linears, 1 attention, 2 the rest
+#define STEP(p, call)                                  \
+    do {                                               \
+        if ((rc = (call)) != 0) return rc;             \
+        if (phase_ns) {                                \
+            const int64_t t1 = now_ns();               \
+            phase_ns[p] += t1 - t;                     \
+            t = t1;                                    \
+        }                                              \
     } while (0)
     for (int l = 0; l < s->layers; ++l) {
         const StepLayer& L = layers[l];
         if (l == 0)
-            STEP(lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, B, D, s->eps, threads));
+            STEP(2, lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, B, D, s->eps, threads));
         else
-            STEP(lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, B, D, s->eps, threads));
-        STEP(qmm(L.qkv, h, B, D, qkv_n, qkv, threads));
-        STEP(lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, B, H + Hkv, d, threads));
+            STEP(2, lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, B, D, s->eps, threads));
+        STEP(0, qmm(L.qkv, h, B, D, qkv_n, qkv, threads));
+        STEP(2, lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, B, H + Hkv, d, threads));
         if (write_first)
             for (int b = 0; b < B; ++b)
                 for (int g = 0; g < Hkv; ++g) {
@@ -104,17 +118,18 @@ int lm_decode_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, c
                     memcpy(L.k_cache + at, qk + b * qk_n + (size_t)(H + g) * d, d * sizeof(uint16_t));
                     memcpy(L.v_cache + at, qkv + b * qkv_n + (size_t)(H + Hkv + g) * d, d * sizeof(uint16_t));
                 }
-        STEP(lm_decode_attention(1, qk, qk_n, qk + (size_t)H * d, qk_n, qkv + qk_n, qkv_n, L.k_cache, L.v_cache, slots,
+        STEP(1, lm_decode_attention(1, qk, qk_n, qk + (size_t)H * d, qk_n, qkv + qk_n, qkv_n, L.k_cache, L.v_cache, slots,
                                  pos, attn, B, H, Hkv, d, s->num_slots, s->max_len, s->scale, threads));
-        STEP(qmm(L.o, attn, B, (int64_t)H * d, D, o, threads));
-        STEP(lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, B, D, s->eps, threads));
-        STEP(qmm(L.gate_up, h, B, D, 2 * I, gate_up, threads));
-        STEP(lm_silu_mul_bf16(gate_up, act, B, I, threads));
-        STEP(qmm(L.down, act, B, I, D, down, threads));
+        STEP(0, qmm(L.o, attn, B, (int64_t)H * d, D, o, threads));
+        STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, B, D, s->eps, threads));
+        STEP(0, qmm(L.gate_up, h, B, D, 2 * I, gate_up, threads));
+        STEP(2, lm_silu_mul_bf16(gate_up, act, B, I, threads));
+        STEP(0, qmm(L.down, act, B, I, D, down, threads));
     }
 #undef STEP
     for (size_t i = 0; i < (size_t)B * D; i += 16)  // the last residual add, rounded as torch's
         BF16::store(x + i, BF16::load(x + i) + BF16::load(down + i));
+    if (phase_ns) phase_ns[2] += now_ns() - t;
     return 0;
 }
 }

@@ -83,13 +83,23 @@ class NativeDecodeStep:
         cfg = model.config
         self._fn = lib.lm_decode_layers
         p = ctypes.c_void_p
-        self._fn.argtypes = [p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._fn.argtypes = [p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
         self._fn.restype = ctypes.c_int
         self.model = model
         self.n_layers = cfg.num_layers
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._layers = None  # (cache, ctypes array): rebuilt when another cache is passed
         self._shape = None
+        self.phase_ns = None  # (c_int64 * 3): linears, attention, the rest, summed over calls (time_phases)
+
+    PHASES = ("linears", "attention", "other")
+
+    def time_phases(self, on: bool) -> None:
+        """Start (from zero) or stop summing each call's time per phase inside the loop (phase_seconds)."""
+        self.phase_ns = (ctypes.c_int64 * 3)() if on else None
+
+    def phase_seconds(self) -> dict[str, float]:
+        return {k: (self.phase_ns[i] if self.phase_ns is not None else 0) / 1e9 for i, k in enumerate(self.PHASES)}
 
     def applies(self, meta, cache: KVCache | None) -> bool:
         return isinstance(meta, KernelDecode) and cache is not None and cache.k.dtype == torch.bfloat16
@@ -122,7 +132,7 @@ class NativeDecodeStep:
             raise ValueError(f"native decode step: {B} rows but {x.numel() // self._shape.D} tokens")
         rc = self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
                       sin_signed.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, int(meta.write_first),
-                      torch.get_num_threads())
+                      torch.get_num_threads(), self.phase_ns)
         if rc == 2:
             raise IndexError(f"decode step: a row's slot or position lies outside the cache "
                              f"({cache.num_slots} slots x {cache.max_len} positions)")

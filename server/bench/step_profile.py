@@ -3,15 +3,17 @@
     python -m lmserve.server.bench.step_profile --out reports/step_profile.json
 
 One request decodes alone through the real engine (speculation off) in the mode `auto` serves on
-this machine, or the one asked for. The engine's phase timer splits each step into schedule,
-inputs, model, sample, process and deliver; within the model, every linear (ServingLinear) and
-every attention call (the step attention's `attend`, cache write included) is timed by wrapping
-it, so "outside" = step - linears - attention is what the issue calls the step's fixed cost: norms,
-RoPE, embedding, residual adds, sampling, scheduling and Python dispatch. The wrappers add ~1 us a
-call (~0.2 ms a step for SmolLM2's 211 linears and 30 attention calls), which lands in "outside":
-it is an upper bound. Rounds alternate with the wrappers off (the plain step time, reported beside).
-Then, with the engine stopped, torch.profiler lists every torch op of a batch-1 step with its calls
-and self time (op_profile): what the model's Python code dispatches beside the native kernels.
+this machine, or the one asked for, two ways taking turns in every round when the mode has the
+native decode loop (decode_step.py): "native" (the loop) and "eager" (the layers from Python). The
+engine's phase timer splits each step into schedule, inputs, model, sample, process and deliver.
+Within the model, "timed" rounds time every linear and attention call: eager ones by wrapping each
+linear (ServingLinear) and each step attention's `attend` (cache write included), at ~1 us a
+wrapped call; in the native loop by its own per-phase clock (linears, attention, the rest), the LM
+head by the wrapper. "outside" = step - linears - attention is what the issue calls the step's fixed
+cost: norms, RoPE, embedding, residual adds, sampling, scheduling and dispatch (an upper bound: the
+timers' own cost lands there). "plain" rounds time nothing but the step. Then, with the engine
+stopped, torch.profiler lists every torch op of a batch-1 step with its calls and self time, each
+way (op_profile): what Python dispatches beside the native kernels.
 A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -125,12 +127,18 @@ def main(argv=None) -> int:
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
     engine = Engine(loaded, EngineSettings(max_batch=1, max_model_len=len(prompt) + args.tokens + 16,
                                            prefix_cache=False, speculation="off")).start()
-    plain, wrapped = [], []
+    step = loaded.model.decode_step  # the native decode loop, when this mode has it
+    ways = {"native": step, "eager": None} if step is not None else {"eager": None}
+    rows = {(way, on): [] for way in ways for on in (False, True)}
+    ops = {}
     try:
         _decode(engine, prompt, 8)  # warm-up
         for _ in range(args.rounds):
-            for on in (False, True):
+            for way, on in rows:
+                loaded.model.decode_step = ways[way]
                 timers.on = on
+                if step is not None:
+                    step.time_phases(on and way == "native")
                 before, seconds, calls = engine.phase_times.copy(), Counter(timers.seconds), Counter(timers.calls)
                 _decode(engine, prompt, args.tokens)
                 phases = engine.phase_times.per_step_ms(before)
@@ -138,29 +146,44 @@ def main(argv=None) -> int:
                 row = {"step_ms": round(sum(phases.values()), 3),
                        "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
                 if on:
+                    native = step.phase_seconds() if way == "native" else {}
                     for kind in ("linears", "attention"):
-                        row[f"{kind}_ms"] = round(1e3 * (timers.seconds[kind] - seconds[kind]) / steps, 3)
-                        row[f"{kind}_calls_per_step"] = round((timers.calls[kind] - calls[kind]) / steps, 1)
+                        row[f"{kind}_ms"] = round(1e3 * (timers.seconds[kind] - seconds[kind] + native.get(kind, 0))
+                                                  / steps, 3)
+                        row[f"{kind}_python_calls_per_step"] = round((timers.calls[kind] - calls[kind]) / steps, 1)
                     row["outside_ms"] = round(row["step_ms"] - row["linears_ms"] - row["attention_ms"], 3)
-                (wrapped if on else plain).append(row)
-                print(json.dumps({"wrapped": on, **row}), flush=True)
+                    if native:
+                        row["native_other_ms"] = round(1e3 * native["other"] / steps, 3)
+                rows[way, on].append(row)
+                print(json.dumps({"way": way, "timed": on, **row}), flush=True)
     finally:
         engine.shutdown()
-    ops = op_profile(engine, len(prompt) + 8)
-    print(json.dumps({k: v for k, v in ops.items() if k != "ops"}), flush=True)
+        if step is not None:
+            step.time_phases(False)
+    for way in ways:
+        loaded.model.decode_step = ways[way]
+        ops[way] = op_profile(engine, len(prompt) + 8)
+        print(json.dumps({"way": way, **{k: v for k, v in ops[way].items() if k != "ops"}}), flush=True)
+    loaded.model.decode_step = step
 
     def med(rows, key):
         return round(statistics.median(r[key] for r in rows), 3)
 
-    summary = {"step_ms_plain": med(plain, "step_ms"), "step_ms_wrapped": med(wrapped, "step_ms"),
-               "linears_ms": med(wrapped, "linears_ms"), "attention_ms": med(wrapped, "attention_ms"),
-               "outside_ms": med(wrapped, "outside_ms"),
-               "phases_ms_plain": {p: round(statistics.median(r["phases_ms"][p] for r in plain), 3)
-                                   for p in plain[0]["phases_ms"]}}
+    summary = {}
+    for way in ways:
+        plain, timed = rows[way, False], rows[way, True]
+        summary[way] = {"step_ms_plain": med(plain, "step_ms"), "step_ms_timed": med(timed, "step_ms"),
+                        "linears_ms": med(timed, "linears_ms"), "attention_ms": med(timed, "attention_ms"),
+                        "outside_ms": med(timed, "outside_ms"),
+                        "phases_ms_plain": {p: round(statistics.median(r["phases_ms"][p] for r in plain), 3)
+                                            for p in plain[0]["phases_ms"]}}
+    if step is not None:
+        summary["eager_over_native_step"] = round(summary["eager"]["step_ms_plain"] / summary["native"]["step_ms_plain"], 3)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
               "mode": loaded.mode, "kernels": loaded.kernels, "prompt_tokens": len(prompt),
-              "tokens_per_round": args.tokens, "summary": summary, "plain": plain, "wrapped": wrapped,
+              "tokens_per_round": args.tokens, "summary": summary,
+              "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
               "op_profile": ops}
     write_report(args.out, report)
     print(json.dumps(summary, indent=2))
