@@ -35,6 +35,15 @@ static const int GROUP_COLS = 16;  // output columns per packed group
 static const int Q4_GROUP_BYTES = 256 + 64;
 static const int Q8_GROUP_BYTES = 512 + 32;
 static const int ROW_TILE = 8;     // rows sharing one unpacking of a group's codes
+// Weights are streamed once a step: asking for the bytes this far ahead of the block being read
+// kept more memory requests in flight than the hardware prefetcher alone (one batch-1 row over
+// SmolLM2's layers on the 2-core Xeon: int8 12.1 -> 14.7-17.8 GB/s, int4 10.0 -> 12.1-14.9 GB/s;
+// 4 KiB was the best of 0.5-8 KiB there).
+static const int PREFETCH_BYTES = 4096;
+
+static inline void prefetch_ahead(const uint8_t* g, int bytes) {
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)g + PREFETCH_BYTES + c, _MM_HINT_T0);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QMM_PATH 3
@@ -147,6 +156,7 @@ static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.KB; ++b, g += Q4_GROUP_BYTES) {
+        prefetch_ahead(g, Q4_GROUP_BYTES);
         __m512i w[8];
         for (int j = 0; j < 4; ++j) {
             __m512i p = _mm512_loadu_si512(g + 64 * j);
@@ -170,6 +180,7 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a.KB; ++b, g += Q8_GROUP_BYTES) {
+        prefetch_ahead(g, Q8_GROUP_BYTES);
         __m512i w[8];
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 512)));
@@ -231,6 +242,7 @@ static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.KB; ++b, g += Q4_GROUP_BYTES) {
+        prefetch_ahead(g, Q4_GROUP_BYTES);
         for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h+7
             __m256i w[8];
             for (int j = 0; j < 4; ++j) {
@@ -260,6 +272,7 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int64_t b = 0; b < a.KB; ++b, g += Q8_GROUP_BYTES) {
+        prefetch_ahead(g, Q8_GROUP_BYTES);
         for (int h = 0; h < 2; ++h) {
             __m256i w[8];
             for (int j = 0; j < 8; ++j)  // back to signed codes

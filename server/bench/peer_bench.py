@@ -71,7 +71,7 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
 
     out = {}
     for constrained in (False, True):
-        tokens, seconds, valid, n = 0, 0.0, 0, 0
+        tokens, seconds, valid, n, cut = 0, 0.0, 0, 0, 0
         for r in range(rounds):
             for i, q in enumerate(QUESTIONS):
                 body = {"model": model, "max_tokens": max_new, "temperature": 0,
@@ -84,6 +84,7 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
                 seconds += time.perf_counter() - t0
                 tokens += reply["usage"]["completion_tokens"]
                 n += 1
+                cut += reply["choices"][0].get("finish_reason") == "length"
                 if constrained:
                     try:
                         jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
@@ -91,7 +92,8 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
                     except (ValueError, jsonschema.ValidationError):
                         pass
         key = "json_schema" if constrained else "unconstrained"
-        out[key] = {"requests": n, "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens}
+        out[key] = {"requests": n, "tok_s": round(tokens / seconds, 1), "completion_tokens": tokens,
+                    "cut_by_max_tokens": cut}
         if constrained:
             out[key]["valid_fraction"] = round(valid / n, 3)
     out["constrained_over_unconstrained_tok_s"] = round(out["json_schema"]["tok_s"] / out["unconstrained"]["tok_s"], 3)
