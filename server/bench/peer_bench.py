@@ -71,7 +71,7 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
 
     out = {}
     for constrained in (False, True):
-        tokens, seconds, valid, n, cut = 0, 0.0, 0, 0, 0
+        tokens, seconds, valid, n, cut, valid_finished = 0, 0.0, 0, 0, 0, 0
         for r in range(rounds):
             for i, q in enumerate(QUESTIONS):
                 body = {"model": model, "max_tokens": max_new, "temperature": 0,
@@ -84,11 +84,13 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
                 seconds += time.perf_counter() - t0
                 tokens += reply["usage"]["completion_tokens"]
                 n += 1
-                cut += reply["choices"][0].get("finish_reason") == "length"
+                was_cut = reply["choices"][0].get("finish_reason") == "length"
+                cut += was_cut
                 if constrained:
                     try:
                         jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
                         valid += 1
+                        valid_finished += not was_cut
                     except (ValueError, jsonschema.ValidationError):
                         pass
         key = "json_schema" if constrained else "unconstrained"
@@ -96,6 +98,7 @@ def _json_runs(http_url: str, model: str, max_new: int, rounds: int) -> dict:
                     "cut_by_max_tokens": cut}
         if constrained:
             out[key]["valid_fraction"] = round(valid / n, 3)
+            out[key]["valid_among_finished"] = f"{valid_finished}/{n - cut}"  # one cut by max_tokens may not close
     out["constrained_over_unconstrained_tok_s"] = round(out["json_schema"]["tok_s"] / out["unconstrained"]["tok_s"], 3)
     print(json.dumps(out), flush=True)
     return out

@@ -153,6 +153,21 @@ def test_auto_candidates_cover_every_cpu_mode():
     assert [m.name for m in P.candidate_modes(torch.device("cpu"), "float32", None)] == ["float32"]
 
 
+def test_a_cached_choice_is_measured_again_when_the_choosing_code_or_the_kernels_change(tmp_path, monkeypatch):
+    from lmserve.model import native
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    request = {"dtype": "auto", "quantization": "auto"}
+    key = P.cache_key(src, request)
+    assert P.cache_key(src, request) == key
+    monkeypatch.setattr(P, "CHOICE_VERSION", P.CHOICE_VERSION + 1)
+    assert P.cache_key(src, request) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "sources_digest", lambda: "another kernel source")
+    assert P.cache_key(src, request) != key
+
+
 # ---- the real model ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def auto_loaded(smollm2_gguf_path, kernel_cache):
