@@ -110,8 +110,8 @@ def compile_model(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.dev
     """mode: "true", "false" or "auto". Installs the compiled functions on the layers when chosen."""
     if mode == "false":
         return CompileResult(False, "--compile false")
-    if mode == "auto" and model.decode_step is not None:  # compiling serves only eager prefill then
-        return CompileResult(False, "decode steps run in one native call (decode_step.py)")
+    if mode == "auto" and model.native_step is not None:
+        return CompileResult(False, "steps run in one native call (native_step.py)")
     reason = blocked_by(model, device)
     if reason is not None:
         if mode == "true":

@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
-        self.decode_step = None  # decode_step.NativeDecodeStep: decode steps' layers in one native call
+        self.native_step = None  # native_step.NativeStep: a step's layers in one native call
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
@@ -253,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
         x = self.model.embed_tokens(input_ids)  # [B, L, D]
         rope = self.model.rotary.tables(positions)
-        if self.decode_step is not None and self.decode_step.applies(meta, cache):
-            x = self.decode_step(x, *rope, meta, cache)
+        one = [Segment(input_ids, positions, meta)]
+        if self.native_step is not None and self.native_step.applies(one, cache):
+            x = self.native_step(x, *rope, one, cache)
         else:
             for layer in self.model.layers:
                 x = layer(x, rope, meta, cache)
@@ -276,8 +277,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids)  # [1, N, D]
         cos, sin = self.model.rotary.tables(positions)
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        if len(segments) == 1 and self.decode_step is not None and self.decode_step.applies(segments[0].meta, cache):
-            x = self.decode_step(x, cos, sin, segments[0].meta, cache)  # [1, N, D]
+        if self.native_step is not None and self.native_step.applies(segments, cache):
+            x = self.native_step(x, cos, sin, segments, cache)  # [1, N, D]
             x = x.reshape(-1, x.shape[-1])[logits_index]
             return self.lm_head(self.model.norm(x))
         for layer in self.model.layers:

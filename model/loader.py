@@ -70,7 +70,7 @@ class LoadedModel:
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
         text += f", attention: {self.attention.describe()}"
         text += ", fused elementwise" if self.model.uses_fused_ops else ""
-        return text + (", decode steps in one native call" if self.model.decode_step is not None else "")
+        return text + (", steps in one native call" if self.model.native_step is not None else "")
 
 
 def _glibc():
@@ -245,7 +245,7 @@ def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache
     they apply; what was chosen is logged."""
     if device.type != "cpu":
         return choose_backend(device, dtype, cfg, batch_invariant)
-    from . import decode_step, fused_ops, native
+    from . import fused_ops, native, native_step
     from .attention_backend import NativeCpuBackend
 
     lib, why = native.build(cache_dir)
@@ -254,10 +254,10 @@ def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache
              and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))
     if fused:
         model.use_fused_ops(fused_ops.FusedOps(lib))
-    step_why = decode_step.why_not(model) if fused and isinstance(backend, NativeCpuBackend) else "no native attention"
+    step_why = native_step.why_not(model) if fused and isinstance(backend, NativeCpuBackend) else "no native attention"
     if step_why is None:
-        model.decode_step = decode_step.NativeDecodeStep(lib, model)
-    log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU; decode steps %s", why, backend.describe(),
+        model.native_step = native_step.NativeStep(lib, model)
+    log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU; steps %s", why, backend.describe(),
              "fused" if fused else "torch", "in one native call" if step_why is None else f"eager ({step_why})")
     return backend
 
@@ -315,7 +315,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes
     compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
     if compiled.compiled:
-        model.decode_step = None  # compiled layers serve every step
+        model.native_step = None  # compiled layers serve every step
     if compiled.compiled or compiled.timings:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")

@@ -4,7 +4,7 @@
 
 One request decodes alone through the real engine (speculation off) in the mode `auto` serves on
 this machine, or the one asked for, two ways taking turns in every round when the mode has the
-native decode loop (decode_step.py): "native" (the loop) and "eager" (the layers from Python). The
+native decode loop (native_step.py): "native" (the loop) and "eager" (the layers from Python). The
 engine's phase timer splits each step into schedule, inputs, model, sample, process and deliver.
 Within the model, "timed" rounds time every linear and attention call: eager ones by wrapping each
 linear (ServingLinear) and each step attention's `attend` (cache write included), at ~1 us a
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
     engine = Engine(loaded, EngineSettings(max_batch=1, max_model_len=len(prompt) + args.tokens + 16,
                                            prefix_cache=False, speculation="off")).start()
-    step = loaded.model.decode_step  # the native decode loop, when this mode has it
+    step = loaded.model.native_step  # the native decode loop, when this mode has it
     ways = {"native": step, "eager": None} if step is not None else {"eager": None}
     rows = {(way, on): [] for way in ways for on in (False, True)}
     ops = {}
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         _decode(engine, prompt, 8)  # warm-up
         for _ in range(args.rounds):
             for way, on in rows:
-                loaded.model.decode_step = ways[way]
+                loaded.model.native_step = ways[way]
                 timers.on = on
                 if step is not None:
                     step.time_phases(on and way == "native")
@@ -161,10 +161,10 @@ def main(argv=None) -> int:
         if step is not None:
             step.time_phases(False)
     for way in ways:
-        loaded.model.decode_step = ways[way]
+        loaded.model.native_step = ways[way]
         ops[way] = op_profile(engine, len(prompt) + 8)
         print(json.dumps({"way": way, **{k: v for k, v in ops[way].items() if k != "ops"}}), flush=True)
-    loaded.model.decode_step = step
+    loaded.model.native_step = step
 
     def med(rows, key):
         return round(statistics.median(r[key] for r in rows), 3)

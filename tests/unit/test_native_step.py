@@ -1,15 +1,16 @@
-"""The native decode loop (decode_step.py) on SmolLM2 at its real shapes, against the eager layers it
+"""The native step (native_step.py) on SmolLM2 at its real shapes, against the eager layers it
 replaces: bitwise the same logits and the same K/V written, for decode rows at different positions,
-for a verified draft (one slot on several consecutive rows), through both forward entry points; and
-each row is the same alone or in the batch. Oracle: the eager layers (themselves checked against
-transformers and the explicit attention elsewhere), run on a copy of the same cache."""
+a verified draft (one slot on several consecutive rows), packed new prompts, a continued prompt
+chunk, and a step mixing all of them, through both forward entry points; and each row is the same
+alone or in the batch. Oracle: the eager layers (themselves checked against transformers and the
+explicit attention elsewhere), run from a copy of the same cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmserve.model import decode_step, native
+from lmserve.model import native, native_step
 from lmserve.model import kernels as K
 from lmserve.model import precision as P
 from lmserve.model import quant_matmul as QM
@@ -50,7 +51,7 @@ def served(gguf, kernel_dir, layers: str, head: str):
                 ids=["int8", "int4"])
 def loaded(request, gguf, kernel_dir):
     model, backend = served(gguf, kernel_dir, *request.param)
-    assert model.decode_step is not None, decode_step.why_not(model)
+    assert model.native_step is not None, native_step.why_not(model)
     g = torch.Generator().manual_seed(0)
     cache = KVCache(model.config, 6, 256, BF16)
     with torch.inference_mode():
@@ -71,15 +72,20 @@ def both_ways(model, backend, cache, slots, starts, tokens, segments: bool = Fal
             return model.forward_segments([Segment(ids, pos, meta)], cache, torch.arange(len(slots)))
         return model(ids, pos, meta, cache)[:, 0]
 
-    step = model.decode_step
+    return eager_and_native(model, cache, forward)
+
+
+def eager_and_native(model, cache, forward):
+    """forward() through the eager layers and then the native step, from the same cache state."""
+    step = model.native_step
     k0, v0 = cache.k.clone(), cache.v.clone()
     with torch.inference_mode():
         try:
-            model.decode_step = None
+            model.native_step = None
             eager = forward()
             k1, v1 = cache.k.clone(), cache.v.clone()
         finally:
-            model.decode_step = step
+            model.native_step = step
         cache.k.copy_(k0)
         cache.v.copy_(v0)
         native_logits = forward()
@@ -120,6 +126,32 @@ def test_each_row_is_the_same_alone_or_in_the_batch(loaded):
             assert torch.equal(alone[0], batch[i]), i
 
 
+def test_packed_prompts_and_a_mixed_step_are_bitwise_the_eager_layers(loaded):
+    """New prompts packed into one row (slots 4, 5), then one step mixing a continued chunk of slot
+    4's prompt, a new prompt on slot 5 ... as the runner lays steps out: chunks, packed prompts, then
+    decode rows (slots 0 and 2, the latter verifying a draft)."""
+    model, backend, cache = loaded
+    g = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    meta, pos = backend.packed(torch.tensor([4, 5]), torch.tensor([50, 17]))
+    ids = torch.randint(0, V, (1, 67), generator=g)
+    assert model.native_step.applies([Segment(ids, pos, meta)], cache)
+    eager, got = eager_and_native(model, cache, lambda: model(ids, pos, meta, cache, logits_index=torch.tensor([49, 66])))
+    assert torch.equal(eager, got)
+
+    chunk_meta, chunk_pos = backend.chunk(torch.tensor([4]), torch.tensor([50]), 30)
+    new_meta, new_pos = backend.packed(torch.tensor([5]), torch.tensor([40]))  # slot 5 starts over
+    p0, p2 = PROMPTS[0] + 20, PROMPTS[2] + 20
+    dec_meta, dec_pos = backend.decode([0, 2, 2, 2], [p0, p2, p2 + 1, p2 + 2])
+    segments = [Segment(torch.randint(0, V, (1, 30), generator=g), chunk_pos, chunk_meta),
+                Segment(torch.randint(0, V, (1, 40), generator=g), new_pos, new_meta),
+                Segment(torch.tensor([[8], [77], [1000], [3]]), dec_pos, dec_meta)]
+    index = torch.tensor([29, 69, 70, 71, 72, 73])  # each prompt's last token, every decode row
+    assert model.native_step.applies(segments, cache)
+    eager, got = eager_and_native(model, cache, lambda: model.forward_segments(segments, cache, index))
+    assert torch.equal(eager, got), (eager.float() - got.float()).abs().max()
+
+
 def test_a_row_outside_the_cache_is_refused(loaded):
     model, backend, cache = loaded
     meta, pos = backend.decode([0, 2, 2], [10, cache.max_len - 1, cache.max_len])  # shared slot: write first
@@ -129,9 +161,9 @@ def test_a_row_outside_the_cache_is_refused(loaded):
 
 def test_it_is_built_only_where_every_layer_linear_is_native(gguf, kernel_dir):
     torch_layers, _ = served(gguf, kernel_dir, "int8", "int8")
-    assert torch_layers.decode_step is None
-    assert "not the native quantized kernel" in decode_step.why_not(torch_layers)
+    assert torch_layers.native_step is None
+    assert "not the native quantized kernel" in native_step.why_not(torch_layers)
     plan = P.Plan(P.Mode(torch.float32), {r: "dense" for r in K.ROLES})
     f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan)
     attention_and_fused_ops(f32, torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
-    assert f32.decode_step is None and "not fused" in decode_step.why_not(f32)
+    assert f32.native_step is None and "not fused" in native_step.why_not(f32)

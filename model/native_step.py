@@ -1,14 +1,16 @@
-"""A decode step's decoder layers in one native call (decode_step.cpp, built by native.py).
+"""A serving step's decoder layers in one native call (native_step.cpp, built by native.py).
 
-At batch 1 on a 2-core CPU the eager layers spent ~9 ms of a ~26 ms step outside their kernels:
-~1,700 torch ops and ~240 ctypes calls dispatched from Python (the per-op profile of
-server/bench/step_profile.py). When every linear runs on the native quantized kernel, attention on
-the decode kernel and the elementwise work on the fused ops, `NativeDecodeStep` calls those same
-kernels from one C++ loop instead, with the same arguments in the same order: its rows are bitwise
-the eager step's (tests/unit/test_decode_step.py), batch-invariant for the same reasons.
+At batch 1 on a 2-core CPU the eager layers spent ~9 ms of a ~25 ms decode step outside their
+kernels: ~1,700 torch ops and ~240 ctypes calls dispatched from Python (the per-op profile of
+server/bench/step_profile.py), and every prefill chunk paid the same. When every linear runs on the
+native quantized kernel, attention on the native decode and prompt kernels and the elementwise work
+on the fused ops, `NativeStep` calls those same kernels from one C++ loop instead, with the same
+arguments in the same order: its rows are bitwise the eager step's (tests/unit/test_native_step.py),
+batch-invariant for the same reasons.
 
-It takes decode steps only (every row one token, `attention_backend.KernelDecode`, draft
-verification included); prefill chunks and mixed steps keep the eager layers.
+It takes the steps the native attention backend lays out: decode rows (`KernelDecode`, a verified
+draft's rows included), prompt chunks and packed new prompts (`KernelPrompt`), and steps mixing them.
+Steps on SDPA (no AVX-512 BF16 for the prompt kernel, another device) keep the eager layers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .attention_backend import KernelDecode
+from .attention_backend import KernelDecode, KernelPrompt
 from .kernels import NativeQuantLinear
 from .kv_cache import KVCache
 
@@ -48,7 +50,7 @@ LAYER_ROLES = ("qkv", "o", "gate_up", "down")
 
 
 def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -> bool:
-    """Whether a model in this mode can serve decode steps through the native loop, its layers' linears
+    """Whether a model in this mode can serve steps through the native loop, its layers' linears
     on the native quantized kernel: then those roles are served on it (precision.measure_mode), since
     a per-role timing cannot see the ~9 ms a batch-1 step saves in dispatch."""
     from . import fused_ops
@@ -62,7 +64,7 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
 
 
 def why_not(model) -> str | None:
-    """Why the model's decode steps cannot take the native loop, or None when they can."""
+    """Why the model's steps cannot take the native loop, or None when they can."""
     if not model.prepared or not model.uses_fused_ops:
         return "the elementwise ops are not fused (float32, or no native library)"
     if model.model.embed_tokens.weight.dtype != torch.bfloat16:
@@ -76,23 +78,23 @@ def why_not(model) -> str | None:
     return None
 
 
-class NativeDecodeStep:
-    """`__call__(x, cos, sin_signed, meta, cache)`: every layer of a decode step, x [N, D] in place."""
+class NativeStep:
+    """`__call__(x, cos, sin_signed, segments, cache)`: every layer of a step, x [..., D] in place."""
+
+    PHASES = ("linears", "attention", "other")
 
     def __init__(self, lib: ctypes.CDLL, model):
         cfg = model.config
-        self._fn = lib.lm_decode_layers
-        p = ctypes.c_void_p
-        self._fn.argtypes = [p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
-        self._fn.restype = ctypes.c_int
+        self._fn = lib.lm_step_layers
+        p, i32 = ctypes.c_void_p, ctypes.c_int
+        self._fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, i32, p]
+        self._fn.restype = i32
         self.model = model
         self.n_layers = cfg.num_layers
-        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.head_dim = cfg.head_dim
         self._layers = None  # (cache, ctypes array): rebuilt when another cache is passed
         self._shape = None
         self.phase_ns = None  # (c_int64 * 3): linears, attention, the rest, summed over calls (time_phases)
-
-    PHASES = ("linears", "attention", "other")
 
     def time_phases(self, on: bool) -> None:
         """Start (from zero) or stop summing each call's time per phase inside the loop (phase_seconds)."""
@@ -101,8 +103,18 @@ class NativeDecodeStep:
     def phase_seconds(self) -> dict[str, float]:
         return {k: (self.phase_ns[i] if self.phase_ns is not None else 0) / 1e9 for i, k in enumerate(self.PHASES)}
 
-    def applies(self, meta, cache: KVCache | None) -> bool:
-        return isinstance(meta, KernelDecode) and cache is not None and cache.k.dtype == torch.bfloat16
+    @staticmethod
+    def applies(segments, cache: KVCache | None) -> bool:
+        """Whether the loop takes these segments (llama.Segment: ids, positions, meta): prompt
+        segments on the prompt kernel, every token real (no padding rows), then at most one decode
+        segment on the decode kernel, last."""
+        if cache is None or cache.k.dtype != torch.bfloat16 or not segments:
+            return False
+        *first, last = segments
+        return (all(isinstance(s.meta, KernelPrompt) and s.meta.write_slot.shape[0] == s.input_ids.numel()
+                    for s in first)
+                and (isinstance(last.meta, KernelDecode) or (isinstance(last.meta, KernelPrompt)
+                                                            and last.meta.write_slot.shape[0] == last.input_ids.numel())))
 
     def _tables(self, cache: KVCache):
         if self._layers is None or self._layers[0] is not cache:
@@ -113,32 +125,38 @@ class NativeDecodeStep:
                                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                 cache.k[i].data_ptr(), cache.v[i].data_ptr())
             cfg = self.model.config
-            H, Hkv, d = self.heads
-            self._shape = _Shape(cfg.num_layers, cfg.hidden_size, H, Hkv, d, cfg.intermediate_size, cfg.rms_norm_eps,
-                                 1.0 / math.sqrt(d), cache.num_slots, cache.max_len)
+            d = self.head_dim
+            self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
+                                 cfg.intermediate_size, cfg.rms_norm_eps, 1.0 / math.sqrt(d), cache.num_slots,
+                                 cache.max_len)
             self._layers = (cache, arr)
         return self._layers[1]
 
-    def __call__(self, x: Tensor, cos: Tensor, sin_signed: Tensor, meta: KernelDecode, cache: KVCache) -> Tensor:
-        """x [..., D] bfloat16 (one token per decode row, row-major) -> the last layer's output, same shape.
-        cos, sin_signed: [..., 1, d] per token (Rotary.tables)."""
+    def __call__(self, x: Tensor, cos: Tensor, sin_signed: Tensor, segments, cache: KVCache) -> Tensor:
+        """x [..., D] bfloat16: the segments' tokens back to back (row-major within each) -> the last
+        layer's output, same shape. cos, sin_signed: [..., 1, d] per token (Rotary.tables)."""
         layers = self._tables(cache)
-        d = self.heads[2]
+        d = self.head_dim
         x = x.contiguous()
         cos, sin_signed = cos.reshape(-1, d).contiguous(), sin_signed.reshape(-1, d).contiguous()
-        slots, starts = meta.slots.contiguous(), meta.starts.contiguous()
-        B = slots.shape[0]
-        if x.numel() != B * self._shape.D or cos.shape[0] != B:
-            raise ValueError(f"native decode step: {B} rows but {x.numel() // self._shape.D} tokens")
+        decode = segments[-1].meta if isinstance(segments[-1].meta, KernelDecode) else None
+        prompts = segments[:-1] if decode is not None else segments
+        slots = [s.meta.write_slot for s in prompts] + ([decode.slots] if decode is not None else [])
+        pos = [s.meta.write_pos for s in prompts] + ([decode.starts] if decode is not None else [])
+        slots = (torch.cat(slots) if len(slots) > 1 else slots[0]).contiguous()
+        pos = (torch.cat(pos) if len(pos) > 1 else pos[0]).contiguous()
+        N, P = slots.shape[0], sum(s.meta.write_slot.shape[0] for s in prompts)
+        if x.numel() != N * self._shape.D or cos.shape[0] != N:
+            raise ValueError(f"native step: {N} tokens laid out but {x.numel() // self._shape.D} given")
         rc = self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
-                      sin_signed.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, int(meta.write_first),
-                      torch.get_num_threads(), self.phase_ns)
+                      sin_signed.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P,
+                      int(decode is not None and decode.write_first), torch.get_num_threads(), self.phase_ns)
         if rc == 2:
-            raise IndexError(f"decode step: a row's slot or position lies outside the cache "
+            raise IndexError(f"native step: a token's slot or position lies outside the cache "
                              f"({cache.num_slots} slots x {cache.max_len} positions)")
         if rc:
-            raise ValueError("native decode step: a kernel does not take this model's shapes")
+            raise ValueError("native step: a kernel does not take this model's shapes")
         return x
 
 
-__all__ = ["NativeDecodeStep", "LAYER_ROLES", "possible", "why_not"]
+__all__ = ["NativeStep", "LAYER_ROLES", "possible", "why_not"]

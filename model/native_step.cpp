@@ -1,0 +1,159 @@
+// Every decoder layer of a serving step in one call: bfloat16 activations on CPU, each layer's four
+// linears on the native quantized kernel (quant_matmul.cpp), attention on the prompt and decode
+// kernels (prompt_attention.cpp, decode_attention.cpp), norms, RoPE and SwiGLU fused (fused_ops.cpp).
+//
+// It composes the same entry points the eager layers call one by one from Python, with the same
+// arguments and in the same order, so its rows are bitwise the eager step's (and batch-invariant
+// for the same reasons); what it removes is the ~60 Python and torch dispatches a layer costs
+// between them. Two rewrites, same arithmetic:
+//   - a layer's last residual add x + down is done by the next layer's add_rmsnorm (x + y rounded
+//     once either way), the last layer's by a plain rounded add;
+//   - the prompt tokens of several prompt segments (different sequences, so different slots) are
+//     written and attended in one call instead of one per segment: each token's attention reads only
+//     its own slot's keys and is computed the same in any grouping (prompt_attention.cpp).
+//
+// A step's N tokens: P prompt tokens first (continued chunks and new prompts), then N - P decode rows
+// (a verified draft's rows among them). Per layer:
+//   h = rmsnorm(x)                  (layer 0; later layers: x = x + down, h = rmsnorm(x), one pass)
+//   qkv = h Wqkv^T; q|k = rope(qkv)
+//   prompt tokens: k/v written to the cache, then each attends over its slot's keys 0..pos
+//   decode rows: written and attended by the decode kernel (all written first when rows share a slot)
+//   x = x + attn Wo^T, h = rmsnorm(x)
+//   down = silu_mul(h Wgu^T) Wdown^T
+// and the last layer's x = x + down is left in x.
+
+#include <stdint.h>
+#include <string.h>
+
+#include <chrono>
+#include <vector>
+
+#include "native_common.h"
+
+extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* sum_out,
+                                   const uint16_t* weight, uint16_t* out, int rows, int D, float eps, int threads);
+extern "C" int lm_rope_bf16(const uint16_t* qkv, int64_t row_stride, const uint16_t* cos, const uint16_t* sin_signed,
+                            uint16_t* out, int rows, int heads, int d, int threads);
+extern "C" int lm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int I, int threads);
+extern "C" int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
+                      int64_t N, void* y, int y_bf16, int threads);
+extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
+                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
+                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
+                                   int64_t max_len, float scale, int threads);
+extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
+                                   int64_t num_slots, int64_t max_len, float scale, int threads);
+
+struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
+    const uint8_t* packed;
+    int32_t bits;     // 4 or 8
+    int32_t precise;  // activations as two int8 codes
+};
+
+struct StepLayer {
+    StepLinear qkv, o, gate_up, down;
+    const uint16_t* input_norm;  // [D]
+    const uint16_t* post_norm;   // [D]
+    uint16_t* k_cache;           // this layer's [slots, Hkv, max_len, d]
+    uint16_t* v_cache;
+};
+
+struct StepShape {
+    int32_t layers, D, H, Hkv, d, I;
+    float eps, scale;
+    int64_t num_slots, max_len;
+};
+
+static inline int qmm(const StepLinear& w, const uint16_t* x, int B, int64_t K, int64_t N, uint16_t* y, int threads) {
+    return lm_qmm(w.bits, w.precise, x, 1, B, K, w.packed, N, y, 1, threads);
+}
+
+static inline int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+// token t's new k (rotated) and v into the layer's cache at (slots[t], pos[t])
+static inline void write_kv(const StepLayer& L, const StepShape* s, const uint16_t* qk, const uint16_t* qkv, int t,
+                            const int64_t* slots, const int64_t* pos) {
+    const int H = s->H, Hkv = s->Hkv, d = s->d;
+    const int64_t qk_n = (int64_t)(H + Hkv) * d, qkv_n = (int64_t)(H + 2 * Hkv) * d;
+    for (int g = 0; g < Hkv; ++g) {
+        const size_t at = (((size_t)slots[t] * Hkv + g) * s->max_len + pos[t]) * d;
+        memcpy(L.k_cache + at, qk + t * qk_n + (size_t)(H + g) * d, d * sizeof(uint16_t));
+        memcpy(L.v_cache + at, qkv + t * qkv_n + (size_t)(H + Hkv + g) * d, d * sizeof(uint16_t));
+    }
+}
+
+extern "C" {
+
+// x: [N, D] bfloat16, the embedded tokens in, the last layer's output out. cos, sin_signed: [N, d]
+// (each token's position). slots, pos: [N]. Tokens 0..P-1 are prompt tokens, the rest decode rows;
+// write_first: decode rows share a slot, so every row's k/v is written before any row attends.
+// phase_ns: null, or 3 counters the call adds its nanoseconds to (linears, attention with its cache
+// writes, everything else). Returns 0; 2 when a token's slot or position lies outside the cache
+// (checked first: nothing is written then); else the first nonzero code of a kernel (1: a shape it
+// does not take), having stopped there.
+int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, const uint16_t* cos,
+                   const uint16_t* sin_signed, const int64_t* slots, const int64_t* pos, int N, int P, int write_first,
+                   int threads, int64_t* phase_ns) {
+    const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I, B = N - P;
+    const int64_t qkv_n = (int64_t)(H + 2 * Hkv) * d, qk_n = (int64_t)(H + Hkv) * d;
+    if (P < 0 || B < 0) return 1;
+    for (int t = 0; t < N; ++t)
+        if (slots[t] < 0 || slots[t] >= s->num_slots || pos[t] < 0 || pos[t] >= s->max_len) return 2;
+    static thread_local std::vector<uint16_t> work;
+    const size_t need = (size_t)N * (D + qkv_n + qk_n + H * d + D + 2 * I + I + D);
+    if (work.size() < need) work.resize(need);
+    uint16_t* h = work.data();               // [N, D] normed input of a linear
+    uint16_t* qkv = h + (size_t)N * D;       // [N, qkv_n]
+    uint16_t* qk = qkv + (size_t)N * qkv_n;  // [N, qk_n] rotated q | k
+    uint16_t* attn = qk + (size_t)N * qk_n;  // [N, H d]
+    uint16_t* o = attn + (size_t)N * H * d;  // [N, D]
+    uint16_t* gate_up = o + (size_t)N * D;   // [N, 2I]
+    uint16_t* act = gate_up + (size_t)N * 2 * I;  // [N, I]
+    uint16_t* down = act + (size_t)N * I;    // [N, D]
+    int rc = 0;
+    int64_t t0 = phase_ns ? now_ns() : 0;
+    // the call, then (when timing) its time added to phase p: 0 linears, 1 attention, 2 the rest
+#define STEP(p, call)                          \
+    do {                                       \
+        if ((rc = (call)) != 0) return rc;     \
+        if (phase_ns) {                        \
+            const int64_t t1 = now_ns();       \
+            phase_ns[p] += t1 - t0;            \
+            t0 = t1;                           \
+        }                                      \
+    } while (0)
+    for (int l = 0; l < s->layers; ++l) {
+        const StepLayer& L = layers[l];
+        if (l == 0)
+            STEP(2, lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, N, D, s->eps, threads));
+        else
+            STEP(2, lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, N, D, s->eps, threads));
+        STEP(0, qmm(L.qkv, h, N, D, qkv_n, qkv, threads));
+        STEP(2, lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, N, H + Hkv, d, threads));
+        for (int t = 0; t < P; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
+        for (int t = P; write_first && t < N; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
+        if (P > 0)
+            STEP(1, lm_prompt_attention(qk, qk_n, L.k_cache, L.v_cache, slots, pos, attn, P, H, Hkv, d, s->num_slots,
+                                        s->max_len, s->scale, threads));
+        if (B > 0)
+            STEP(1, lm_decode_attention(1, qk + P * qk_n, qk_n, qk + P * qk_n + (size_t)H * d, qk_n,
+                                        qkv + P * qkv_n + qk_n, qkv_n, L.k_cache, L.v_cache, slots + P, pos + P,
+                                        attn + (size_t)P * H * d, B, H, Hkv, d, s->num_slots, s->max_len, s->scale,
+                                        threads));
+        STEP(0, qmm(L.o, attn, N, (int64_t)H * d, D, o, threads));
+        STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, N, D, s->eps, threads));
+        STEP(0, qmm(L.gate_up, h, N, D, 2 * I, gate_up, threads));
+        STEP(2, lm_silu_mul_bf16(gate_up, act, N, I, threads));
+        STEP(0, qmm(L.down, act, N, I, D, down, threads));
+    }
+#undef STEP
+    for (size_t i = 0; i < (size_t)N * D; i += 16)  // the last residual add, rounded as torch's
+        BF16::store(x + i, BF16::load(x + i) + BF16::load(down + i));
+    if (phase_ns) phase_ns[2] += now_ns() - t0;
+    return 0;
+}
+}
