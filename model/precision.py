@@ -175,10 +175,10 @@ def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
     n_layers = len(model.model.layers)
     chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
     detail = {}
-    native_step = native_step.possible(model.config, mode.dtype, mode.quantization, device)
+    in_loop = native_step.possible(model.config, mode.dtype, mode.quantization, device)
     for role in K.ROLES:
         kernels = K.candidates(mode.quantization, mode.dtype, role, device)
-        if native_step and role in native_step.LAYER_ROLES:  # the native decode loop needs them
+        if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
             kernels = [k for k in kernels if k.startswith("native")] or kernels
         ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
         detail[role] = {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
