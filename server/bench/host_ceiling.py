@@ -40,6 +40,7 @@ class StandInModel:
     one call) walk through the bank, so each sequence gets varying, real-text tokens."""
 
     uses_fused_ops = False  # what the startup line asks of a model
+    native_step = None
 
     def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int):
         gen = torch.Generator().manual_seed(0)
