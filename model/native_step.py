@@ -1,7 +1,7 @@
 """A serving step's decoder layers in one native call (native_step.cpp, built by native.py).
 
 At batch 1 on a 2-core CPU the eager layers spent ~9 ms of a ~25 ms decode step outside their
-kernels: ~1,700 torch ops and ~240 ctypes calls dispatched from Python (the per-op profile of
+kernels: ~1,700 torch ops and ~270 ctypes calls dispatched from Python (the per-op profile of
 server/bench/step_profile.py), and every prefill chunk paid the same. When every linear runs on the
 native quantized kernel, attention on the native decode and prompt kernels and the elementwise work
 on the fused ops, `NativeStep` calls those same kernels from one C++ loop instead, with the same
