@@ -253,8 +253,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
         x = self.model.embed_tokens(input_ids)  # [B, L, D]
         rope = self.model.rotary.tables(positions)
-        one = [Segment(input_ids, positions, meta)]
-        if self.native_step is not None and self.native_step.applies(one, cache):
+        one = [Segment(input_ids, positions, meta)] if self.native_step is not None else None
+        if one is not None and self.native_step.applies(one, cache):
             x = self.native_step(x, *rope, one, cache)
         else:
             for layer in self.model.layers:
@@ -279,15 +279,14 @@ class LlamaForCausalLM(nn.Module):
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         if self.native_step is not None and self.native_step.applies(segments, cache):
             x = self.native_step(x, cos, sin, segments, cache)  # [1, N, D]
-            x = x.reshape(-1, x.shape[-1])[logits_index]
-            return self.lm_head(self.model.norm(x))
-        for layer in self.model.layers:
-            q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
-            outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
-                                    cache, layer.self_attn.layer).reshape(1, B * L, H * d)
-                    for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
-                                                       shapes, segments)]
-            x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
+        else:
+            for layer in self.model.layers:
+                q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
+                outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
+                                        cache, layer.self_attn.layer).reshape(1, B * L, H * d)
+                        for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
+                                                           shapes, segments)]
+                x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
         x = x.reshape(-1, x.shape[-1])[logits_index]  # [n, D]
         return self.lm_head(self.model.norm(x))
 

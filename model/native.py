@@ -39,16 +39,14 @@ def _identity(march: str = "native", sources=SOURCES) -> str:
                     break
     except OSError:
         pass
-    h = hashlib.sha256(version.encode() + flags.encode() + march.encode())
-    for src in [*sources, *HEADERS]:
-        h.update(src.name.encode() + src.read_bytes())
-    return h.hexdigest()[:20]
+    return hashlib.sha256(version.encode() + flags.encode() + march.encode()
+                          + sources_digest(sources).encode()).hexdigest()[:20]
 
 
-def sources_digest() -> str:
-    """A digest of the kernels' sources alone (what a cached kernel choice was measured with)."""
+def sources_digest(sources=SOURCES) -> str:
+    """A digest of the kernels' sources and headers alone (what a cached kernel choice was measured with)."""
     h = hashlib.sha256()
-    for src in [*SOURCES, *HEADERS]:
+    for src in [*sources, *HEADERS]:
         h.update(src.name.encode() + src.read_bytes())
     return h.hexdigest()[:20]
 

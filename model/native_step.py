@@ -110,11 +110,12 @@ class NativeStep:
         segment on the decode kernel, last."""
         if cache is None or cache.k.dtype != torch.bfloat16 or not segments:
             return False
+
+        def dense_prompt(s) -> bool:
+            return isinstance(s.meta, KernelPrompt) and s.meta.write_slot.shape[0] == s.input_ids.numel()
+
         *first, last = segments
-        return (all(isinstance(s.meta, KernelPrompt) and s.meta.write_slot.shape[0] == s.input_ids.numel()
-                    for s in first)
-                and (isinstance(last.meta, KernelDecode) or (isinstance(last.meta, KernelPrompt)
-                                                            and last.meta.write_slot.shape[0] == last.input_ids.numel())))
+        return all(map(dense_prompt, first)) and (isinstance(last.meta, KernelDecode) or dense_prompt(last))
 
     def _tables(self, cache: KVCache):
         if self._layers is None or self._layers[0] is not cache:
@@ -139,13 +140,11 @@ class NativeStep:
         d = self.head_dim
         x = x.contiguous()
         cos, sin_signed = cos.reshape(-1, d).contiguous(), sin_signed.reshape(-1, d).contiguous()
-        decode = segments[-1].meta if isinstance(segments[-1].meta, KernelDecode) else None
-        prompts = segments[:-1] if decode is not None else segments
-        slots = [s.meta.write_slot for s in prompts] + ([decode.slots] if decode is not None else [])
-        pos = [s.meta.write_pos for s in prompts] + ([decode.starts] if decode is not None else [])
-        slots = (torch.cat(slots) if len(slots) > 1 else slots[0]).contiguous()
-        pos = (torch.cat(pos) if len(pos) > 1 else pos[0]).contiguous()
-        N, P = slots.shape[0], sum(s.meta.write_slot.shape[0] for s in prompts)
+        metas = [s.meta for s in segments]
+        decode = metas.pop() if isinstance(metas[-1], KernelDecode) else None  # metas: the prompt segments'
+        slots = torch.cat([m.write_slot for m in metas] + ([decode.slots] if decode is not None else []))
+        pos = torch.cat([m.write_pos for m in metas] + ([decode.starts] if decode is not None else []))
+        N, P = slots.shape[0], sum(m.write_slot.shape[0] for m in metas)
         if x.numel() != N * self._shape.D or cos.shape[0] != N:
             raise ValueError(f"native step: {N} tokens laid out but {x.numel() // self._shape.D} given")
         rc = self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
