@@ -93,9 +93,22 @@ def test_a_body_that_never_finishes_is_a_408(tight):
     with socket.create_connection((HOST, tight.http_port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"model\":")
-        head = s.recv(4096).decode(errors="replace")
+        head = _whole_response(s)  # headers and body may arrive in separate segments
     assert head.startswith("HTTP/1.1 408"), head
     assert "http-read-timeout" in head
+
+
+def _whole_response(s: socket.socket) -> str:
+    """One HTTP response read off a raw socket: its headers, then content-length bytes of body (or up
+    to the server's close)."""
+    reply = b""
+    while b"\r\n\r\n" not in reply and (chunk := s.recv(4096)):
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+    while length and len(body) < int(length.group(1)) and (chunk := s.recv(4096)):
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode(errors="replace")
 
 
 def test_connections_beyond_the_cap_are_refused_with_503(tight):
