@@ -67,6 +67,10 @@ class LoadedModel:
     def kernels(self) -> str:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
+        if "native-int" in text:  # which build of the native quantized kernel runs: avx512-vnni+amx, avx2, ...
+            from . import quant_matmul
+            qm = quant_matmul.default_kernel()
+            text += f" on {qm.name}" if qm is not None else ""
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
         text += f", attention: {self.attention.describe()}"
         text += ", fused elementwise" if self.model.uses_fused_ops else ""

@@ -119,6 +119,11 @@ struct Acts {  // the quantized rows of one call
     const int32_t *sh, *sl;  // [M, K/32] code sums
     int64_t K, KB;
     bool precise;  // both codes (256 h + l), else h alone
+    // AMX only, [rows rounded up to 16, K/32] with the padding rows 0: unit() and offset() of each
+    // row-block, and sx again, so that a tile's 16 rows read them with no bounds to check
+    const float* units;
+    const int32_t* offsets;
+    const float* sums;
 };
 
 // The activation unit of row-block rb: e / 256 with the remainder codes, else e.
@@ -192,6 +197,132 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+// AMX tiles (Sapphire Rapids and later) for row tiles of 16: the same exact integer sums, taken
+// by tile dot products (tdpbsud: signed activation codes x unsigned weight codes, 16 rows x 16
+// columns x 32 k in one instruction), then the same float steps as q4_group / q8_group, element by
+// element in block order. So a row's output is bitwise what the VNNI path gives: which path runs
+// for a call (by its row count) cannot change a row, and batch invariance holds across the switch.
+static const int AMX_ROWS = 16;
+// The OS must grant the tile state to the process (Linux >= 5.16); a VM may list amx_* in cpuinfo
+// and refuse it, then the VNNI path serves every call.
+static bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles: 0 / 1 (and 5 / 6) the int32 sums of h / l codes, 2 / 3 the h / l codes (16 rows x 32), 4 the block's
+// weight codes (8 rows of k/4 x 16 columns x 4). Whatever tile setup the thread held before (another
+// library's) is put back afterwards.
+class AmxTiles {
+  public:
+    AmxTiles() {
+        _tile_storeconfig(&saved_);
+        TileConfig c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        for (int t = 0; t < 4; ++t) c.rows[t] = AMX_ROWS;
+        c.colsb[0] = c.colsb[1] = 64;
+        c.colsb[2] = c.colsb[3] = QK;
+        c.rows[4] = QK / 4;
+        c.colsb[4] = 64;
+        c.rows[5] = c.rows[6] = AMX_ROWS;
+        c.colsb[5] = c.colsb[6] = 64;
+        _tile_loadconfig(&c);
+    }
+    ~AmxTiles() {
+        if (saved_.palette) _tile_loadconfig(&saved_);
+        else _tile_release();
+    }
+
+  private:
+    TileConfig saved_;
+};
+
+// The tile sums of block b of rows r0.. (16) into ch / cl: tiles 0 / 1 (even b) or 5 / 6 (odd b),
+// so that the next block's tile work runs while the float steps read the last one's sums.
+template <int BITS>
+static inline void amx_block_sums(const uint8_t* g, const Acts& a, int64_t r0, int64_t b, uint8_t (*wq)[64],
+                                  int32_t (*ch)[GROUP_COLS], int32_t (*cl)[GROUP_COLS]) {
+    if (BITS == 4) {  // chunk j's low nibbles are k = 8j + t (tile row 2j), high ones k = 8j + 4 + t
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+            __m512i p = _mm512_loadu_si512(g + 64 * j);
+            _mm512_store_si512(wq[2 * j], _mm512_and_si512(p, low));
+            _mm512_store_si512(wq[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
+        }
+        _tile_loadd(4, wq, 64);
+    } else {  // the packed int8 chunks are the tile's rows as they are
+        _tile_loadd(4, g, 64);
+    }
+    const int64_t off = r0 * a.K + b * QK;
+    _tile_loadd(2, a.xh + off, a.K);
+    if (a.precise) _tile_loadd(3, a.xl + off, a.K);
+    if (b & 1) {
+        _tile_zero(5);
+        _tile_dpbsud(5, 2, 4);
+        _tile_stored(5, ch, 64);
+        if (a.precise) {
+            _tile_zero(6);
+            _tile_dpbsud(6, 3, 4);
+            _tile_stored(6, cl, 64);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_dpbsud(0, 2, 4);
+        _tile_stored(0, ch, 64);
+        if (a.precise) {
+            _tile_zero(1);
+            _tile_dpbsud(1, 3, 4);
+            _tile_stored(1, cl, 64);
+        }
+    }
+}
+
+// rows r0 .. r0+R-1 (R <= 16; the codes buffer holds 16 rows past r0) of one column group.
+template <int BITS>
+static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][GROUP_COLS]) {
+    alignas(64) int32_t ch[2][AMX_ROWS][GROUP_COLS], cl[2][AMX_ROWS][GROUP_COLS];
+    alignas(64) uint8_t wq[2][QK / 4][64];  // int4: the block's codes one per byte, in tile order
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    amx_block_sums<BITS>(g, a, r0, 0, wq[0], ch[0], cl[0]);
+    const int64_t KB = a.KB;
+    const float* units = a.units + r0 * KB;
+    const int32_t* offsets = a.offsets + r0 * KB;
+    const float* sums = a.sums + r0 * KB;
+    for (int64_t b = 0; b < KB; ++b, g += group_bytes) {
+        const int p = (int)(b & 1);
+        if (b + 1 < KB) {
+            prefetch_ahead(g + group_bytes, group_bytes);
+            amx_block_sums<BITS>(g + group_bytes, a, r0, b + 1, wq[1 - p], ch[1 - p], cl[1 - p]);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
+        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        // all 16 rows (the padding ones are thrown away): a fixed count keeps acc[] in registers
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; ++r) {
+            __m512i s = _mm512_load_si512(ch[p][r]);
+            if (a.precise) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_load_si512(cl[p][r]));
+            if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offsets[r * KB + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(units[r * KB + b])), acc[r]);
+            if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * KB + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#endif
 #elif QMM_PATH >= 1
 // 8 lanes: u8 codes (0..15 for int4) x s8 activations, 4 products per int32 lane, added on.
 static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
@@ -307,15 +438,27 @@ struct Tiles {
 template <int R> struct Q4 { static void fn(const uint8_t* g, const Acts& a, int64_t r0, float o[][GROUP_COLS]) { q4_group<R>(g, a, r0, o); } };
 template <int R> struct Q8 { static void fn(const uint8_t* g, const Acts& a, int64_t r0, float o[][GROUP_COLS]) { q8_group<R>(g, a, r0, o); } };
 
+#ifdef QMM_AMX
+// Calls with at least this many rows take the AMX tiles (when granted); 0: never. Rows come out the
+// same either way, so this is a speed setting only (lm_qmm_set_amx_rows).
+static int amx_min_rows = 12;
+#endif
+
 static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
                   int64_t N, void* y, int y_bf16, int threads) {
     if (K % QK || N % GROUP_COLS || M < 0) return 1;
     const int64_t KB = K / QK, groups = N / GROUP_COLS;
     const int64_t group_bytes = KB * (bits == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES);
+#ifdef QMM_AMX
+    const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_granted();
+    const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // a tile reads 16 rows of codes
+#else
+    const int64_t rows = M;
+#endif
     static thread_local std::vector<int8_t> codes;
     static thread_local std::vector<float> floats;
     static thread_local std::vector<int32_t> sums;
-    codes.resize((size_t)(2 * M * K));
+    codes.resize((size_t)(2 * rows * K));
     floats.resize((size_t)(2 * M * KB));
     sums.resize((size_t)(2 * M * KB));
     // the calling thread's buffers, by pointer: inside the parallel region a thread_local name
@@ -323,23 +466,62 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     int8_t* xh = codes.data();
     float* fl = floats.data();
     int32_t* su = sums.data();
-    Acts a{xh, xh + M * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0};
+    Acts a{xh, xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, nullptr, nullptr, nullptr};
+#ifdef QMM_AMX
+    static thread_local std::vector<float> amx_floats;
+    static thread_local std::vector<int32_t> amx_offsets;
+    if (amx) {
+        amx_floats.assign((size_t)(2 * rows * KB), 0.0f);
+        amx_offsets.assign((size_t)(rows * KB), 0);
+        a.units = amx_floats.data();
+        a.sums = amx_floats.data() + rows * KB;
+        a.offsets = amx_offsets.data();
+    }
+    float* units = amx_floats.data();
+    int32_t* offsets = amx_offsets.data();
+#endif
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
+    auto store = [&](int64_t r0, int R, int64_t gi, float out[][GROUP_COLS]) {
+        for (int r = 0; r < R; ++r)
+            store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16, gi * GROUP_COLS, out[r], GROUP_COLS);
+    };
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
-            quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * K, xh + M * K + r * K, fl + r * KB,
+            quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * K, xh + rows * K + r * K, fl + r * KB,
                          fl + M * KB + r * KB, su + r * KB, su + M * KB + r * KB);
+#ifdef QMM_AMX
+        if (amx) {
 #pragma omp for schedule(static)
-        for (int64_t gi = 0; gi < groups; ++gi) {
-            const uint8_t* g = w + gi * group_bytes;
-            float out[ROW_TILE][GROUP_COLS];
-            for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
-                int R = (int)(M - r0 < ROW_TILE ? M - r0 : ROW_TILE);
-                (bits == 4 ? Tiles<Q4>::of(R) : Tiles<Q8>::of(R))(g, a, r0, out);
-                for (int r = 0; r < R; ++r) store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16,
-                                                      gi * GROUP_COLS, out[r], GROUP_COLS);
+            for (int64_t rb = 0; rb < M * KB; ++rb) {
+                units[rb] = unit(a, rb);
+                offsets[rb] = offset(a, rb);
+                units[rows * KB + rb] = a.sx[rb];
+            }
+            AmxTiles tiles;
+#pragma omp for schedule(static)
+            for (int64_t gi = 0; gi < groups; ++gi) {
+                const uint8_t* g = w + gi * group_bytes;
+                float out[AMX_ROWS][GROUP_COLS];
+                for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
+                    int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
+                    (bits == 4 ? amx_group<4> : amx_group<8>)(g, a, r0, R, out);
+                    store(r0, R, gi, out);
+                }
+            }
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int64_t gi = 0; gi < groups; ++gi) {
+                const uint8_t* g = w + gi * group_bytes;
+                float out[ROW_TILE][GROUP_COLS];
+                for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
+                    int R = (int)(M - r0 < ROW_TILE ? M - r0 : ROW_TILE);
+                    (bits == 4 ? Tiles<Q4>::of(R) : Tiles<Q8>::of(R))(g, a, r0, out);
+                    store(r0, R, gi, out);
+                }
             }
         }
     }
@@ -351,6 +533,27 @@ extern "C" {
 
 // 3: AVX-512 VNNI, 2: AVX-VNNI (ymm), 1: AVX2, 0: not built (the callers keep torch's kernels).
 int lm_qmm_path() { return QMM_PATH; }
+
+// 1 when calls of enough rows take AMX tiles (built with them and granted by the OS), else 0.
+int lm_qmm_amx() {
+#ifdef QMM_AMX
+    return amx_granted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// Calls with at least `rows` rows take the AMX tiles (0: none); returns the previous setting.
+int lm_qmm_set_amx_rows(int rows) {
+#ifdef QMM_AMX
+    int was = amx_min_rows;
+    amx_min_rows = rows < 0 ? 0 : rows;
+    return was;
+#else
+    (void)rows;
+    return 0;
+#endif
+}
 
 // y [M, N] (bfloat16 when y_bf16, else float32) = x [M, K] (bfloat16 / float32, rows packed) times
 // the packed weight's transpose. bits: 4 or 8; precise: remainder codes too. Returns 0, 1 for

@@ -33,11 +33,26 @@ class QuantMatmul:
     def __init__(self, lib: ctypes.CDLL):
         lib.lm_qmm_path.restype = ctypes.c_int
         self.path = PATHS.get(lib.lm_qmm_path())  # None: built without a path (no AVX2 here)
+        lib.lm_qmm_amx.restype = ctypes.c_int
+        lib.lm_qmm_set_amx_rows.restype = ctypes.c_int
+        lib.lm_qmm_set_amx_rows.argtypes = [ctypes.c_int]
+        self.amx = bool(lib.lm_qmm_amx())  # AMX tiles built and granted by the OS
+        self._set_amx_rows = lib.lm_qmm_set_amx_rows
         fn = lib.lm_qmm
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [i32, i32, p, i32, i64, i64, p, i64, p, i32, i32]
         fn.restype = i32
         self._fn = fn
+
+    def set_amx_rows(self, rows: int) -> int:
+        """Calls with at least `rows` rows take the AMX tiles (0: never); returns the previous value.
+        The rows come out bitwise the same either way: a speed setting, for benchmarks and tests."""
+        return self._set_amx_rows(rows)
+
+    @property
+    def name(self) -> str:
+        """The path that runs, as the startup line and reports say it."""
+        return f"{self.path}+amx" if self.amx else str(self.path)
 
     @staticmethod
     def supports(n: int, k: int) -> bool:

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         return round(statistics.median(v) * 1e3, 3)
 
     report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "native_path": qm.path if qm else None, "read_bandwidth": bw, "model": args.gguf.name,
+              "native_path": qm.name if qm else None, "read_bandwidth": bw, "model": args.gguf.name,
               "rounds": args.rounds, "note": "timings are medians over rounds in which the candidates take turns; "
               "per-role ms are summed over all layers",
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -75,7 +75,34 @@ def run(kernel, blocks, x, precise=True):
 
 
 def test_the_kernel_says_which_path_it_runs():
-    assert QM.default_kernel().path in QM.PATHS.values()
+    k = QM.default_kernel()
+    assert k.path in QM.PATHS.values()
+    assert k.name == (f"{k.path}+amx" if k.amx else k.path)
+
+
+@pytest.mark.parametrize("role", ["qkv", "o", "gate_up", "down", "head"])
+def test_amx_tiles_give_the_vnni_bits_at_the_real_shapes(gguf, role):
+    """Calls of enough rows take AMX tiles where the OS grants them: the same exact integer sums and
+    float steps, so every row is bitwise what the VNNI path gives, whichever path a call takes."""
+    k = QM.default_kernel()
+    if not k.amx:
+        pytest.skip("this CPU or OS grants no AMX tile state: the VNNI path serves every call")
+    blocks = real_shapes(gguf)[role]
+    g = torch.Generator().manual_seed(5)
+    was = k.set_amx_rows(0)
+    try:
+        for M in (1, 7, 16, 23, 40):
+            x = torch.randn(M, blocks.q.shape[1], generator=g) * torch.linspace(0.1, 3, blocks.q.shape[1])
+            x[0, 7::97] *= 40
+            for dtype in (torch.bfloat16, torch.float32):
+                for precise in (True, False):
+                    k.set_amx_rows(0)
+                    want = run(k, blocks, x.to(dtype), precise)
+                    k.set_amx_rows(1)
+                    got = run(k, blocks, x.to(dtype), precise)
+                    assert torch.equal(got, want), (M, dtype, precise)
+    finally:
+        k.set_amx_rows(was)
 
 
 @pytest.mark.parametrize("precise", [True, False], ids=["two-codes", "a8"])
