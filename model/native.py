@@ -1,7 +1,7 @@
 """The project's native CPU kernels (model/*.cpp), compiled for this machine on first use.
 
 One shared library holds them all (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp,
-quant_matmul.cpp, logit_mask.cpp; native_common.h). It is compiled with the
+quant_matmul.cpp, logit_mask.cpp, row_max.cpp, native_step.cpp; native_common.h). It is compiled with the
 system C++ compiler (`-O3 -march=native -fopenmp`, ~3 s), cached under `<cache_dir>/kernels` per
 (sources, compiler, CPU), and loaded with ctypes: no torch headers, so building is quick, and
 OpenMP resolves to the runtime torch has already loaded. Without a compiler the callers keep the

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
+from .row_max import row_max as _row_max
 from .request import SamplingParams
 
 
@@ -196,7 +197,7 @@ class Sampler:
             unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask
                         for i in constrained if seqs[i].request.params.logprobs is not None}
             mask_logits(logits, constrained, [_constraint_state(seqs[i]) for i in constrained])  # in place
-        row_max, tokens = logits.max(dim=-1)  # [N], [N]: greedy tokens; NaN propagates through max
+        row_max, tokens = _row_max(logits)  # [N], [N]: greedy tokens; NaN propagates through max
         if logits.device.type == "cuda" and not constrained and all(_plain_greedy(seq.request.params) for seq in seqs):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
         ok = [math.isfinite(m) for m in row_max.tolist()]  # a constrained row with nothing allowed is not finite
