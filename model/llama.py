@@ -274,19 +274,18 @@ class LlamaForCausalLM(nn.Module):
         sizes = [B * L for B, L in shapes]
         ids = torch.cat([s.input_ids.reshape(-1) for s in segments])[None]  # [1, N]
         positions = torch.cat([s.positions.reshape(-1) for s in segments])[None]  # [1, N]
+        if self.native_step is not None and self.native_step.applies(segments, cache):  # embedding to final norm
+            return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index))
         x = self.model.embed_tokens(ids)  # [1, N, D]
         cos, sin = self.model.rotary.tables(positions)
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        if self.native_step is not None and self.native_step.applies(segments, cache):
-            x = self.native_step(x, cos, sin, segments, cache)  # [1, N, D]
-        else:
-            for layer in self.model.layers:
-                q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
-                outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
-                                        cache, layer.self_attn.layer).reshape(1, B * L, H * d)
-                        for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
-                                                           shapes, segments)]
-                x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
+        for layer in self.model.layers:
+            q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
+            outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
+                                    cache, layer.self_attn.layer).reshape(1, B * L, H * d)
+                    for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
+                                                       shapes, segments)]
+            x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
         x = x.reshape(-1, x.shape[-1])[logits_index]  # [n, D]
         return self.lm_head(self.model.norm(x))
 

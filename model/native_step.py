@@ -36,6 +36,11 @@ class _Layer(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
+class _Ends(ctypes.Structure):
+    _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("cos", ctypes.c_void_p),
+                ("sin_signed", ctypes.c_void_p), ("table_len", ctypes.c_int64), ("final_norm", ctypes.c_void_p)]
+
+
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int32), ("D", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32),
                 ("d", ctypes.c_int32), ("I", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
@@ -89,6 +94,9 @@ class NativeStep:
         p, i32 = ctypes.c_void_p, ctypes.c_int
         self._fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, i32, p]
         self._fn.restype = i32
+        self._model_fn = lib.lm_step_model
+        self._model_fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, i32, p, i32, p]
+        self._model_fn.restype = i32
         self.model = model
         self.n_layers = cfg.num_layers
         self.head_dim = cfg.head_dim
@@ -130,8 +138,31 @@ class NativeStep:
             self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
                                  cfg.intermediate_size, cfg.rms_norm_eps, 1.0 / math.sqrt(d), cache.num_slots,
                                  cache.max_len)
+            inner = self.model.model
+            embed, rotary = inner.embed_tokens.weight, inner.rotary
+            self._ends = _Ends(embed.data_ptr(), embed.shape[0], rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(),
+                               rotary.cos.shape[0], inner.norm.weight.data_ptr())
             self._layers = (cache, arr)
         return self._layers[1]
+
+    @staticmethod
+    def _layout(segments):
+        """(slots, positions, N, P, write_first) of the tokens: the prompt segments' first, then the decode rows."""
+        metas = [s.meta for s in segments]
+        decode = metas.pop() if isinstance(metas[-1], KernelDecode) else None  # metas: the prompt segments'
+        slots = torch.cat([m.write_slot for m in metas] + ([decode.slots] if decode is not None else []))
+        pos = torch.cat([m.write_pos for m in metas] + ([decode.starts] if decode is not None else []))
+        P = sum(m.write_slot.shape[0] for m in metas)
+        return slots, pos, slots.shape[0], P, int(decode is not None and decode.write_first)
+
+    def _check(self, rc: int, cache: KVCache) -> None:
+        if rc == 2:
+            raise IndexError(f"native step: a token's slot or position lies outside the cache "
+                             f"({cache.num_slots} slots x {cache.max_len} positions)")
+        if rc == 3:
+            raise IndexError("native step: a token id, a position or an output row is out of range")
+        if rc:
+            raise ValueError("native step: a kernel does not take this model's shapes")
 
     def __call__(self, x: Tensor, cos: Tensor, sin_signed: Tensor, segments, cache: KVCache) -> Tensor:
         """x [..., D] bfloat16: the segments' tokens back to back (row-major within each) -> the last
@@ -140,22 +171,29 @@ class NativeStep:
         d = self.head_dim
         x = x.contiguous()
         cos, sin_signed = cos.reshape(-1, d).contiguous(), sin_signed.reshape(-1, d).contiguous()
-        metas = [s.meta for s in segments]
-        decode = metas.pop() if isinstance(metas[-1], KernelDecode) else None  # metas: the prompt segments'
-        slots = torch.cat([m.write_slot for m in metas] + ([decode.slots] if decode is not None else []))
-        pos = torch.cat([m.write_pos for m in metas] + ([decode.starts] if decode is not None else []))
-        N, P = slots.shape[0], sum(m.write_slot.shape[0] for m in metas)
+        slots, pos, N, P, write_first = self._layout(segments)
         if x.numel() != N * self._shape.D or cos.shape[0] != N:
             raise ValueError(f"native step: {N} tokens laid out but {x.numel() // self._shape.D} given")
-        rc = self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
-                      sin_signed.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P,
-                      int(decode is not None and decode.write_first), torch.get_num_threads(), self.phase_ns)
-        if rc == 2:
-            raise IndexError(f"native step: a token's slot or position lies outside the cache "
-                             f"({cache.num_slots} slots x {cache.max_len} positions)")
-        if rc:
-            raise ValueError("native step: a kernel does not take this model's shapes")
+        self._check(self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
+                             sin_signed.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P, write_first,
+                             torch.get_num_threads(), self.phase_ns), cache)
         return x
+
+    def head_input(self, ids: Tensor, positions: Tensor, segments, cache: KVCache, rows: Tensor) -> Tensor:
+        """The whole step up to the LM head in one call: ids, positions [N] (the segments' tokens back
+        to back) -> the final norm of the last layer's output at flat indices `rows` [n]: [n, D].
+        Bitwise what embedding, __call__, indexing and the model's final norm give one by one."""
+        layers = self._tables(cache)
+        slots, pos, N, P, write_first = self._layout(segments)
+        if ids.numel() != N or positions.numel() != N:
+            raise ValueError(f"native step: {N} tokens laid out but {ids.numel()} given")
+        ids, positions, rows = (t.reshape(-1).to(torch.int64).contiguous() for t in (ids, positions, rows))
+        out = torch.empty(rows.shape[0], self._shape.D, dtype=torch.bfloat16)
+        self._check(self._model_fn(ctypes.addressof(layers), ctypes.addressof(self._shape), ctypes.addressof(self._ends),
+                                   ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P,
+                                   write_first, rows.data_ptr(), rows.shape[0], out.data_ptr(),
+                                   torch.get_num_threads(), self.phase_ns), cache)
+        return out
 
 
 __all__ = ["NativeStep", "LAYER_ROLES", "possible", "why_not"]

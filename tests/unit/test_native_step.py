@@ -167,3 +167,16 @@ def test_it_is_built_only_where_every_layer_linear_is_native(gguf, kernel_dir):
     f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan)
     attention_and_fused_ops(f32, torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
     assert f32.native_step is None and "not fused" in native_step.why_not(f32)
+
+
+def test_a_whole_step_refuses_an_id_or_row_out_of_range(loaded):
+    """head_input (embedding to final norm in one call) checks its inputs before writing anything."""
+    model, backend, cache = loaded
+    meta, pos = backend.decode([0], [PROMPTS[0] + 30])
+    k0 = cache.k.clone()
+    V = model.config.vocab_size
+    with torch.inference_mode():
+        for ids, rows in (([[V]], [0]), ([[-1]], [0]), ([[5]], [1])):
+            with pytest.raises(IndexError, match="out of range"):
+                model.forward_segments([Segment(torch.tensor(ids), pos, meta)], cache, torch.tensor(rows))
+    assert torch.equal(cache.k, k0)
