@@ -4,7 +4,9 @@ read bandwidth: every linear of a decode step (all layers and the LM head) at 1,
     python -m lmserve.server.bench.quant_kernels [--gguf PATH] [--rounds 7] [--out reports/quant_kernels.json]
 
 Candidates (each a whole step's linears): torch's int4 (+ int8 head) and int8 kernels, bfloat16
-on oneDNN, and the native kernel (quant_matmul.py) in int4 (+ Q8_0 head) and int8. They take turns
+on oneDNN, and the native kernel (quant_matmul.py) in int4 (+ Q8_0 head) and int8, where the
+CPU grants AMX tiles once with them (the default) and once without (`-vnni`: the same modules with
+the tiles turned off; the same bits either way). They take turns
 within every round, in one process; each timing is the median of the rounds (min beside it), so a
 neighbour's burst on a shared machine lands on every candidate alike.
 
@@ -94,6 +96,13 @@ def main(argv=None) -> int:
         sets[name] = {r: [K.build(head_kernel if r == "head" else layer_kernel, s, dtype) for s in srcs]
                       for r, srcs in sources.items()}
     del ck, sources
+    default_amx_rows = qm.set_amx_rows(0) if qm is not None else 0
+    amx_rows = {name: default_amx_rows for name in sets}  # what each candidate's passes run with
+    if qm is not None:
+        qm.set_amx_rows(default_amx_rows)
+        if qm.amx:
+            for name in ("native-int4", "native-int8"):
+                sets[f"{name}-vnni"], amx_rows[f"{name}-vnni"] = sets[name], 0
     nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
     K_in = {m.in_features for s in sets.values() for ls in s.values() for m in ls}
     xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in K_in}
@@ -115,6 +124,8 @@ def main(argv=None) -> int:
                     run(ls, r)
         for rnd in range(args.rounds):
             for name, s in sets.items():
+                if qm is not None:
+                    qm.set_amx_rows(amx_rows[name])
                 for rows in ROWS:
                     for mode in ("cold", "warm"):
                         if mode == "cold":
@@ -127,6 +138,8 @@ def main(argv=None) -> int:
                             samples[name][mode][rows][role].append(run(s[role], rows))
                         cpu[name][mode][rows].append(time.process_time() - c0)
             print(f"round {rnd + 1}/{args.rounds}", flush=True)
+    if qm is not None:
+        qm.set_amx_rows(default_amx_rows)
 
     def med(v):
         return round(statistics.median(v) * 1e3, 3)
