@@ -115,14 +115,17 @@ class NativeCpuBackend(SdpaBackend):
 
     name = "native"
 
-    def __init__(self, decode_kernel, prompt_kernel=None, batch_invariant: bool = True):
+    def __init__(self, decode_kernel, prompt_kernel=None, batch_invariant: bool = True, head_dim: int | None = None):
         super().__init__("cpu", batch_invariant)
         self.decode_kernel = decode_kernel
         self.prompt_kernel = prompt_kernel
+        self.head_dim = head_dim  # for describe(): whether prompts take the AMX tiles
 
     def describe(self) -> str:
-        return ("native decode-attention kernel, " + ("native prompt-attention kernel" if self.prompt_kernel
-                                                      else "SDPA for prompts"))
+        if self.prompt_kernel is None:
+            return "native decode-attention kernel, SDPA for prompts"
+        amx = self.head_dim is not None and self.prompt_kernel.uses_amx(self.head_dim)
+        return "native decode-attention kernel, native prompt-attention kernel" + (" (amx)" if amx else "")
 
     def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
         starts_t = torch.tensor(starts)
@@ -173,4 +176,4 @@ def choose_backend(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, b
     if not DecodeAttention.supports(dtype, *shape):
         return SdpaBackend(device, batch_invariant)
     prompt = PromptAttention(lib) if PromptAttention.supports(dtype, *shape) and PromptAttention.built(lib) else None
-    return NativeCpuBackend(DecodeAttention(lib), prompt, batch_invariant)
+    return NativeCpuBackend(DecodeAttention(lib), prompt, batch_invariant, cfg.head_dim)

@@ -1,4 +1,4 @@
-// Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp, logit_mask.cpp, row_max.cpp):
+// Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp, logit_mask.cpp, row_max.cpp, quant_matmul.cpp):
 // 16-lane float vectors (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native),
 // float32 / bfloat16 loads and stores, a fixed-order lane sum, e^x, the softmax numerators of one
 // row, and a row loop split over OpenMP threads.
@@ -6,6 +6,45 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// AMX tiles (quant_matmul.cpp, prompt_attention.cpp): the OS must grant the tile state to the
+// process (Linux >= 5.16, arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a VM may list amx_* in
+// cpuinfo and refuse it, and then the kernels keep their AVX-512 paths.
+static inline bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+struct AmxTileConfig {  // the LDTILECFG layout, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// A kernel's tile shapes for the scope of one call on one thread; whatever tile setup the thread
+// held before (another library's) is put back afterwards.
+class AmxScope {
+  public:
+    explicit AmxScope(const AmxTileConfig& c) {
+        _tile_storeconfig(&saved_);
+        _tile_loadconfig(&c);
+    }
+    ~AmxScope() {
+        if (saved_.palette) _tile_loadconfig(&saved_);
+        else _tile_release();
+    }
+    AmxScope(const AmxScope&) = delete;
+    AmxScope& operator=(const AmxScope&) = delete;
+
+  private:
+    AmxTileConfig saved_;
+};
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

@@ -13,7 +13,10 @@
 //     one fixed lane tree; keys past the row's position count as 0;
 //   - output: the probabilities rounded to bfloat16 (as SDPA's CPU kernel does for a bfloat16
 //     cache) times V, summed in float32 by the same dot product over key pairs, divided by the sum.
-// Without AVX-512 BF16 the entry points answer "not built" and attention stays on SDPA.
+// Where the OS grants AMX tiles, head_dim <= 128 takes them instead (attend_block_amx): the same
+// blocks, softmax and roundings with the two products on tile units, ~3x faster on the 2-core Xeon
+// VM; every prompt token of a process takes the same path. Without AVX-512 BF16 the entry points
+// answer "not built" and attention stays on SDPA.
 //
 // Built by native.py with the machine's own instruction set (-march=native), wrapped by
 // prompt_attention.py; no torch headers.
@@ -30,7 +33,8 @@ static const int MAX_PAIRS = 128;  // head_dim <= 256
 static const int GROUP_ROWS = 8;   // query rows scored together (they share each K vector load)
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
 static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
-static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
+static const int SMALL_BLOCK_ROWS = 24;
+static const int MAX_GROUP_ROWS_AMX = SMALL_BLOCK_ROWS * 16;  // query heads per kv head x tokens of an AMX block  // ... when larger blocks would leave the threads too few tasks to share
 
 // Transposing 16 x 16 32-bit lanes by swapping off-diagonal blocks of 8, 4, 2, 1.
 #define LO_(s, j) (((j) & (s)) ? 16 + (j) - (s) : (j))
@@ -226,6 +230,156 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PA_AMX 1
+// The same block on AMX tiles (Sapphire Rapids and later, where the OS grants them): each query
+// head's 16 token rows are one tile, so a key block's scores for them are two tile products
+// (tdpbf16ps over the head dimension's pairs, as pack_keys lays them out), and probabilities x
+// values accumulate in four output tiles over 32 keys at a time. The softmax, the bfloat16
+// rounding of the probabilities and the final scaling are attend_block's. A score or an output
+// sum is the tile unit's fixed sequence of float32 operations over that row's own q, keys and
+// probabilities (exact zeros past its position add nothing), so a token's output still does not
+// depend on its chunk, batch or block; it differs from attend_block's in the last bits (another
+// summation order), and one machine runs one path for every prompt token (amx_granted).
+// Tiles (all 16 rows x 64 bytes): 0-3 query pairs (0: probabilities), 4 keys or values, 5 scores,
+// 5-7 and 1-3 output sums.
+static const int AMX_TOKENS = 16;
+static const int AMX_MAX_D = 128;  // 4 query tiles of 16 pairs
+
+static bool amx_allowed = true;  // lm_prompt_attention_set_amx: tests run both paths on one machine
+static bool amx_attention_applies(int d) { return amx_allowed && d <= AMX_MAX_D && d % 32 == 0 && amx_granted(); }
+
+static AmxTileConfig attention_tiles() {
+    AmxTileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    return c;
+}
+
+// Output tile c (0..5: tiles 5, 6, 7, 1, 2, 3): op 0 zeroes it, 1 adds tile 0 x tile 4, 2 stores it.
+static inline void amx_out_tile(int c, int op, float* to) {
+#define OUT_TILE(n)                                                  \
+    if (op == 0) _tile_zero(n);                                      \
+    else if (op == 1) _tile_dpbf16ps(n, 0, 4);                       \
+    else _tile_stored(n, to, 64);                                    \
+    return;
+    switch (c) {
+        case 0: OUT_TILE(5)
+        case 1: OUT_TILE(6)
+        case 2: OUT_TILE(7)
+        case 3: OUT_TILE(1)
+        case 4: OUT_TILE(2)
+        default: OUT_TILE(3)
+    }
+#undef OUT_TILE
+}
+
+struct AmxScratch {
+    std::vector<uint16_t> q, p;  // [G, 16, d] query rows (zero past the block), [G, 16, keys] probabilities
+    std::vector<v16u> kp, vp;    // every key block's pack_keys, every key block's pack_values
+    std::vector<float> sums;     // [16, 16] one tile's scores or output sums
+};
+
+static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t q_row, const uint16_t* k_cache,
+                             const uint16_t* v_cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len,
+                             float scale, Scratch& w, AmxScratch& a) {
+    const int G = H / Hkv, pairs = d / 2, C = d / 16, qt = d / 32;
+    const int valid = (int)(blk.p0 + blk.n);
+    const int blocks = (valid + 15) / 16, chunks = (valid + 31) / 32;  // key blocks of 16, chunks of 32
+    const int keys = chunks * 32;
+    const size_t stride = (size_t)blocks * 16;
+    const size_t base = (((size_t)blk.slot * Hkv + h) * max_len) * d;
+    const uint16_t* K = k_cache + base;
+    const uint16_t* V = v_cache + base;
+    w.scores.resize((size_t)G * AMX_TOKENS * stride);
+    a.q.assign((size_t)G * AMX_TOKENS * d, 0);
+    a.p.resize((size_t)G * AMX_TOKENS * keys);
+    a.kp.resize((size_t)blocks * pairs);
+    a.vp.resize((size_t)chunks * 2 * 8 * C);
+    a.sums.resize(16 * 16);
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < blk.n; ++i)
+            memcpy(a.q.data() + ((size_t)g * AMX_TOKENS + i) * d, q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d,
+                   d * sizeof(uint16_t));
+    for (int b = 0; b < blocks; ++b) pack_keys(K, d, b * 16, valid, a.kp.data() + (size_t)b * pairs);
+    for (int b = 0; b < 2 * chunks; ++b) pack_values(V, d, b * 16, valid, a.vp.data() + (size_t)b * 8 * C);
+
+    for (int g = 0; g < G; ++g) {  // scores, row i * G + g of attend_block as row g * 16 + i here
+        const uint16_t* qg = a.q.data() + (size_t)g * AMX_TOKENS * d;
+        for (int t = 0; t < qt; ++t) {
+            const uint16_t* src = qg + 32 * t;
+            switch (t) {
+                case 0: _tile_loadd(0, src, d * sizeof(uint16_t)); break;
+                case 1: _tile_loadd(1, src, d * sizeof(uint16_t)); break;
+                case 2: _tile_loadd(2, src, d * sizeof(uint16_t)); break;
+                default: _tile_loadd(3, src, d * sizeof(uint16_t)); break;
+            }
+        }
+        for (int b = 0; b < blocks; ++b) {
+            _tile_zero(5);
+            for (int t = 0; t < qt; ++t) {
+                _tile_loadd(4, a.kp.data() + (size_t)b * pairs + 16 * t, 64);
+                switch (t) {  // tile numbers are immediates
+                    case 0: _tile_dpbf16ps(5, 0, 4); break;
+                    case 1: _tile_dpbf16ps(5, 1, 4); break;
+                    case 2: _tile_dpbf16ps(5, 2, 4); break;
+                    default: _tile_dpbf16ps(5, 3, 4); break;
+                }
+            }
+            _tile_stored(5, a.sums.data(), 64);
+            for (int i = 0; i < blk.n; ++i) {
+                const v16f x = F32::load(a.sums.data() + 16 * i) * scale;
+                memcpy(w.scores.data() + ((size_t)g * AMX_TOKENS + i) * stride + b * 16, &x, sizeof x);
+            }
+        }
+    }
+
+    float inv[MAX_GROUP_ROWS_AMX];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < AMX_TOKENS; ++i) {
+            const int r = g * AMX_TOKENS + i;
+            uint16_t* pr = a.p.data() + (size_t)r * keys;
+            if (i >= blk.n) {
+                memset(pr, 0, keys * sizeof(uint16_t));
+                continue;
+            }
+            const int len = (int)(blk.p0 + i + 1);
+            float* sr = w.scores.data() + (size_t)r * stride;
+            inv[r] = softmax_numerators(sr, len);  // zeros on to the next multiple of 16
+            const int upto = (len + 15) / 16 * 16;
+            for (int j = 0; j < upto; j += 16) BF16::store(pr + j, round_bf16(F32::load(sr + j)));
+            memset(pr + upto, 0, (keys - upto) * sizeof(uint16_t));
+        }
+
+    for (int g = 0; g < G; ++g) {  // probabilities x values: up to 6 output tiles (96 head dims) a pass
+        const uint16_t* pg = a.p.data() + (size_t)g * AMX_TOKENS * keys;
+        for (int c0 = 0; c0 < C; c0 += 6) {
+            const int nc = std::min(6, C - c0);
+            for (int c = 0; c < nc; ++c) amx_out_tile(c, 0, 0);
+            for (int k = 0; k < chunks; ++k) {
+                _tile_loadd(0, pg + 32 * k, keys * sizeof(uint16_t));
+                for (int c = 0; c < nc; ++c) {
+                    _tile_loadd(4, a.vp.data() + (size_t)k * 16 * C + c0 + c, C * 64);
+                    amx_out_tile(c, 1, 0);
+                }
+            }
+            for (int c = 0; c < nc; ++c) {
+                amx_out_tile(c, 2, a.sums.data());
+                for (int i = 0; i < blk.n; ++i) {
+                    const int r = g * AMX_TOKENS + i;
+                    uint16_t* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d + 16 * (c0 + c);
+                    BF16::store(o, F32::load(a.sums.data() + 16 * i) * inv[r]);
+                }
+            }
+        }
+    }
+}
+#endif
+
 // Consecutive tokens of one slot at consecutive positions, at most per_block of them, into blocks.
 static std::vector<Block> make_blocks(const int64_t* slots, const int64_t* pos, int T, int per_block) {
     std::vector<Block> blocks;
@@ -241,6 +395,29 @@ static std::vector<Block> make_blocks(const int64_t* slots, const int64_t* pos, 
 
 extern "C" int lm_prompt_attention_built(void) { return 1; }
 
+// 1 when a head_dim of d takes the AMX tiles in this process.
+extern "C" int lm_prompt_attention_amx(int d) {
+#ifdef PA_AMX
+    return amx_attention_applies(d) ? 1 : 0;
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
+// on: whether the AMX tiles may serve (the default); returns the previous setting. For tests, which
+// compare both paths on one machine; a server keeps one path for every prompt token.
+extern "C" int lm_prompt_attention_set_amx(int on) {
+#ifdef PA_AMX
+    const int was = amx_allowed ? 1 : 0;
+    amx_allowed = on != 0;
+    return was;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 // 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
 // outside the cache.
 extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
@@ -251,8 +428,16 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
         if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
     // larger blocks share each packed key block among more rows; smaller ones keep a short chunk's few
     // blocks spread over the threads (a row's arithmetic is the same in any block)
-    std::vector<Block> blocks = make_blocks(slots, pos, T, std::max(1, BLOCK_ROWS / (H / Hkv)));
-    if ((int)blocks.size() * Hkv < 4 * threads) blocks = make_blocks(slots, pos, T, std::max(1, SMALL_BLOCK_ROWS / (H / Hkv)));
+#ifdef PA_AMX
+    const bool amx = amx_attention_applies(d);
+    const int most = amx ? AMX_TOKENS : T;  // an AMX block's tokens fill one tile's rows at most
+#else
+    const bool amx = false;
+    const int most = T;
+#endif
+    std::vector<Block> blocks = make_blocks(slots, pos, T, std::min(most, std::max(1, BLOCK_ROWS / (H / Hkv))));
+    if ((int)blocks.size() * Hkv < 4 * threads)
+        blocks = make_blocks(slots, pos, T, std::min(most, std::max(1, SMALL_BLOCK_ROWS / (H / Hkv))));
     const int tasks = (int)blocks.size() * Hkv;
     int64_t work = 0;
     for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
@@ -260,12 +445,27 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         Scratch w;
+#ifdef PA_AMX
+        if (amx) {
+            AmxScratch a;
+            AmxScope tiles(attention_tiles());
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
-            const int t = tasks - 1 - i;
-            attend_block(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
-                         (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w);
+            for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
+                const int t = tasks - 1 - i;
+                attend_block_amx(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
+                                 (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w, a);
+            }
+        } else
+#endif
+        {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
+                const int t = tasks - 1 - i;
+                attend_block(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
+                             (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w);
+            }
         }
+        (void)amx;
     }
     return 0;
 }
@@ -273,6 +473,10 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
 #else
 
 extern "C" int lm_prompt_attention_built(void) { return 0; }
+
+extern "C" int lm_prompt_attention_amx(int) { return 0; }
+
+extern "C" int lm_prompt_attention_set_amx(int) { return 0; }
 
 extern "C" int lm_prompt_attention(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*,
                                    void*, int, int, int, int, int64_t, int64_t, float, int) {

@@ -30,6 +30,19 @@ class PromptAttention:
         fn.argtypes = [p, i64, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
+        lib.lm_prompt_attention_amx.argtypes, lib.lm_prompt_attention_amx.restype = [i32], i32
+        lib.lm_prompt_attention_set_amx.argtypes, lib.lm_prompt_attention_set_amx.restype = [i32], i32
+        self._amx = lib.lm_prompt_attention_amx
+        self._set_amx = lib.lm_prompt_attention_set_amx
+
+    def allow_amx(self, on: bool) -> bool:
+        """Whether the AMX tiles may serve (the default: yes, where granted); returns the previous
+        setting. Tests compare both paths on one machine; a server keeps one for every prompt token."""
+        return bool(self._set_amx(int(on)))
+
+    def uses_amx(self, head_dim: int) -> bool:
+        """Whether this head_dim takes the AMX tile path here (the CPU has it and the OS grants it)."""
+        return bool(self._amx(head_dim))
 
     @staticmethod
     def built(lib: ctypes.CDLL) -> bool:

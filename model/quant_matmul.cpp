@@ -30,6 +30,8 @@
 
 #include <vector>
 
+#include "native_common.h"
+
 static const int QK = 32;          // block length along K
 static const int GROUP_COLS = 16;  // output columns per packed group
 static const int Q4_GROUP_BYTES = 256 + 64;
@@ -252,54 +254,29 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define QMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 // AMX tiles (Sapphire Rapids and later) for row tiles of 16: the same exact integer sums, taken
 // by tile dot products (tdpbsud: signed activation codes x unsigned weight codes, 16 rows x 16
 // columns x 32 k in one instruction), then the same float steps as q4_group / q8_group, element by
 // element in block order. So a row's output is bitwise what the VNNI path gives: which path runs
 // for a call (by its row count) cannot change a row, and batch invariance holds across the switch.
+// Where the OS refuses the tile state (amx_granted, native_common.h) the VNNI path serves every call.
 static const int AMX_ROWS = 16;
-// The OS must grant the tile state to the process (Linux >= 5.16); a VM may list amx_* in cpuinfo
-// and refuse it, then the VNNI path serves every call.
-static bool amx_granted() {
-    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 // Tiles: 0 / 1 (and 5 / 6) the int32 sums of h / l codes, 2 / 3 the h / l codes (16 rows x 32), 4 the block's
-// weight codes (8 rows of k/4 x 16 columns x 4). Whatever tile setup the thread held before (another
-// library's) is put back afterwards.
-class AmxTiles {
-  public:
-    AmxTiles() {
-        _tile_storeconfig(&saved_);
-        TileConfig c;
-        memset(&c, 0, sizeof c);
-        c.palette = 1;
-        for (int t = 0; t < 4; ++t) c.rows[t] = AMX_ROWS;
-        c.colsb[0] = c.colsb[1] = 64;
-        c.colsb[2] = c.colsb[3] = QK;
-        c.rows[4] = QK / 4;
-        c.colsb[4] = 64;
-        c.rows[5] = c.rows[6] = AMX_ROWS;
-        c.colsb[5] = c.colsb[6] = 64;
-        _tile_loadconfig(&c);
-    }
-    ~AmxTiles() {
-        if (saved_.palette) _tile_loadconfig(&saved_);
-        else _tile_release();
-    }
-
-  private:
-    TileConfig saved_;
-};
+// weight codes (8 rows of k/4 x 16 columns x 4).
+static AmxTileConfig qmm_tiles() {
+    AmxTileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; ++t) c.rows[t] = AMX_ROWS;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.colsb[2] = c.colsb[3] = QK;
+    c.rows[4] = QK / 4;
+    c.colsb[4] = 64;
+    c.rows[5] = c.rows[6] = AMX_ROWS;
+    c.colsb[5] = c.colsb[6] = 64;
+    return c;
+}
 
 // The tile sums of block b of rows r0.. (16) into ch / cl: tiles 0 / 1 (even b) or 5 / 6 (odd b),
 // so that the next block's tile work runs while the float steps read the last one's sums.
@@ -551,7 +528,7 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
                 offsets[rb] = offset(a, rb);
                 units[rows * KB + rb] = a.sx[rb];
             }
-            AmxTiles tiles;
+            AmxScope tiles(qmm_tiles());
 #pragma omp for schedule(static)
             for (int64_t gi = 0; gi < groups; ++gi) {
                 const uint8_t* g = w + gi * group_bytes;

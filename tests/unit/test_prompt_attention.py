@@ -1,4 +1,4 @@
-"""The CPU prompt-attention kernel (bfloat16, AVX-512 BF16): equal to the explicit attention within
+"""The CPU prompt-attention kernel (bfloat16; AVX-512 BF16, or AMX tiles where granted), each path: equal to the explicit attention within
 bfloat16 rounding, each token bitwise the same whatever chunk or batch it comes in, bounds-checked;
 and through the model, a bfloat16 prefill on the kernel gives SDPA's logits within rounding and a
 prompt prefilled in chunks equals the same prompt prefilled whole, bit for bit."""
@@ -26,11 +26,19 @@ def lib(tmp_path_factory):
     return lib
 
 
-@pytest.fixture(scope="module")
-def kernel(lib) -> PromptAttention:
+@pytest.fixture(scope="module", params=["avx512-bf16", "amx"])
+def kernel(lib, request) -> PromptAttention:
+    """Each path the kernel has: AVX-512 BF16 dot products, and AMX tiles where the OS grants them
+    (a process serves one path for every prompt token; both must hold every property here)."""
     if not PromptAttention.built(lib):  # the loader keeps SDPA on such a CPU; nothing of ours runs there
         pytest.skip("this CPU has no AVX-512 BF16: prompt attention stays on SDPA")
-    return PromptAttention(lib)
+    k = PromptAttention(lib)
+    was = k.allow_amx(request.param == "amx")
+    if request.param == "amx" and not k.uses_amx(D):
+        k.allow_amx(was)
+        pytest.skip("no AMX tile state granted on this CPU or OS: the AVX-512 path serves")
+    yield k
+    k.allow_amx(was)
 
 
 def _cache(heads=(H, HKV, D), seed=0):
