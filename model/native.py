@@ -101,6 +101,21 @@ def loaded() -> ctypes.CDLL | None:
     return next((lib for lib, _ in _LOADED.values() if lib is not None), None)
 
 
+_BOUND: dict = {}
+
+
+def bound(wrapper):
+    """wrapper(lib) for the library this process already loaded (loaded()), made once, or None while
+    there is none (asked again next time: a model may load later in this process). For callers that
+    use a kernel where the model loader built one and must not build it (the sampler)."""
+    if wrapper not in _BOUND:
+        lib = loaded()
+        if lib is None:
+            return None
+        _BOUND[wrapper] = wrapper(lib)
+    return _BOUND[wrapper]
+
+
 def rows_packed(x):
     """x with its last two dimensions (heads, head_dim) packed, as the kernels read them; the rows
     before them may sit anywhere (their stride is passed). A copy only when they are not."""
@@ -109,4 +124,4 @@ def rows_packed(x):
     return x
 
 
-__all__ = ["build", "load", "loaded", "rows_packed", "sources_digest", "SOURCES"]
+__all__ = ["build", "bound", "load", "loaded", "rows_packed", "sources_digest", "SOURCES"]

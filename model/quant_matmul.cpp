@@ -297,25 +297,22 @@ static inline void amx_block_sums(const uint8_t* g, const Acts& a, int64_t r0, i
     const int64_t off = r0 * a.K + b * QK;
     _tile_loadd(2, a.xh + off, a.K);
     if (a.precise) _tile_loadd(3, a.xl + off, a.K);
-    if (b & 1) {
-        _tile_zero(5);
-        _tile_dpbsud(5, 2, 4);
-        _tile_stored(5, ch, 64);
-        if (a.precise) {
-            _tile_zero(6);
-            _tile_dpbsud(6, 3, 4);
-            _tile_stored(6, cl, 64);
-        }
-    } else {
-        _tile_zero(0);
-        _tile_dpbsud(0, 2, 4);
-        _tile_stored(0, ch, 64);
-        if (a.precise) {
-            _tile_zero(1);
-            _tile_dpbsud(1, 3, 4);
-            _tile_stored(1, cl, 64);
-        }
+    // sums of the h codes (tile 2) into tile H, of the l codes (tile 3) into tile L; tile numbers are immediates
+#define SUMS(H, L)                 \
+    _tile_zero(H);                 \
+    _tile_dpbsud(H, 2, 4);         \
+    _tile_stored(H, ch, 64);       \
+    if (a.precise) {               \
+        _tile_zero(L);             \
+        _tile_dpbsud(L, 3, 4);     \
+        _tile_stored(L, cl, 64);   \
     }
+    if (b & 1) {
+        SUMS(5, 6)
+    } else {
+        SUMS(0, 1)
+    }
+#undef SUMS
 }
 
 // rows r0 .. r0+R-1 (R <= 16; the codes buffer holds 16 rows past r0) of one column group.

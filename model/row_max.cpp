@@ -12,6 +12,14 @@
 
 #include "native_common.h"
 
+static inline float element(const float* row, int j) { return row[j]; }
+static inline float element(const uint16_t* row, int j) {  // a bfloat16 widened
+    const uint32_t w = (uint32_t)row[j] << 16;
+    float v;
+    memcpy(&v, &w, 4);
+    return v;
+}
+
 template <class L>
 static void row_max(const typename L::T* x, int64_t row_stride, int rows, int vocab, float* out_max,
                     int64_t* out_index, int threads) {
@@ -34,25 +42,13 @@ static void row_max(const typename L::T* x, int64_t row_stride, int rows, int vo
             }
         }
         for (int j = body; j < vocab; ++j) {  // the tail, one by one
-            float v;
-            if (sizeof(typename L::T) == 2) {
-                uint32_t w = (uint32_t)((const uint16_t*)row)[j] << 16;
-                memcpy(&v, &w, 4);
-            } else {
-                v = ((const float*)row)[j];
-            }
+            const float v = element(row, j);
             nan = nan || v != v;
             mx = v > mx ? v : mx;
         }
         int64_t at = 0;
         for (int j = 0; j < vocab; ++j) {  // the first index holding it (or the first NaN)
-            float v;
-            if (sizeof(typename L::T) == 2) {
-                uint32_t w = (uint32_t)((const uint16_t*)row)[j] << 16;
-                memcpy(&v, &w, 4);
-            } else {
-                v = ((const float*)row)[j];
-            }
+            const float v = element(row, j);
             if (nan ? v != v : v == mx) {
                 at = j;
                 break;

@@ -33,24 +33,12 @@ class _NativeRowMax:
         return values, index
 
 
-_native: _NativeRowMax | None = None  # bound once the process has the native library
-
-
-def _native_row_max() -> _NativeRowMax | None:
-    global _native
-    if _native is None:
-        from lmserve.model import native
-
-        lib = native.loaded()  # the model loader's library on CPU; never built here
-        if lib is not None:  # otherwise asked again next time: a model may load later in this process
-            _native = _NativeRowMax(lib)
-    return _native
-
-
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [N, V] -> (maxima [N], indices [N] int64), as logits.max(dim=-1) gives them (the maxima
     in float32 when the native pass runs)."""
-    native = _native_row_max()
+    from lmserve.model import native as native_lib
+
+    native = native_lib.bound(_NativeRowMax)  # the model loader's library on CPU; never built here
     if native is not None and native.applies(logits):
         return native(logits)
     return logits.max(dim=-1)

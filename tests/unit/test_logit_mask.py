@@ -76,7 +76,8 @@ def test_mask_logits_takes_the_native_kernel_on_cpu(kernel, monkeypatch):
             calls.append(len(args[1]))
             return super().__call__(*args)
 
-    monkeypatch.setattr(S, "_native", Spy(native.loaded()))
+    spy = Spy(native.loaded())
+    monkeypatch.setattr(S, "_native_mask", lambda: spy)
     logits, rows, bits = _case(4000, 125, 3, torch.float32)
     want = _reference(logits, rows, bits)
     S.mask_logits(logits, rows, [_Fixed(b) for b in bits])

@@ -146,18 +146,10 @@ class _NativeMask:
                                 len(rows), bitmasks.shape[1], logits.shape[1], torch.get_num_threads())
 
 
-_native: _NativeMask | None = None  # bound once the process has the native library
-
-
 def _native_mask() -> _NativeMask | None:
-    global _native
-    if _native is None:
-        from lmserve.model import native
+    from lmserve.model import native
 
-        lib = native.loaded()  # the model loader's library on CPU; never built here
-        if lib is not None:  # otherwise asked again next time: a model may load later in this process
-            _native = _NativeMask(lib)
-    return _native
+    return native.bound(_NativeMask)  # the model loader's library on CPU; never built here
 
 
 def mask_logits(logits: Tensor, rows: list[int], states: list[ConstraintState]) -> None:
