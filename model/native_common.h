@@ -4,27 +4,54 @@
 // row, and a row loop split over OpenMP threads.
 #pragma once
 
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
-
-// AMX tiles (quant_matmul.cpp, prompt_attention.cpp): the OS must grant the tile state to the
-// process (Linux >= 5.16, arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a VM may list amx_* in
-// cpuinfo and refuse it, and then the kernels keep their AVX-512 paths.
-static inline bool amx_granted() {
-    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return granted;
-}
 
 struct AmxTileConfig {  // the LDTILECFG layout, palette 1
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 };
+
+// Whether AMX tiles work in this process: the OS must grant the tile state (Linux >= 5.16,
+// arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), and a tile instruction must then run. A VM may list
+// amx_* in cpuinfo and refuse the state, so the first tile instructions run in a forked child (no
+// core dump) and a child killed by them means no. Asked once per process (one fork); otherwise the
+// kernels (quant_matmul.cpp, prompt_attention.cpp) keep their AVX-512 paths.
+static inline bool amx_probe() {
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
+    const pid_t pid = fork();
+    if (pid < 0) return false;
+    if (pid == 0) {
+        prctl(PR_SET_DUMPABLE, 0);
+        AmxTileConfig c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        c.rows[0] = 16;
+        c.colsb[0] = 64;
+        _tile_loadconfig(&c);
+        _tile_zero(0);
+        _tile_release();
+        _exit(0);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+inline bool amx_granted() {  // one answer (one probe) per process, whichever kernel asks first
+    static const bool granted = amx_probe();
+    return granted;
+}
 
 // A kernel's tile shapes for the scope of one call on one thread; whatever tile setup the thread
 // held before (another library's) is put back afterwards.
