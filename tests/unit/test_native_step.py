@@ -180,3 +180,15 @@ def test_a_whole_step_refuses_an_id_or_row_out_of_range(loaded):
             with pytest.raises(IndexError, match="out of range"):
                 model.forward_segments([Segment(torch.tensor(ids), pos, meta)], cache, torch.tensor(rows))
     assert torch.equal(cache.k, k0)
+
+
+def test_a_chunk_that_needs_no_logits_writes_the_eager_kv(loaded):
+    """A prompt chunk that does not finish its prompt asks for no logits rows: none come back, and the
+    whole-step call writes the K/V the eager layers write."""
+    model, backend, cache = loaded
+    g = torch.Generator().manual_seed(7)
+    meta, pos = backend.packed(torch.tensor([5]), torch.tensor([33]))
+    segments = [Segment(torch.randint(0, model.config.vocab_size, (1, 33), generator=g), pos, meta)]
+    eager, got = eager_and_native(model, cache, lambda: model.forward_segments(segments, cache,
+                                                                               torch.tensor([], dtype=torch.long)))
+    assert eager.shape == got.shape == (0, model.config.vocab_size)
