@@ -33,8 +33,8 @@ static const int MAX_PAIRS = 128;  // head_dim <= 256
 static const int GROUP_ROWS = 8;   // query rows scored together (they share each K vector load)
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
 static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
-static const int SMALL_BLOCK_ROWS = 24;
-static const int MAX_GROUP_ROWS_AMX = SMALL_BLOCK_ROWS * 16;  // query heads per kv head x tokens of an AMX block  // ... when larger blocks would leave the threads too few tasks to share
+static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
+static const int MAX_GROUP_ROWS_AMX = SMALL_BLOCK_ROWS * 16;  // query heads per kv head x tokens of an AMX block
 
 // Transposing 16 x 16 32-bit lanes by swapping off-diagonal blocks of 8, 4, 2, 1.
 #define LO_(s, j) (((j) & (s)) ? 16 + (j) - (s) : (j))
@@ -235,7 +235,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
 // The same block on AMX tiles (Sapphire Rapids and later, where the OS grants them): each query
 // head's 16 token rows are one tile, so a key block's scores for them are two tile products
 // (tdpbf16ps over the head dimension's pairs, as pack_keys lays them out), and probabilities x
-// values accumulate in four output tiles over 32 keys at a time. The softmax, the bfloat16
+// values accumulate in up to six output tiles (16 head dims each) over 32 keys at a time. The softmax, the bfloat16
 // rounding of the probabilities and the final scaling are attend_block's. A score or an output
 // sum is the tile unit's fixed sequence of float32 operations over that row's own q, keys and
 // probabilities (exact zeros past its position add nothing), so a token's output still does not

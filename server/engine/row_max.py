@@ -13,6 +13,8 @@ import ctypes
 import torch
 from torch import Tensor
 
+from lmserve.model import native as native_lib
+
 
 class _NativeRowMax:
     def __init__(self, lib):
@@ -36,8 +38,6 @@ class _NativeRowMax:
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [N, V] -> (maxima [N], indices [N] int64), as logits.max(dim=-1) gives them (the maxima
     in float32 when the native pass runs)."""
-    from lmserve.model import native as native_lib
-
     native = native_lib.bound(_NativeRowMax)  # the model loader's library on CPU; never built here
     if native is not None and native.applies(logits):
         return native(logits)
