@@ -268,6 +268,8 @@ def parse_model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
         quantization=msg.quantization,
         kernels=msg.kernels,
         precision_choice=msg.precision_choice,
+        kv_cache_dtype=msg.kv_cache_dtype,
+        kv_cache_choice=msg.kv_cache_choice,
     )
 
 

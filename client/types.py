@@ -224,6 +224,8 @@ class ModelInfo:
     quantization: str = ""
     kernels: str = ""
     precision_choice: str = ""  # how the precision mode was chosen and why (GetModelInfoResponse.precision_choice)
+    kv_cache_dtype: str = ""  # what the KV cache holds: the model's dtype or "int8"
+    kv_cache_choice: str = ""  # why (GetModelInfoResponse.kv_cache_choice)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

@@ -93,6 +93,8 @@ class AttentionMetadata:
         cache write (when there is a cache), then the planned calls over cache views, or one call over
         the chunk's own keys (fresh layout)."""
         B, L, H, d = q.shape
+        if cache is not None and cache.quantized:
+            raise TypeError("an int8 KV cache is served by the native attention kernels only, not SDPA")
         if cache is not None and self.write_b is not None:
             self.write(k, v, cache, layer)
         q = q.transpose(1, 2)  # [B, H, L, d]

@@ -46,7 +46,7 @@ class KernelDecode:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
         if self.write_first:  # the kernel writes each row as it goes; it rewrites the same values
             cache.write(layer, self.slots, self.starts, k[:, 0], v[:, 0])  # [B, Hkv, d]
-        return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts)
+        return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts, *cache.scale_views(layer))
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class KernelPrompt:
         cache.write(layer, self.write_slot, self.write_pos, k[b, j], v[b, j])  # [T, Hkv, d]
         dense = b.shape[0] == B * L
         rows = q.reshape(B * L, H, d) if dense else q[b, j]  # row-major: in order
-        out = self.kernel(rows, cache.k[layer], cache.v[layer], self.write_slot, self.write_pos)  # [T, H*d]
+        out = self.kernel(rows, cache.k[layer], cache.v[layer], self.write_slot, self.write_pos,
+                          *cache.scale_views(layer))  # [T, H*d]
         if dense:
             return out.view(B, L, H * d)
         full = out.new_zeros(B, L, H * d)  # padding rows stay 0

@@ -9,7 +9,9 @@
 //   - the softmax sum runs over blocks of 16 keys from key 0 (the block pattern depends only on
 //     the row's own length), then the same lane tree;
 //   - the output accumulates p_j * v_j in key order, vectorised over the head dimension.
-// Arithmetic is float32 whatever the cache dtype (float32 or bfloat16).
+// Arithmetic is float32 whatever the cache dtype (float32, bfloat16, or int8 codes with one scale
+// per position and head: native_common.h). With int8, a score is (q . codes) x the key's scale, and
+// the output weighs value codes by probability x the value's scale, so the codes widen exactly.
 //
 // Built by native.py with the machine's own instruction set (-march=native), wrapped by
 // decode_attention.py; no torch headers. OpenMP resolves to the runtime torch has already loaded.
@@ -43,10 +45,14 @@ static inline v16f lane_sums(const v16f a[16]) {
 // One (row, kv head) pair: G query heads over keys 0..n-1, head_dim 16 * C (a constant, so the
 // accumulators of one query head stay in registers). Keys and values are taken 16 rows at a time,
 // widened to float32 once into `rows` (shared by the G query heads) and fetched ahead of use.
-template <class L, int C>
-static void attend_pair(const typename L::T* q, const typename L::T* K, const typename L::T* V, int n, int G,
-                        float scale, typename L::T* out, std::vector<float>& work) {
-    typedef typename L::T T;
+// A: the layout of q and out; KV: the cache's (ks, vs: the int8 cache's scales of key 0, the next
+// key's `ss` floats on).
+template <class A, class KV, int C>
+static void attend_pair(const typename A::T* q, const typename KV::T* K, const typename KV::T* V, const float* ks,
+                        const float* vs, int ss, int n, int G, float scale, typename A::T* out,
+                        std::vector<float>& work) {
+    typedef typename KV::T T;
+    constexpr bool coded = sizeof(T) == 1;
     const int d = 16 * C;
     const int blocks = (n + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
@@ -59,7 +65,7 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
     auto widen = [&](const T* src, int j0, int m) {  // rows j0 .. j0 + m - 1 of src; the rest zero
         for (int l = 0; l < 16; ++l)
             for (int c = 0; c < C; ++c)
-                F32::store(rows + l * d + 16 * c, l < m ? L::load(src + (size_t)(j0 + l) * d + 16 * c) : v16f{});
+                F32::store(rows + l * d + 16 * c, l < m ? KV::load(src + (size_t)(j0 + l) * d + 16 * c) : v16f{});
     };
     auto fetch = [&](const T* src, int j0) {  // rows j0 .. j0 + 15 of src on their way into the cache
         for (int l = 0; l < 16 && j0 + l < n; ++l)
@@ -72,9 +78,10 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
         fetch(K, j0 + 16 * PREFETCH_BLOCKS);
         fetch(V, j0);  // read after the softmax
         widen(K, j0, m);
+        const v16f kscale = coded ? load_scales(ks + (size_t)j0 * ss, m, ss) : v16f{};
         for (int g = 0; g < G; ++g) {
             v16f qg[C];
-            for (int c = 0; c < C; ++c) qg[c] = L::load(q + (size_t)g * d + 16 * c);
+            for (int c = 0; c < C; ++c) qg[c] = A::load(q + (size_t)g * d + 16 * c);
             v16f acc[16];
             for (int l = 0; l < 16; ++l) {
                 const float* k = rows + l * d;
@@ -82,7 +89,7 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
                 for (int c = 1; c < C; ++c) a = a + qg[c] * F32::load(k + 16 * c);
                 acc[l] = a;
             }
-            const v16f sc = lane_sums(acc) * scale;
+            const v16f sc = coded ? (lane_sums(acc) * kscale) * scale : lane_sums(acc) * scale;
             memcpy(scores + g * stride + j0, &sc, sizeof sc);
         }
     }
@@ -98,36 +105,49 @@ static void attend_pair(const typename L::T* q, const typename L::T* K, const ty
             v16f o[C];
             for (int c = 0; c < C; ++c) o[c] = F32::load(o_acc + g * d + 16 * c);
             const float* p = scores + g * stride + j0;
-            for (int l = 0; l < m; ++l)
-                for (int c = 0; c < C; ++c) o[c] = o[c] + p[l] * F32::load(rows + l * d + 16 * c);
+            for (int l = 0; l < m; ++l) {
+                const float w = coded ? p[l] * vs[(size_t)(j0 + l) * ss] : p[l];
+                for (int c = 0; c < C; ++c) o[c] = o[c] + w * F32::load(rows + l * d + 16 * c);
+            }
             for (int c = 0; c < C; ++c) F32::store(o_acc + g * d + 16 * c, o[c]);
         }
     }
     for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) L::store(out + (size_t)g * d + 16 * c, F32::load(o_acc + g * d + 16 * c) * inv[g]);
+        for (int c = 0; c < C; ++c) A::store(out + (size_t)g * d + 16 * c, F32::load(o_acc + g * d + 16 * c) * inv[g]);
 }
 
-template <class L>
-static void attend_pair(const typename L::T* q, const typename L::T* K, const typename L::T* V, int n, int G,
-                        int d, float scale, typename L::T* out, std::vector<float>& work) {
+template <class A, class KV>
+static void attend_pair(const typename A::T* q, const typename KV::T* K, const typename KV::T* V, const float* ks,
+                        const float* vs, int ss, int n, int G, int d, float scale, typename A::T* out,
+                        std::vector<float>& work) {
     switch (d / 16) {
 #define CASE(c) \
-    case c: attend_pair<L, c>(q, K, V, n, G, scale, out, work); break;
+    case c: attend_pair<A, KV, c>(q, K, V, ks, vs, ss, n, G, scale, out, work); break;
         CASE(2) CASE(4) CASE(5) CASE(6) CASE(8) CASE(16)  // head_dim 32, 64, 80, 96, 128, 256 (HEAD_CHUNKS)
 #undef CASE
     }
 }
 
-template <class L>
+// A row's new k/v into the cache: copied as they are, or as int8 codes and a scale.
+template <class A, class KV>
+static inline void put_row(const typename A::T* src, typename KV::T* dst, float* scale, int d) {
+    if constexpr (sizeof(typename KV::T) == 1)
+        quantize_kv_row(src, d, dst, scale);
+    else
+        memcpy(dst, src, d * sizeof(typename A::T));
+}
+
+template <class A, class KV>
 static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row, const void* v_, int64_t v_row,
-                   void* kc_, void* vc_, const int64_t* slots, const int64_t* pos, void* out_, int B, int H, int Hkv,
-                   int d, int64_t max_len, float scale, int threads) {
-    typedef typename L::T T;
+                   void* kc_, void* vc_, float* k_scales, float* v_scales, const int64_t* slots, const int64_t* pos,
+                   void* out_, int B, int H, int Hkv, int d, int64_t max_len, float scale, int threads) {
+    typedef typename A::T T;
+    typedef typename KV::T C;
     const T* q = (const T*)q_;
     const T* k_new = (const T*)k_;
     const T* v_new = (const T*)v_;
-    T* k_cache = (T*)kc_;
-    T* v_cache = (T*)vc_;
+    C* k_cache = (C*)kc_;
+    C* v_cache = (C*)vc_;
     T* out = (T*)out_;
     const int G = H / Hkv;
     const int tasks = B * Hkv;
@@ -141,28 +161,38 @@ static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row,
         for (int t = 0; t < tasks; ++t) {
             const int b = t / Hkv, h = t % Hkv;
             const size_t base = (((size_t)slots[b] * Hkv + h) * max_len) * d;
-            memcpy(k_cache + base + (size_t)pos[b] * d, k_new + b * k_row + (size_t)h * d, d * sizeof(T));
-            memcpy(v_cache + base + (size_t)pos[b] * d, v_new + b * v_row + (size_t)h * d, d * sizeof(T));
-            attend_pair<L>(q + b * q_row + (size_t)h * G * d, k_cache + base, v_cache + base, (int)pos[b] + 1, G, d,
-                           scale, out + ((size_t)b * H + (size_t)h * G) * d, work);
+            const int ss = 2 * Hkv;  // scales: [slots, max_len, 2, Hkv]
+            const size_t at = (size_t)slots[b] * max_len * ss + h, step = (size_t)pos[b] * ss;
+            float* ks = k_scales ? k_scales + at : nullptr;
+            float* vs = v_scales ? v_scales + at : nullptr;
+            put_row<A, KV>(k_new + b * k_row + (size_t)h * d, k_cache + base + (size_t)pos[b] * d, ks ? ks + step : nullptr, d);
+            put_row<A, KV>(v_new + b * v_row + (size_t)h * d, v_cache + base + (size_t)pos[b] * d, vs ? vs + step : nullptr, d);
+            attend_pair<A, KV>(q + b * q_row + (size_t)h * G * d, k_cache + base, v_cache + base, ks, vs, ss,
+                               (int)pos[b] + 1, G, d, scale, out + ((size_t)b * H + (size_t)h * G) * d, work);
         }
     }
 }
 
 // 0: done; 1: a shape the kernel does not take; 2: a row's slot or position outside the cache
 // (nothing is written then: a bookkeeping error upstream must not become a stray write).
+// k_scales, v_scales: null for a float32 or bfloat16 cache (of the activations' dtype); else the
+// layer's K and V scale pointers of an int8 cache (native_common.h), bfloat16 activations.
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
-                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
-                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
-                                   int64_t max_len, float scale, int threads) {
+                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, float* k_scales,
+                                   float* v_scales, const int64_t* slots, const int64_t* pos, void* out, int B, int H,
+                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int threads) {
     if (d % 16 != 0 || !head_chunks_built(d / 16) || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP) return 1;
+    if ((k_scales == nullptr) != (v_scales == nullptr) || (k_scales && !bf16)) return 1;
     for (int b = 0; b < B; ++b)
         if (slots[b] < 0 || slots[b] >= num_slots || pos[b] < 0 || pos[b] >= max_len) return 2;
-    if (bf16)
-        decode<BF16>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, slots, pos, out, B, H, Hkv, d, max_len, scale,
-                     threads);
+    if (k_scales)
+        decode<BF16, I8>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, k_scales, v_scales, slots, pos, out, B, H, Hkv,
+                         d, max_len, scale, threads);
+    else if (bf16)
+        decode<BF16, BF16>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, nullptr, nullptr, slots, pos, out, B, H, Hkv,
+                           d, max_len, scale, threads);
     else
-        decode<F32>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, slots, pos, out, B, H, Hkv, d, max_len, scale,
-                    threads);
+        decode<F32, F32>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, nullptr, nullptr, slots, pos, out, B, H, Hkv, d,
+                         max_len, scale, threads);
     return 0;
 }

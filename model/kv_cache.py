@@ -11,6 +11,15 @@ they read as zeros again. Resident memory thus follows the tokens held, not slot
 `page_tokens` positions of one (layer, head), so memory is accounted in KV pages of that many
 tokens. Elsewhere (CUDA) the tensors are allocated in full ("dense") and the number of slots
 is what the budget allows; `release` then zeroes what was written.
+
+An int8 cache (dtype torch.int8, CPU) holds each position's K and V of one head as int8 codes with
+one float32 scale (scale = max|x| / 127, code = x / scale rounded to nearest even): 68 bytes a row
+instead of bfloat16's 128 at head_dim 64, so nearly twice the tokens fit and decode attention reads
+about half the bytes. `scales` [layers, slots, max_len, 2, kv_heads] keeps a position's K and V
+scales of every head together (one short run per position, read alongside the codes); the native
+attention kernels read codes and scales (native_common.h defines the format), and `write` computes
+the same codes with torch, bitwise. Only the native CPU attention backend serves it (SDPA cannot
+read codes): the engine decides (server/engine/kv_choice.py).
 """
 
 from __future__ import annotations
@@ -25,6 +34,22 @@ from torch import Tensor
 from .config import ModelConfig
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+KV_DTYPES = {"int8": torch.int8}  # quantized caches by name; else the model's dtype
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., d] -> (int8 codes [..., d], float32 scales [...]): the int8 cache's format, bitwise what
+    the native kernels write (native_common.h quantize_kv_row) for finite rows."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127
+    nonzero = scale > 0
+    codes = torch.where(nonzero[..., None], xf / torch.where(nonzero, scale, 1)[..., None], 0)
+    return codes.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor) -> Tensor:
+    """The values an int8 cache's rows stand for (float32): codes x scale."""
+    return codes.float() * scale[..., None]
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
@@ -43,34 +68,62 @@ class KVCache:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"KV cache needs at least one slot and one position (slots={num_slots}, max_len={max_len})")
         device = torch.device(device)
+        self.quantized = dtype == torch.int8
+        if self.quantized and device.type != "cpu":
+            raise ValueError("an int8 KV cache is served on CPU only (the native attention kernels read it)")
         self.virtual = device.type == "cpu" and bool(_MAP_NORESERVE) if virtual is None else virtual
+        self.dtype = dtype
         row = cfg.head_dim * _dtype_size(dtype)  # bytes of one position of one (layer, head)
+        scale_row = 2 * cfg.num_kv_heads * 4  # bytes of one position's scales in one (layer, slot)
         page = mmap.PAGESIZE
-        # a page holds `page_tokens` positions; a slot's run per (layer, head) starts on a page
+        # a page holds `page_tokens` positions; a slot's run per (layer, head) starts on a page (and so
+        # does its run of scales per layer: a released page never holds another slot's)
         self.page_tokens = page // math.gcd(page, row) if self.virtual else 1
+        if self.quantized and self.virtual:
+            self.page_tokens = math.lcm(self.page_tokens, page // math.gcd(page, scale_row))
         max_len = -(-max_len // self.page_tokens) * self.page_tokens
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.num_slots, self.max_len, self.shape = num_slots, max_len, shape
-        self._row = row
-        self._maps: list[mmap.mmap] = []
+        self._runs: list[tuple[mmap.mmap, int, int]] = []  # (map, runs per (layer, slot), bytes per position)
+        self.scales = None
         if self.virtual:
-            self.k, self.v = self._mapped(shape, dtype), self._mapped(shape, dtype)
+            self.k, self.v = self._mapped(shape, dtype, cfg.num_kv_heads, row), self._mapped(shape, dtype, cfg.num_kv_heads, row)
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if self.quantized:
+            sshape = (cfg.num_layers, num_slots, max_len, 2, cfg.num_kv_heads)
+            self.scales = (self._mapped(sshape, torch.float32, 1, scale_row) if self.virtual
+                           else torch.zeros(sshape, dtype=torch.float32))
         self.bytes_per_page = self.page_tokens * self.bytes_per_token(cfg, dtype)
 
-    def _mapped(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    def _mapped(self, shape: tuple[int, ...], dtype: torch.dtype, runs: int, position_bytes: int) -> Tensor:
+        """An anonymous mapping viewed as `shape`: `runs` runs of max_len positions per (layer, slot),
+        `position_bytes` each position (release's layout)."""
         size = math.prod(shape) * _dtype_size(dtype)
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)  # anonymous: reads as zeros
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a 2 MiB huge page would commit 8k positions at once
             mm.madvise(mmap.MADV_NOHUGEPAGE)
-        self._maps.append(mm)
+        self._runs.append((mm, runs, position_bytes))
         return torch.frombuffer(mm, dtype=dtype).view(shape)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _dtype_size(dtype)
+        """K and V bytes of one position over every layer and head (an int8 cache's scales included)."""
+        row = cfg.head_dim * _dtype_size(dtype) + (4 if dtype == torch.int8 else 0)
+        return 2 * cfg.num_layers * cfg.num_kv_heads * row
+
+    @property
+    def token_bytes(self) -> int:
+        """bytes_per_token of this cache's own layout."""
+        layers, _, heads, _, d = self.shape
+        return 2 * layers * heads * (d * self.k.element_size() + (4 if self.quantized else 0))
+
+    def scale_views(self, layer: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
+        """An int8 cache's K and V scales of one layer ([slots, max_len, kv_heads] views), else (None, None)."""
+        if self.scales is None:
+            return None, None
+        return self.scales[layer, :, :, 0], self.scales[layer, :, :, 1]
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, max_len: int, max_slots: int,
@@ -91,14 +144,20 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes the two tensors span (virtual on CPU: mostly never committed)."""
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() * 2 + (self.scales.numel() * 4 if self.scales is not None else 0)
 
     def pages(self, tokens: int) -> int:
         """Blocks (pages per (layer, head)) that `tokens` positions of one slot occupy."""
         return -(-tokens // self.page_tokens)
 
     def write(self, layer: int, slot_idx: Tensor, pos_idx: Tensor, k: Tensor, v: Tensor) -> None:
-        """k, v [T, kv_heads, d] go to (slot_idx[t], :, pos_idx[t])."""
+        """k, v [T, kv_heads, d] go to (slot_idx[t], :, pos_idx[t]) (as codes and scales when int8)."""
+        if self.quantized:
+            (kc, ks), (vc, vs) = quantize_rows(k), quantize_rows(v)
+            self.k[layer][slot_idx, :, pos_idx] = kc
+            self.v[layer][slot_idx, :, pos_idx] = vc
+            self.scales[layer][slot_idx, pos_idx] = torch.stack((ks, vs), 1)  # [T, 2, kv_heads]
+            return
         self.k[layer][slot_idx, :, pos_idx] = k
         self.v[layer][slot_idx, :, pos_idx] = v
 
@@ -111,25 +170,31 @@ class KVCache:
         if not self.virtual:
             self.k[:, slot, :, :upto] = 0
             self.v[:, slot, :, :upto] = 0
+            if self.scales is not None:
+                self.scales[:, slot, :upto] = 0
             return
-        layers, _, heads, max_len, _ = self.shape
-        run = max_len * self._row  # bytes of one (layer, slot, head) run: a multiple of the page size
-        length = self.pages(upto) * self.page_tokens * self._row
-        length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-        for mm in self._maps:
+        layers, max_len = self.shape[0], self.max_len
+        for mm, runs, position_bytes in self._runs:
+            run = max_len * position_bytes  # bytes of one run: a multiple of the page size
+            length = self.pages(upto) * self.page_tokens * position_bytes
+            length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
             for layer in range(layers):
-                base = ((layer * self.num_slots + slot) * heads) * run
-                if length == run:  # the whole slot of this layer: one call for every head
-                    mm.madvise(mmap.MADV_DONTNEED, base, heads * run)
+                base = ((layer * self.num_slots + slot) * runs) * run
+                if length == run:  # the whole slot of this layer: one call for every run
+                    mm.madvise(mmap.MADV_DONTNEED, base, runs * run)
                     continue
-                for head in range(heads):
-                    mm.madvise(mmap.MADV_DONTNEED, base + head * run, length)
+                for r in range(runs):
+                    mm.madvise(mmap.MADV_DONTNEED, base + r * run, length)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Positions [0, length) of slot src -> slot dst, every layer and head (a prefix-cache hit)."""
         self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
         self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+        if self.scales is not None:
+            self.scales[:, dst, :length].copy_(self.scales[:, src, :length])
 
     def view(self, layer: int, lo: int, hi: int, length: int) -> tuple[Tensor, Tensor]:
         """Views (no copy) k, v [hi - lo, kv_heads, length, d] of slots lo..hi-1."""
+        if self.quantized:
+            raise TypeError("an int8 KV cache is read by the native attention kernels only, not through views")
         return self.k[layer, lo:hi, :, :length], self.v[layer, lo:hi, :, :length]

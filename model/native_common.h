@@ -8,8 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__)
 #include <immintrin.h>
+
+#if defined(__AMX_TILE__)
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -182,4 +183,54 @@ static void for_rows(int rows, int64_t work_per_row, int threads, Body body) {
     const bool parallel = threads > 1 && rows > 1 && rows * work_per_row >= (1 << 16);
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int r = 0; r < rows; ++r) body(r);
+}
+
+// The int8 KV cache (kv_cache.py): one position's K or V of one head is d int8 codes and one
+// float32 scale, scale = max|x| / 127 and code = x / scale rounded to nearest even, clamped to
+// [-127, 127] (all codes 0 when the row is all zeros). A row's codes depend on that row alone, so
+// the cache stays batch-invariant; KVCache.write computes the same steps with torch, bitwise.
+// A layer's scales are [slots, max_len, 2, Hkv] (a position's K then V scales of every head): the
+// kernels take the K and V scale pointers of a layer (V = K + Hkv) and step 2 * Hkv per position.
+struct I8 {  // a cache row's codes widened to float32 (exactly: |code| <= 127)
+    typedef int8_t T;
+    static inline v16f load(const int8_t* p) {
+#if defined(__AVX512F__)
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else  // two AVX2 halves
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+        struct { __m256 a, b; } f = {lo, hi};
+#endif
+        v16f r;
+        memcpy(&r, &f, sizeof r);
+        return r;
+    }
+};
+
+static inline void quantize_kv_row(const uint16_t* x, int d, int8_t* codes, float* scale) {
+    float amax = 0.0f;
+    for (int i = 0; i < d; ++i) {
+        uint32_t w = (uint32_t)x[i] << 16;
+        float f;
+        memcpy(&f, &w, sizeof f);
+        f = f < 0.0f ? -f : f;
+        amax = f > amax ? f : amax;
+    }
+    const float s = amax / 127.0f;
+    *scale = s;
+    for (int i = 0; i < d; ++i) {
+        uint32_t w = (uint32_t)x[i] << 16;
+        float f;
+        memcpy(&f, &w, sizeof f);
+        float r = s > 0.0f ? __builtin_rintf(f / s) : 0.0f;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        codes[i] = (int8_t)r;
+    }
+}
+
+// n (<= 16) float32 scales p[0], p[stride], ... into a vector, zeros past them
+static inline v16f load_scales(const float* p, int n, int stride) {
+    v16f r = v16f{};
+    for (int l = 0; l < n && l < 16; ++l) r[l] = p[(size_t)l * stride];
+    return r;
 }

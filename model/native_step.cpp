@@ -38,12 +38,13 @@ extern "C" int lm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows
 extern "C" int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
                       int64_t N, void* y, int y_bf16, int threads);
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
-                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, const int64_t* slots,
-                                   const int64_t* pos, void* out, int B, int H, int Hkv, int d, int64_t num_slots,
-                                   int64_t max_len, float scale, int threads);
+                                   const void* v, int64_t v_row, void* k_cache, void* v_cache, float* k_scales,
+                                   float* v_scales, const int64_t* slots, const int64_t* pos, void* out, int B, int H,
+                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int threads);
 extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
-                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
-                                   int64_t num_slots, int64_t max_len, float scale, int threads);
+                                   const float* k_scales, const float* v_scales, const int64_t* slots,
+                                   const int64_t* pos, void* out, int T, int H, int Hkv, int d, int64_t num_slots,
+                                   int64_t max_len, float scale, int threads);
 
 struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
     const uint8_t* packed;
@@ -55,8 +56,10 @@ struct StepLayer {
     StepLinear qkv, o, gate_up, down;
     const uint16_t* input_norm;  // [D]
     const uint16_t* post_norm;   // [D]
-    uint16_t* k_cache;           // this layer's [slots, Hkv, max_len, d]
-    uint16_t* v_cache;
+    void* k_cache;               // this layer's [slots, Hkv, max_len, d]: bfloat16, or int8 codes
+    void* v_cache;
+    float* k_scales;             // the int8 cache's scales ([slots, max_len, 2, Hkv]; V = K + Hkv); null for bfloat16
+    float* v_scales;
 };
 
 struct StepShape {
@@ -81,8 +84,16 @@ static inline void write_kv(const StepLayer& L, const StepShape* s, const uint16
     const int64_t qk_n = (int64_t)(H + Hkv) * d, qkv_n = (int64_t)(H + 2 * Hkv) * d;
     for (int g = 0; g < Hkv; ++g) {
         const size_t at = (((size_t)slots[t] * Hkv + g) * s->max_len + pos[t]) * d;
-        memcpy(L.k_cache + at, qk + t * qk_n + (size_t)(H + g) * d, d * sizeof(uint16_t));
-        memcpy(L.v_cache + at, qkv + t * qkv_n + (size_t)(H + Hkv + g) * d, d * sizeof(uint16_t));
+        const uint16_t* k = qk + t * qk_n + (size_t)(H + g) * d;
+        const uint16_t* v = qkv + t * qkv_n + (size_t)(H + Hkv + g) * d;
+        if (L.k_scales) {  // scales [slots, max_len, 2, Hkv]
+            const size_t sc = ((size_t)slots[t] * s->max_len + pos[t]) * 2 * Hkv + g;
+            quantize_kv_row(k, d, (int8_t*)L.k_cache + at, L.k_scales + sc);
+            quantize_kv_row(v, d, (int8_t*)L.v_cache + at, L.v_scales + sc);
+        } else {
+            memcpy((uint16_t*)L.k_cache + at, k, d * sizeof(uint16_t));
+            memcpy((uint16_t*)L.v_cache + at, v, d * sizeof(uint16_t));
+        }
     }
 }
 
@@ -137,11 +148,12 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
         for (int t = 0; t < P; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
         for (int t = P; write_first && t < N; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
         if (P > 0)
-            STEP(1, lm_prompt_attention(qk, qk_n, L.k_cache, L.v_cache, slots, pos, attn, P, H, Hkv, d, s->num_slots,
-                                        s->max_len, s->scale, threads));
+            STEP(1, lm_prompt_attention(qk, qk_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales, slots, pos, attn, P, H,
+                                        Hkv, d, s->num_slots, s->max_len, s->scale, threads));
         if (B > 0)
             STEP(1, lm_decode_attention(1, qk + P * qk_n, qk_n, qk + P * qk_n + (size_t)H * d, qk_n,
-                                        qkv + P * qkv_n + qk_n, qkv_n, L.k_cache, L.v_cache, slots + P, pos + P,
+                                        qkv + P * qkv_n + qk_n, qkv_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales,
+                                        slots + P, pos + P,
                                         attn + (size_t)P * H * d, B, H, Hkv, d, s->num_slots, s->max_len, s->scale,
                                         threads));
         STEP(0, qmm(L.o, attn, N, (int64_t)H * d, D, o, threads));

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .attention_backend import KernelDecode, KernelPrompt
+from .decode_attention import scale_pointers
 from .kernels import NativeQuantLinear
 from .kv_cache import KVCache
 
@@ -33,7 +34,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p)]
 
 
 class _Ends(ctypes.Structure):
@@ -116,7 +118,7 @@ class NativeStep:
         """Whether the loop takes these segments (llama.Segment: ids, positions, meta): prompt
         segments on the prompt kernel, every token real (no padding rows), then at most one decode
         segment on the decode kernel, last."""
-        if cache is None or cache.k.dtype != torch.bfloat16 or not segments:
+        if cache is None or cache.k.dtype not in (torch.bfloat16, torch.int8) or not segments:
             return False
 
         def dense_prompt(s) -> bool:
@@ -132,7 +134,8 @@ class NativeStep:
                 a, m = layer.self_attn, layer.mlp
                 arr[i] = _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
                                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                                cache.k[i].data_ptr(), cache.v[i].data_ptr())
+                                cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+                                *scale_pointers(cache.k, *cache.scale_views(i)))
             cfg = self.model.config
             d = self.head_dim
             self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,

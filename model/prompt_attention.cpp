@@ -1,5 +1,5 @@
-// Prompt attention on CPU for a bfloat16 cache: every prefill token of a step (new prompts and
-// continued chunks) in one call per layer, after the step's k/v are in the cache.
+// Prompt attention on CPU for a bfloat16 or int8 cache: every prefill token of a step (new prompts
+// and continued chunks) in one call per layer, after the step's k/v are in the cache.
 //
 // Token t attends to keys 0..pos[t] of cache slot slots[t]. Tokens are grouped into blocks of
 // consecutive positions of one slot; work is split over (block, kv head), and each query row
@@ -13,6 +13,9 @@
 //     one fixed lane tree; keys past the row's position count as 0;
 //   - output: the probabilities rounded to bfloat16 (as SDPA's CPU kernel does for a bfloat16
 //     cache) times V, summed in float32 by the same dot product over key pairs, divided by the sum.
+//   - an int8 cache (native_common.h): the codes are exact in bfloat16, so they take the same dot
+//     products; a score is then multiplied by its key's scale (before the softmax scale), and a
+//     probability by its value's scale before the rounding to bfloat16.
 // Where the OS grants AMX tiles, head_dim <= 128 takes them instead (attend_block_amx): the same
 // blocks, softmax and roundings with the two products on tile units, ~3x faster on the 2-core Xeon
 // VM; every prompt token of a process takes the same path. Without AVX-512 BF16 the entry points
@@ -59,15 +62,45 @@ static inline void transpose16(v16u* r) {
     swap_blocks<1>(r);
 }
 
+typedef int8_t v32c __attribute__((vector_size(32)));
+typedef uint16_t v32h __attribute__((vector_size(64)));
+
+// 16 bfloat16 of a cache row (32 for pairs): copied, or int8 codes as the bfloat16 of the same value.
+static inline v16h bf16_of(const uint16_t* p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return h;
+}
+static inline v16h bf16_of(const int8_t* p) {
+    v16u w;
+    const v16f f = I8::load(p);
+    memcpy(&w, &f, sizeof w);
+    return __builtin_convertvector(w >> 16, v16h);  // exact: a code has at most 7 significant bits
+}
+static inline v16u bf16_pairs_of(const uint16_t* p) {
+    v16u r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline v16u bf16_pairs_of(const int8_t* p) {
+    const v16h lo = bf16_of(p), hi = bf16_of(p + 16);
+    v32h both = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                        20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    v16u r;
+    memcpy(&r, &both, sizeof r);
+    return r;
+}
+
 // Keys j0..j0+15 of one (slot, head) into out[p] = pair p (head dims 2p, 2p+1) of the 16 keys, one
 // key per lane; keys at or past `valid` read as zeros (positions past the block may hold anything).
-static inline void pack_keys(const uint16_t* K, int d, int j0, int valid, v16u* out) {
+template <class T>
+static inline void pack_keys(const T* K, int d, int j0, int valid, v16u* out) {
     const int pairs = d / 2;
     for (int pc = 0; pc < pairs; pc += 16) {
         v16u r[16];
         for (int l = 0; l < 16; ++l) {
             if (j0 + l < valid)
-                memcpy(&r[l], K + (size_t)(j0 + l) * d + 2 * pc, sizeof(v16u));
+                r[l] = bf16_pairs_of(K + (size_t)(j0 + l) * d + 2 * pc);
             else
                 r[l] = v16u{};
         }
@@ -78,14 +111,15 @@ static inline void pack_keys(const uint16_t* K, int d, int j0, int valid, v16u* 
 
 // Values of key pairs (j0 + 2i, j0 + 2i + 1), i < 8: out[i * C + c] lane l = the two keys' head dim
 // 16c + l as a bf16 pair (first key in the low half). Keys at or past `valid` read as zeros.
-static inline void pack_values(const uint16_t* V, int d, int j0, int valid, v16u* out) {
+template <class T>
+static inline void pack_values(const T* V, int d, int j0, int valid, v16u* out) {
     const int C = d / 16;
     for (int i = 0; i < 8; ++i) {
         const int a = j0 + 2 * i, b = a + 1;
         for (int c = 0; c < C; ++c) {
             v16h lo = v16h{}, hi = v16h{};
-            if (a < valid) memcpy(&lo, V + (size_t)a * d + 16 * c, sizeof lo);
-            if (b < valid) memcpy(&hi, V + (size_t)b * d + 16 * c, sizeof hi);
+            if (a < valid) lo = bf16_of(V + (size_t)a * d + 16 * c);
+            if (b < valid) hi = bf16_of(V + (size_t)b * d + 16 * c);
             out[i * C + c] = __builtin_convertvector(lo, v16u) | (__builtin_convertvector(hi, v16u) << 16);
         }
     }
@@ -160,18 +194,67 @@ struct Block {
 struct Scratch {
     std::vector<float> scores, acc;
     std::vector<v16u> kp, vp;
+    std::vector<float> ks, vs;  // an int8 cache's scales of keys 0..valid-1, zeros to a multiple of 16
 };
 
-static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_row, const uint16_t* k_cache,
-                         const uint16_t* v_cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale,
-                         Scratch& w) {
+// The cache of one call: K and V of type T (uint16_t: bfloat16; int8_t: codes, with their scales).
+template <class T>
+struct CacheView {
+    const T* k;
+    const T* v;
+    const float* k_scales;  // [slots, Hkv, max_len]; int8 only
+    const float* v_scales;
+    static constexpr bool coded = sizeof(T) == 1;
+};
+
+// An int8 cache's scales of the (slot, head) run's keys 0..valid-1 into w.ks, w.vs (16-key blocks)
+// (scales [slots, max_len, 2, Hkv]: key j of (slot, h) at (slot * max_len + j) * 2 * Hkv + h)
+template <class T>
+static inline void load_block_scales(const CacheView<T>& c, int64_t slot, int h, int Hkv, int64_t max_len, int valid,
+                                     Scratch& w) {
+    if constexpr (CacheView<T>::coded) {
+        const size_t padded = (size_t)(valid + 15) / 16 * 16, ss = 2 * (size_t)Hkv;
+        const size_t at = (size_t)slot * max_len * ss + h;
+        w.ks.assign(padded, 0.0f);
+        w.vs.assign(padded, 0.0f);
+        for (int j = 0; j < valid; ++j) {
+            w.ks[j] = c.k_scales[at + j * ss];
+            w.vs[j] = c.v_scales[at + j * ss];
+        }
+    } else {
+        (void)c, (void)slot, (void)h, (void)Hkv, (void)max_len, (void)valid, (void)w;
+    }
+}
+
+// Block scores (16 keys from j0) scaled as the cache asks: by each key's scale, then `scale`.
+template <class T>
+static inline v16f scaled_scores(v16f raw, const Scratch& w, int j0, float scale) {
+    if constexpr (CacheView<T>::coded) return (raw * F32::load(w.ks.data() + j0)) * scale;
+    return raw * scale;
+}
+
+// 16 probabilities from p, times the values' scales for an int8 cache, into tmp (returned)
+template <class T>
+static inline const float* weighted_probs(const float* p, const Scratch& w, int j0, float* tmp) {
+    if constexpr (CacheView<T>::coded) {
+        F32::store(tmp, F32::load(p) * F32::load(w.vs.data() + j0));
+        return tmp;
+    }
+    (void)w, (void)j0, (void)tmp;
+    return p;
+}
+
+template <class T>
+static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
+                         uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w) {
     const int G = H / Hkv, R = blk.n * G, pairs = d / 2, C = d / 16;
     const int valid = (int)(blk.p0 + blk.n);  // keys the block's last token sees
     const int blocks = (valid + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
-    const size_t base = (((size_t)blk.slot * Hkv + h) * max_len) * d;
-    const uint16_t* K = k_cache + base;
-    const uint16_t* V = v_cache + base;
+    const size_t run = ((size_t)blk.slot * Hkv + h) * max_len;
+    const T* K = cache.k + run * d;
+    const T* V = cache.v + run * d;
+    load_block_scales(cache, blk.slot, h, Hkv, max_len, valid, w);
     w.scores.resize((size_t)R * stride);
     w.acc.assign((size_t)R * d, 0.0f);
     w.kp.resize(MAX_PAIRS);
@@ -193,7 +276,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
             v16f s[GROUP_ROWS];
             score_group(rows + r0, n, w.kp.data(), pairs, s);
             for (int r = 0; r < n; ++r) {
-                const v16f x = s[r] * scale;
+                const v16f x = scaled_scores<T>(s[r], w, j0, scale);
                 memcpy(w.scores.data() + (size_t)(r0 + r) * stride + j0, &x, sizeof x);
             }
         }
@@ -207,11 +290,12 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         pack_values(V, d, j0, valid, w.vp.data());
         float* acc[PV_ROWS];
         v8u pp[PV_ROWS];
+        float tmp[16];
         int n = 0;
         for (int r = 0; r < R; ++r) {
             if (j0 >= len[r]) continue;  // a block this row does not see adds exactly nothing
             acc[n] = w.acc.data() + (size_t)r * d;
-            pp[n++] = prob_pairs(w.scores.data() + (size_t)r * stride + j0);
+            pp[n++] = prob_pairs(weighted_probs<T>(w.scores.data() + (size_t)r * stride + j0, w, j0, tmp));
             if (n == PV_ROWS) {
                 weigh_rows<PV_ROWS>(acc, pp, w.vp.data(), C);
                 n = 0;
@@ -284,17 +368,19 @@ struct AmxScratch {
     std::vector<float> sums;     // [16, 16] one tile's scores or output sums
 };
 
-static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t q_row, const uint16_t* k_cache,
-                             const uint16_t* v_cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len,
-                             float scale, Scratch& w, AmxScratch& a) {
+template <class T>
+static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
+                             uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w,
+                             AmxScratch& a) {
     const int G = H / Hkv, pairs = d / 2, C = d / 16, qt = d / 32;
     const int valid = (int)(blk.p0 + blk.n);
     const int blocks = (valid + 15) / 16, chunks = (valid + 31) / 32;  // key blocks of 16, chunks of 32
     const int keys = chunks * 32;
     const size_t stride = (size_t)blocks * 16;
-    const size_t base = (((size_t)blk.slot * Hkv + h) * max_len) * d;
-    const uint16_t* K = k_cache + base;
-    const uint16_t* V = v_cache + base;
+    const size_t run = ((size_t)blk.slot * Hkv + h) * max_len;
+    const T* K = cache.k + run * d;
+    const T* V = cache.v + run * d;
+    load_block_scales(cache, blk.slot, h, Hkv, max_len, valid, w);
     w.scores.resize((size_t)G * AMX_TOKENS * stride);
     a.q.assign((size_t)G * AMX_TOKENS * d, 0);
     a.p.resize((size_t)G * AMX_TOKENS * keys);
@@ -332,7 +418,7 @@ static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t
             }
             _tile_stored(5, a.sums.data(), 64);
             for (int i = 0; i < blk.n; ++i) {
-                const v16f x = F32::load(a.sums.data() + 16 * i) * scale;
+                const v16f x = scaled_scores<T>(F32::load(a.sums.data() + 16 * i), w, b * 16, scale);
                 memcpy(w.scores.data() + ((size_t)g * AMX_TOKENS + i) * stride + b * 16, &x, sizeof x);
             }
         }
@@ -351,7 +437,8 @@ static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t
             float* sr = w.scores.data() + (size_t)r * stride;
             inv[r] = softmax_numerators(sr, len);  // zeros on to the next multiple of 16
             const int upto = (len + 15) / 16 * 16;
-            for (int j = 0; j < upto; j += 16) BF16::store(pr + j, round_bf16(F32::load(sr + j)));
+            float tmp[16];
+            for (int j = 0; j < upto; j += 16) BF16::store(pr + j, round_bf16(F32::load(weighted_probs<T>(sr + j, w, j, tmp))));
             memset(pr + upto, 0, (keys - upto) * sizeof(uint16_t));
         }
 
@@ -418,12 +505,46 @@ extern "C" int lm_prompt_attention_set_amx(int on) {
 #endif
 }
 
+// Every task of one call (blocks x kv heads), longest blocks (latest positions) first.
+template <class T>
+static void run_tasks(const std::vector<Block>& blocks, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
+                      uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel,
+                      bool amx) {
+    const int tasks = (int)blocks.size() * Hkv;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+        Scratch w;
+#ifdef PA_AMX
+        if (amx) {
+            AmxScratch a;
+            AmxScope tiles(attention_tiles());
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < tasks; ++i) {
+                const int t = tasks - 1 - i;
+                attend_block_amx(blocks[t / Hkv], t % Hkv, q, q_row, cache, out, H, Hkv, d, max_len, scale, w, a);
+            }
+        } else
+#endif
+        {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < tasks; ++i) {
+                const int t = tasks - 1 - i;
+                attend_block(blocks[t / Hkv], t % Hkv, q, q_row, cache, out, H, Hkv, d, max_len, scale, w);
+            }
+        }
+        (void)amx;
+    }
+}
+
 // 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
-// outside the cache.
+// outside the cache. k_scales, v_scales: null for a bfloat16 cache; else the layer's K and V
+// scale pointers of an int8 cache (native_common.h).
 extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
-                                   const int64_t* slots, const int64_t* pos, void* out, int T, int H, int Hkv, int d,
-                                   int64_t num_slots, int64_t max_len, float scale, int threads) {
+                                   const float* k_scales, const float* v_scales, const int64_t* slots,
+                                   const int64_t* pos, void* out, int T, int H, int Hkv, int d, int64_t num_slots,
+                                   int64_t max_len, float scale, int threads) {
     if (d % 32 != 0 || d / 2 > MAX_PAIRS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > SMALL_BLOCK_ROWS) return 1;
+    if ((k_scales == nullptr) != (v_scales == nullptr)) return 1;
     for (int t = 0; t < T; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
     // larger blocks share each packed key block among more rows; smaller ones keep a short chunk's few
@@ -442,31 +563,14 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
     int64_t work = 0;
     for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
     const bool parallel = threads > 1 && tasks > 1 && work * H * d >= (1 << 16);
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
-        Scratch w;
-#ifdef PA_AMX
-        if (amx) {
-            AmxScratch a;
-            AmxScope tiles(attention_tiles());
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
-                const int t = tasks - 1 - i;
-                attend_block_amx(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
-                                 (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w, a);
-            }
-        } else
-#endif
-        {
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < tasks; ++i) {  // longest blocks (latest positions) first
-                const int t = tasks - 1 - i;
-                attend_block(blocks[t / Hkv], t % Hkv, (const uint16_t*)q, q_row, (const uint16_t*)k_cache,
-                             (const uint16_t*)v_cache, (uint16_t*)out, H, Hkv, d, max_len, scale, w);
-            }
-        }
-        (void)amx;
-    }
+    if (k_scales)
+        run_tasks(blocks, (const uint16_t*)q, q_row,
+                  CacheView<int8_t>{(const int8_t*)k_cache, (const int8_t*)v_cache, k_scales, v_scales},
+                  (uint16_t*)out, H, Hkv, d, max_len, scale, threads, parallel, amx);
+    else
+        run_tasks(blocks, (const uint16_t*)q, q_row,
+                  CacheView<uint16_t>{(const uint16_t*)k_cache, (const uint16_t*)v_cache, nullptr, nullptr},
+                  (uint16_t*)out, H, Hkv, d, max_len, scale, threads, parallel, amx);
     return 0;
 }
 
@@ -478,8 +582,9 @@ extern "C" int lm_prompt_attention_amx(int) { return 0; }
 
 extern "C" int lm_prompt_attention_set_amx(int) { return 0; }
 
-extern "C" int lm_prompt_attention(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*,
-                                   void*, int, int, int, int, int64_t, int64_t, float, int) {
+extern "C" int lm_prompt_attention(const void*, int64_t, const void*, const void*, const float*, const float*,
+                                   const int64_t*, const int64_t*, void*, int, int, int, int, int64_t, int64_t, float,
+                                   int) {
     return 1;
 }
 

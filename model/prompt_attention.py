@@ -18,6 +18,7 @@ import math
 import torch
 from torch import Tensor
 
+from .decode_attention import scale_pointers
 from .native import rows_packed
 
 
@@ -27,7 +28,7 @@ class PromptAttention:
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.lm_prompt_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
+        fn.argtypes = [p, i64, p, p, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
         fn.restype = i32
         self._fn = fn
         lib.lm_prompt_attention_amx.argtypes, lib.lm_prompt_attention_amx.restype = [i32], i32
@@ -54,15 +55,18 @@ class PromptAttention:
         return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 24)
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pos: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pos: Tensor,
+                 k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> Tensor:
         """q [T, H, d] (rotated queries; rows may be strided); k_cache/v_cache one layer's
-        [slots, Hkv, max_len, d] holding every key the tokens see; slots/pos [T] int64. Token t
-        attends to keys 0..pos[t] of slot slots[t]; returns [T, H * d]."""
+        [slots, Hkv, max_len, d] holding every key the tokens see (bfloat16, or int8 codes with their
+        scale views: KVCache.scale_views); slots/pos [T] int64. Token t attends to keys 0..pos[t] of
+        slot slots[t]; returns [T, H * d]."""
         T, H, d = q.shape
         q = rows_packed(q)
         slots, pos = slots.contiguous(), pos.contiguous()
         out = torch.empty(T, H * d, dtype=q.dtype)
-        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        ks, vs = scale_pointers(k_cache, k_scales, v_scales)
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, slots.data_ptr(),
                       pos.data_ptr(), out.data_ptr(), T, H, k_cache.shape[1], d, k_cache.shape[0], k_cache.shape[2],
                       1.0 / math.sqrt(d), torch.get_num_threads())
         if rc == 1:

@@ -59,6 +59,23 @@ def logits_of(model, ids: list[int], window: int = 512) -> Tensor:
     return torch.cat(out)  # [T, V]
 
 
+@torch.inference_mode()
+def logits_through_cache(model, attention, ids: list[int], cache_dtype: torch.dtype, window: int = 512) -> Tensor:
+    """Like logits_of, but every window is prefilled into a KV cache of `cache_dtype` through the
+    attention backend, so each token attends over keys and values read back from that cache (an int8
+    cache's codes and scales included): [T, V] float32."""
+    from .kv_cache import KVCache
+
+    out = []
+    for start in range(0, len(ids), window):
+        chunk = torch.tensor(ids[start:start + window])[None]  # [1, L]
+        L = chunk.shape[1]
+        cache = KVCache(model.config, 1, L, cache_dtype)
+        meta, pos = attention.packed(torch.tensor([0]), torch.tensor([L]))
+        out.append(model(chunk, pos, meta, cache)[0].float())
+    return torch.cat(out)  # [T, V]
+
+
 def compare(ref_logits: Tensor, logits: Tensor, ids: list[int], window: int = 512) -> Quality:
     """Quality of `logits` against `ref_logits` ([T, V] each) on the text `ids` (the first token of each window predicts nothing)."""
     targets = torch.tensor(ids)
@@ -80,4 +97,5 @@ def text_ids(tokenizer, max_tokens: int | None = None) -> list[int]:
     return ids if max_tokens is None else ids[:max_tokens]
 
 
-__all__ = ["HELD_OUT_TEXT", "MAX_MEAN_KL", "MAX_PPL_RATIO", "Quality", "logits_of", "compare", "text_ids"]
+__all__ = ["HELD_OUT_TEXT", "MAX_MEAN_KL", "MAX_PPL_RATIO", "Quality", "logits_of", "logits_through_cache", "compare",
+           "text_ids"]

@@ -149,12 +149,13 @@ class Server:
         self._watchdog = asyncio.create_task(self._watch_engine())
         lm = self.engine.loaded
         log.info("lmserve listening on %s:%d (%s, HTTP API %s, model %s on %s/%s, kernels %s [%s], max batch %d, "
-                 "KV memory %.1f GiB, %s steps, speculation %s, metrics %s) ready in %.1fs",
+                 "KV memory %.1f GiB in %s [%s], %s steps, speculation %s, metrics %s) ready in %.1fs",
                  s.host, self.port, "TLS" if s.tls_cert else "plaintext",
                  f"{'https' if s.tls_cert else 'http'}://{s.host}:{self.http_port}/v1" if self.http else "off",
                  s.model, lm.device.type,
                  lm.mode, lm.kernels, lm.choice, s.engine.max_batch,
-                 self.engine.kv_cache_bytes / 2**30, "overlapped" if self.engine.overlap else "sequential",
+                 self.engine.kv_cache_bytes / 2**30, self.engine.kv_choice.name, self.engine.kv_choice.reason,
+                 "overlapped" if self.engine.overlap else "sequential",
                  self.engine.speculation_summary(),
                  f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
                  time.monotonic() - t0)

@@ -118,6 +118,10 @@ HELP = {
     "max_model_len": "tokens per request, prompt + generated (default: the model's, at most 4096)",
     "kv_cache_gb": "KV cache budget in GiB: the most K/V memory held, prefix cache included "
                    "(default: 20%% of RAM on CPU, 90%% of free memory after weights on CUDA)",
+    "kv_cache_dtype": "what the KV cache holds: model (the model's dtype), int8 (codes with one scale per position "
+                      "and head: nearly twice the tokens per GiB, half the bytes for decode attention; needs a "
+                      "bfloat16 model on the native CPU attention kernels) or auto (int8 where it can serve and "
+                      "its measured quality on the held-out text stays within bounds, else model)",
     "prefix_cache": "reuse cached K/V of earlier requests for prompts sharing a prefix: true or false",
     "stuck_after_seconds": "an engine step running longer than this marks the server NOT_SERVING",
     "token_budget": "most tokens per engine step (decode rows + prefill chunk); the largest prefill chunk",

@@ -133,7 +133,7 @@ class _LiveCollector:
             _gauge("lmserve_kv_cache_bytes", "KV cache budget: the most K/V memory held, prefix cache included",
                    st.kv_cache_bytes),
             _gauge("lmserve_kv_cache_used_bytes", "KV cache bytes holding running requests' tokens",
-                   eng.cache.bytes_per_token(lm.config, lm.dtype) * st.cached_tokens),
+                   eng.cache.token_bytes * st.cached_tokens),
             _gauge("lmserve_kv_cache_committed_bytes", "KV memory held in pages: running requests and prefix cache",
                    st.kv_pages_used * st.kv_page_bytes),
             _gauge("lmserve_prefix_cache_bytes", "KV memory held by prefix-cache entries",

@@ -197,7 +197,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             has_chat_template=bool(self.tokenizer.chat_template),
             num_parameters=lm.num_parameters, server_version=lmserve.__version__, limits=self._server_limits(),
             quantization=lm.plan.mode.quantization if lm.plan else "none", kernels=lm.kernels,
-            precision_choice=lm.choice)
+            precision_choice=lm.choice, kv_cache_dtype=self.engine.kv_choice.name,
+            kv_cache_choice=self.engine.kv_choice.reason)
         if self.tokenizer.bos_id is not None:
             info.bos_token_id = self.tokenizer.bos_id
         return info

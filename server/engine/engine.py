@@ -21,6 +21,8 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from lmserve.model.kv_cache import KVCache
+
+from .kv_choice import choose_kv_dtype
 from lmserve.model.loader import LoadedModel, release_thread_pool
 
 from .constraints.compiler import ConstraintCompiler
@@ -175,7 +177,8 @@ class Engine:
         # max_batch, which prefix entries share with running requests (a graph-replayed decode step
         # attends over every slot, so more slots would cost every step).
         slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
-        self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, loaded.dtype, loaded.device)
+        self.kv_choice = choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
         c = self.cache
         if not c.virtual:  # allocated up front: the budget is what the slots took
             self.kv_cache_bytes = c.nbytes

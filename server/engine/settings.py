@@ -11,6 +11,7 @@ class EngineSettings:
     max_queue: int = 256  # requests waiting for admission; more are rejected
     max_model_len: int | None = None  # tokens per request (prompt + generated); None = min(model's, 4096)
     kv_cache_gb: float | None = None  # KV memory in GiB; None = a share of RAM on CPU, of free GPU memory on CUDA
+    kv_cache_dtype: str = "auto"  # model, int8 (codes + scales, native CPU kernels), auto (kv_choice.py)
     prefix_cache: bool = True  # keep finished requests' K/V and reuse them for prompts that share a prefix
     token_budget: int = 512  # tokens per engine step (decodes + prefill chunk): the upper bound
     max_step_ms: float | None = None  # target step time while requests decode (step_cost.py); None = auto, 0 = off
@@ -28,6 +29,8 @@ class EngineSettings:
         return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in ("auto", "model", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, model or int8, got {self.kv_cache_dtype!r}")
         if self.speculation not in ("auto", "ngram", "off"):
             raise ValueError(f"speculation must be auto, ngram or off, got {self.speculation!r}")
         for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens", "draft_tokens",

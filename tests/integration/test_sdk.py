@@ -222,6 +222,9 @@ def test_model_info_describes_checkpoint_and_limits(server, config, trained_serv
     assert info.max_new_tokens_limit == trained_server_flags["max_new_tokens_cap"]
     assert info.server_version == lmserve.__version__ and info.has_chat_template
     assert info.to_dict()["vocab_size"] == config["vocab_size"]
+    # the KV cache holds the model's dtype or int8 codes, and says why; float32 (the token-exact reference) never int8
+    assert info.kv_cache_dtype in (info.dtype, "int8") and info.kv_cache_choice.startswith(info.kv_cache_dtype)
+    assert info.dtype != "float32" or info.kv_cache_dtype == "float32"
 
 
 async def test_health_reports_serving(server):

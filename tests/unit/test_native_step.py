@@ -2,7 +2,8 @@
 replaces: bitwise the same logits and the same K/V written, for decode rows at different positions,
 a verified draft (one slot on several consecutive rows), packed new prompts, a continued prompt
 chunk, and a step mixing all of them, through both forward entry points; and each row is the same
-alone or in the batch. Oracle: the eager layers (themselves checked against transformers and the
+alone or in the batch. With a bfloat16 cache and with an int8 one (the native writes quantize as the
+eager layers' torch writes do, codes and scales bit for bit). Oracle: the eager layers (themselves checked against transformers and the
 explicit attention elsewhere), run from a copy of the same cache."""
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ def served(gguf, kernel_dir, layers: str, head: str):
     return model.freeze_attributes(), backend
 
 
-@pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8"), ("native-int4", "int8")],
-                ids=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8", BF16), ("native-int4", "int8", BF16),
+                                        ("native-int4", "int8", torch.int8)],
+                ids=["int8", "int4", "int4-kv-int8"])
 def loaded(request, gguf, kernel_dir):
-    model, backend = served(gguf, kernel_dir, *request.param)
+    layers, head, kv_dtype = request.param
+    model, backend = served(gguf, kernel_dir, layers, head)
     assert model.native_step is not None, native_step.why_not(model)
     g = torch.Generator().manual_seed(0)
-    cache = KVCache(model.config, 6, 256, BF16)
+    cache = KVCache(model.config, 6, 256, kv_dtype)
     with torch.inference_mode():
         meta, pos = backend.packed(torch.arange(len(PROMPTS)), torch.tensor(PROMPTS))
         ids = torch.randint(0, model.config.vocab_size, (1, sum(PROMPTS)), generator=g)
@@ -78,18 +81,19 @@ def both_ways(model, backend, cache, slots, starts, tokens, segments: bool = Fal
 def eager_and_native(model, cache, forward):
     """forward() through the eager layers and then the native step, from the same cache state."""
     step = model.native_step
-    k0, v0 = cache.k.clone(), cache.v.clone()
+    held = [t for t in (cache.k, cache.v, cache.scales) if t is not None]  # an int8 cache's scales too
+    before = [t.clone() for t in held]
     with torch.inference_mode():
         try:
             model.native_step = None
             eager = forward()
-            k1, v1 = cache.k.clone(), cache.v.clone()
+            after_eager = [t.clone() for t in held]
         finally:
             model.native_step = step
-        cache.k.copy_(k0)
-        cache.v.copy_(v0)
+        for t, t0 in zip(held, before):
+            t.copy_(t0)
         native_logits = forward()
-    assert torch.equal(cache.k, k1) and torch.equal(cache.v, v1), "the native step wrote other K/V"
+    assert all(torch.equal(t, t1) for t, t1 in zip(held, after_eager)), "the native step wrote other K/V"
     return eager, native_logits
 
 

@@ -1,0 +1,124 @@
+"""Which dtype the KV cache holds: the model's, or int8 codes with a scale per position and head.
+
+An int8 cache (model/kv_cache.py) holds nearly twice the tokens in the same memory, and decode
+attention, which at batch 32 mostly streams K/V from memory, reads about half the bytes. Only the
+native CPU attention kernels read it (decode and prompt, which then serve every step), and float32
+stays the token-exact reference, so int8 needs a bfloat16 model on the native backend. `auto` takes
+int8 there when (1) the held-out text, prefilled through each cache, keeps the int8 cache's
+next-token distributions within MAX_MEAN_KL / MAX_PPL_RATIO of the model-dtype cache's, and (2) the
+decode kernel, timed on this machine over both caches (32 rows x 1,024 keys, one layer), is not
+slower on int8 (within SPEED_TIE). The choice and its numbers go in the startup line and GetModelInfo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.model import quality as Q
+from lmserve.model.attention_backend import NativeCpuBackend
+
+CHOICES = ("auto", "model", "int8")
+# the int8 cache's own share of a mode's quality budget (quality.py): a quarter of each bound
+MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
+MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
+QUALITY_TOKENS = 512
+SPEED_TIE = 1.05  # int8's decode-kernel time may be this much of the model dtype's and still count as no slower
+
+
+@dataclass(frozen=True)
+class KvChoice:
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def int8_unavailable(loaded) -> str | None:
+    """Why this loaded model cannot keep an int8 cache, or None when it can."""
+    if loaded.device.type != "cpu":
+        return f"it is served on CPU only (the native attention kernels), not {loaded.device.type}"
+    if loaded.dtype != torch.bfloat16:
+        return f"it needs bfloat16 activations ({str(loaded.dtype).removeprefix('torch.')} is served; float32 is the token-exact reference)"
+    backend = loaded.attention
+    if not isinstance(backend, NativeCpuBackend) or backend.prompt_kernel is None:
+        return "it needs the native decode and prompt attention kernels (AVX-512 BF16), which do not serve here"
+    return None
+
+
+def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> Q.Quality:
+    """The int8 cache against the model-dtype cache on the held-out text (quality.compare's numbers),
+    measured once per loaded model (~1 s for SmolLM2-135M on 2 cores)."""
+    if loaded.kv_int8_quality is None:
+        ids = Q.text_ids(loaded.tokenizer, tokens)
+        window = min(512, loaded.config.max_position_embeddings)
+        ref = Q.logits_through_cache(loaded.model, loaded.attention, ids, loaded.dtype, window)
+        got = Q.logits_through_cache(loaded.model, loaded.attention, ids, torch.int8, window)
+        loaded.kv_int8_quality = Q.compare(ref, got, ids, window)
+    return loaded.kv_int8_quality
+
+
+def decode_speedup(loaded, rows: int = 32, keys: int = 1024, repeats: int = 7) -> float:
+    """The decode kernel's time over a model-dtype cache / over an int8 cache, one layer of this model's
+    attention shape, best of `repeats` each (~0.1 s)."""
+    import time
+    from types import SimpleNamespace
+
+    from lmserve.model.kv_cache import KVCache
+
+    cfg = loaded.config
+    kernel = loaded.attention.decode_kernel
+    shape = SimpleNamespace(num_layers=1, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(rows, 1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, generator=g).to(loaded.dtype)
+    H, Hkv = cfg.num_heads, cfg.num_kv_heads
+    q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+    slots, pos = torch.arange(rows), torch.full((rows,), keys - 1)
+    best = {}
+    for dtype in (loaded.dtype, torch.int8):
+        cache = KVCache(shape, rows, keys, dtype, virtual=False)
+        if dtype == torch.int8:
+            cache.k.random_(-127, 128, generator=g), cache.v.random_(-127, 128, generator=g)
+            cache.scales.fill_(0.02)
+        else:
+            cache.k.normal_(generator=g), cache.v.normal_(generator=g)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernel(q, k, v, cache.k[0], cache.v[0], slots, pos, *cache.scale_views(0))
+            times.append(time.perf_counter() - t0)
+        best[dtype] = min(times)
+    return best[loaded.dtype] / best[torch.int8]
+
+
+def choose_kv_dtype(request: str, loaded) -> KvChoice:
+    """The cache dtype for --kv-cache-dtype `request` (auto, model or int8); ValueError when int8 is
+    asked for and cannot be served, saying why."""
+    if request not in CHOICES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(CHOICES)}, got {request!r}")
+    model = str(loaded.dtype).removeprefix("torch.")
+    if request == "model":
+        return KvChoice(loaded.dtype, f"{model}, the model's dtype (asked)")
+    why = int8_unavailable(loaded)
+    if request == "int8" and why:
+        raise ValueError(f"--kv-cache-dtype int8 cannot be served: {why}; use --kv-cache-dtype model")
+    if why:
+        return KvChoice(loaded.dtype, f"{model}, the model's dtype: an int8 cache {why}")
+    q = measure_int8(loaded)
+    numbers = f"mean KL {q.mean_kl:.4f}, perplexity x{q.ppl_ratio:.4f} against a {model} cache"
+    if request == "int8":
+        return KvChoice(torch.int8, f"int8 (asked; {numbers})")
+    if q.mean_kl > MAX_MEAN_KL or q.ppl_ratio > MAX_PPL_RATIO:
+        return KvChoice(loaded.dtype, f"{model}: an int8 cache would move quality too far ({numbers}; bounds "
+                                      f"{MAX_MEAN_KL:.4f}, x{MAX_PPL_RATIO:.4f})")
+    speedup = decode_speedup(loaded)
+    speed = f"decode attention {speedup:.2f}x the {model} cache's speed at 32 rows x 1,024 keys"
+    if speedup * SPEED_TIE < 1:
+        return KvChoice(loaded.dtype, f"{model}: an int8 cache is slower here ({speed}; {numbers})")
+    return KvChoice(torch.int8, f"int8: within the quality bounds ({numbers}), {speed}")
+
+
+__all__ = ["CHOICES", "KvChoice", "choose_kv_dtype", "decode_speedup", "int8_unavailable", "measure_int8"]

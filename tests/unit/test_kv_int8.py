@@ -1,0 +1,278 @@
+"""The int8 KV cache (model/kv_cache.py, native_common.h): its row format, the decode and prompt
+kernels reading it (against the explicit attention over the values the codes stand for), the
+native writes equal to torch's, batch and chunk invariance, the cache's memory (pages, release,
+prefix copies), refusals where it cannot serve, and the engine's choice.
+
+The oracle for the kernels is oracles.explicit_attention in float32 over codes x scales: the kernels
+must compute attention over exactly those values (the codes widen exactly), so only the output's
+rounding to bfloat16 and the bfloat16 probabilities of the prompt path separate them."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+import torch
+
+from oracles import explicit_attention
+from lmserve.model import native
+from lmserve.model.config import ModelConfig
+from lmserve.model.decode_attention import DecodeAttention
+from lmserve.model.kv_cache import KVCache, dequantize_rows, quantize_rows
+from lmserve.model.prompt_attention import PromptAttention
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
+SMOL = ModelConfig(vocab_size=64, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                   intermediate_size=1536, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
+                   name="smol-kv")
+
+
+def shape(heads, layers=1):
+    h, hkv, d = heads
+    return ModelConfig(vocab_size=64, hidden_size=h * d, num_layers=layers, num_heads=h, num_kv_heads=hkv, head_dim=d,
+                       intermediate_size=64, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+                       name="kv-test")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+    assert lib is not None, why  # g++ is part of the supported setup
+    return lib
+
+
+@pytest.fixture(scope="module")
+def decode(lib) -> DecodeAttention:
+    return DecodeAttention(lib)
+
+
+@pytest.fixture(scope="module", params=["avx512-bf16", "amx"])
+def prompt(lib, request) -> PromptAttention:
+    if not PromptAttention.built(lib):
+        pytest.skip("this CPU has no AVX-512 BF16: prompts stay on SDPA, which an int8 cache does not serve")
+    k = PromptAttention(lib)
+    was = k.allow_amx(request.param == "amx")
+    if request.param == "amx" and not k.uses_amx(D):
+        k.allow_amx(was)
+        pytest.skip("no AMX tile state granted on this CPU or OS: the AVX-512 path serves")
+    yield k
+    k.allow_amx(was)
+
+
+def filled(heads, slots, max_len, seed=0) -> KVCache:
+    """A one-layer int8 cache with every position written (through KVCache.write) from random values."""
+    h, hkv, d = heads
+    c = KVCache(shape(heads), slots, max_len, torch.int8)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(slots):
+        kv = torch.randn(2, c.max_len, hkv, d, generator=g).bfloat16()
+        c.write(0, torch.full((c.max_len,), s), torch.arange(c.max_len), kv[0], kv[1])
+    return c
+
+
+def values(c: KVCache, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What slot `slot`'s first n positions stand for: [Hkv, n, d] float32 each."""
+    ks, vs = c.scale_views(0)
+    return (dequantize_rows(c.k[0, slot, :, :n], ks[slot, :n].T),
+            dequantize_rows(c.v[0, slot, :, :n], vs[slot, :n].T))
+
+
+def reference(q, c, slot, n):
+    """q [H, d] of one token over keys 0..n-1 -> [H * d] float32."""
+    K, V = values(c, slot, n)
+    out, _ = explicit_attention(q[None, :, None].float(), K[None], V[None], torch.ones(1, 1, 1, n, dtype=torch.bool))
+    return out[0, :, 0].reshape(-1)
+
+
+# ---- the format ---------------------------------------------------------------------------------------
+def test_codes_span_the_row_and_stand_for_it_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(200, 64, generator=g) * torch.rand(200, 1, generator=g) * 30).bfloat16()
+    x[7] = 0  # an all-zero row
+    codes, scale = quantize_rows(x)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float32
+    nonzero = torch.arange(200) != 7
+    assert (codes[nonzero].abs().amax(-1) == 127).all()  # the largest value of a row takes the top code
+    assert (codes[7] == 0).all() and scale[7] == 0
+    err = (dequantize_rows(codes, scale) - x.float()).abs()
+    assert (err <= scale[:, None] * (0.5 + 1e-4)).all()  # (and x / scale rounds in float32)
+
+
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
+def test_decode_writes_torchs_codes_and_attends_over_what_they_stand_for(decode, heads):
+    h, hkv, d = heads
+    c = filled(heads, 6, 1040)
+    lengths = [1, 15, 16, 17, 200, 1024]
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(len(lengths), 1, h + 2 * hkv, d, generator=g).bfloat16()
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]
+    slots = torch.tensor(random.Random(2).sample(range(6), len(lengths)))
+    pos = torch.tensor([n - 1 for n in lengths])
+    out = decode(q, k, v, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
+    ks, vs = c.scale_views(0)
+    for b, n in enumerate(lengths):
+        s = int(slots[b])
+        (kc, kscale), (vc, vscale) = quantize_rows(k[b, 0]), quantize_rows(v[b, 0])
+        assert torch.equal(c.k[0, s, :, n - 1], kc) and torch.equal(ks[s, n - 1], kscale)
+        assert torch.equal(c.v[0, s, :, n - 1], vc) and torch.equal(vs[s, n - 1], vscale)
+        torch.testing.assert_close(out[b, 0].float(), reference(q[b, 0], c, s, n), atol=1e-2, rtol=1e-2)
+
+
+def test_a_decode_row_is_bitwise_the_same_alone_and_in_any_batch(decode):
+    rng = random.Random(1)
+    base = filled((H, HKV, D), 8, 1040, seed=3)
+    for trial in range(8):
+        lengths = [rng.randint(1, 1000) for _ in range(rng.randint(2, 8))]
+        g = torch.Generator().manual_seed(trial)
+        qkv = torch.randn(len(lengths), 1, H + 2 * HKV, D, generator=g).bfloat16()
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + HKV], qkv[:, :, H + HKV:]
+        slots, pos = torch.tensor(rng.sample(range(8), len(lengths))), torch.tensor([n - 1 for n in lengths])
+
+        def run(rows):
+            c = KVCache(shape((H, HKV, D)), 8, 1040, torch.int8)
+            c.k.copy_(base.k), c.v.copy_(base.v), c.scales.copy_(base.scales)
+            return decode(q[rows], k[rows], v[rows], c.k[0], c.v[0], slots[rows], pos[rows], *c.scale_views(0))
+
+        together = run(slice(None))
+        b = rng.randrange(len(lengths))
+        assert torch.equal(run(slice(b, b + 1))[0], together[b]), (trial, lengths[b])
+
+
+def test_decode_refuses_an_int8_cache_without_scales(decode):
+    c = filled((H, HKV, D), 2, 64)
+    qkv = torch.randn(1, 1, H + 2 * HKV, D).bfloat16()
+    with pytest.raises(ValueError, match="needs its scales"):
+        decode(qkv[:, :, :H], qkv[:, :, H:H + HKV], qkv[:, :, H + HKV:], c.k[0], c.v[0], torch.tensor([0]),
+               torch.tensor([3]))
+
+
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
+def test_prompt_tokens_attend_over_what_the_codes_stand_for(prompt, heads):
+    h, hkv, d = heads
+    c = filled(heads, 3, 1100)
+    # a prompt from 0, a chunk continuing one at a block edge, a long tail
+    slots = torch.tensor([0] * 40 + [1] * 20 + [2] * 5)
+    pos = torch.cat([torch.arange(40), torch.arange(496, 516), torch.arange(1090, 1095)])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(slots.shape[0], h, d, generator=g).bfloat16()
+    out = prompt(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
+    for t in range(slots.shape[0]):
+        torch.testing.assert_close(out[t].float(), reference(q[t], c, int(slots[t]), int(pos[t]) + 1),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_a_prompt_token_is_bitwise_the_same_in_any_chunk(prompt):
+    c = filled((H, HKV, D), 2, 700)
+    slots, pos = torch.tensor([0] * 48 + [1] * 30), torch.cat([torch.arange(100, 148), torch.arange(600, 630)])
+    q = torch.randn(78, H, D, generator=torch.Generator().manual_seed(6)).bfloat16()
+    whole = prompt(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
+    for lo, hi in ((0, 1), (5, 21), (47, 49), (60, 78)):
+        part = prompt(q[lo:hi], c.k[0], c.v[0], slots[lo:hi], pos[lo:hi], *c.scale_views(0))
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+
+
+# ---- the cache's memory -------------------------------------------------------------------------------
+def test_a_page_of_codes_and_of_scales_never_straddles_two_slots():
+    c = KVCache(SMOL, 3, 100, torch.int8)
+    assert c.virtual and c.max_len % c.page_tokens == 0
+    assert (c.max_len * D) % mmap.PAGESIZE == 0 and (c.max_len * 2 * HKV * 4) % mmap.PAGESIZE == 0
+    assert c.bytes_per_page == c.page_tokens * KVCache.bytes_per_token(SMOL, torch.int8) == c.page_tokens * c.token_bytes
+    # 68 bytes a row (64 codes and a scale) against bfloat16's 128
+    assert KVCache.bytes_per_token(SMOL, torch.int8) / KVCache.bytes_per_token(SMOL, torch.bfloat16) == 68 / 128
+
+
+@pytest.mark.parametrize("virtual", [True, False])
+def test_release_zeroes_only_that_slots_codes_and_scales(virtual):
+    c = KVCache(SMOL, 3, 64, torch.int8, virtual=virtual)
+    c.k.fill_(5), c.v.fill_(-5), c.scales.fill_(float("nan"))
+    c.release(1, 20)
+    ks, vs = c.scales[:, 1, :20, 0], c.scales[:, 1, :20, 1]
+    assert (c.k[:, 1, :, :20] == 0).all() and (c.v[:, 1, :, :20] == 0).all()
+    assert (ks == 0).all() and (vs == 0).all()
+    for other in (0, 2):
+        assert (c.k[:, other] == 5).all() and torch.isnan(c.scales[:, other]).all()
+
+
+def test_a_prefix_copy_takes_the_scales_along():
+    c = KVCache(SMOL, 3, 64, torch.int8)
+    x = torch.randn(2, 50, HKV, D).bfloat16()
+    for layer in range(SMOL.num_layers):
+        c.write(layer, torch.zeros(50, dtype=torch.long), torch.arange(50), x[0], x[1])
+    c.copy_prefix(0, 2, 30)
+    assert torch.equal(c.k[:, 2, :, :30], c.k[:, 0, :, :30]) and torch.equal(c.scales[:, 2, :30], c.scales[:, 0, :30])
+    assert (c.scales[:, 2, 30:] == 0).all() and (c.k[:, 2, :, 30:] == 0).all()
+
+
+def test_sdpa_and_views_refuse_an_int8_cache():
+    from lmserve.model.attention import AttentionMetadata
+
+    c = KVCache(shape((H, HKV, D)), 1, 64, torch.int8)
+    meta = AttentionMetadata.for_decode([0], [3], "cpu")
+    q, k = torch.randn(1, 1, H, D), torch.randn(1, 1, HKV, D)
+    with pytest.raises(TypeError, match="native attention kernels"):
+        meta.attend(q, k, k, c, 0)
+    with pytest.raises(TypeError, match="native attention kernels"):
+        c.view(0, 0, 1, 4)
+    with pytest.raises(ValueError, match="CPU only"):
+        KVCache(shape((H, HKV, D)), 1, 64, torch.int8, device="meta")
+
+
+# ---- the engine's choice, and serving from an int8 cache ----------------------------------------------
+@pytest.fixture(scope="module")
+def smol_int4(smollm2_gguf_path, tmp_path_factory):
+    from lmserve.model.loader import load_model
+    from lmserve.server.engine.kv_choice import int8_unavailable
+
+    loaded = load_model(smollm2_gguf_path, device="cpu", quantization="int4",
+                        cache_dir=tmp_path_factory.mktemp("kernel-cache"))
+    why = int8_unavailable(loaded)
+    if why:
+        pytest.skip(f"an int8 KV cache cannot serve on this machine: {why}")
+    return loaded
+
+
+def test_auto_takes_int8_within_its_quality_bounds_and_says_so(smol_int4):
+    from lmserve.server.engine import kv_choice as KC
+
+    q = KC.measure_int8(smol_int4)
+    assert q.tokens > 400 and q.mean_kl <= KC.MAX_MEAN_KL and q.ppl_ratio <= KC.MAX_PPL_RATIO
+    assert q.top1_agreement >= 0.9
+    choice = KC.choose_kv_dtype("auto", smol_int4)
+    if KC.decode_speedup(smol_int4) * KC.SPEED_TIE >= 1:  # the speed check is the machine's; quality is not
+        assert choice.dtype == torch.int8 and "mean KL" in choice.reason
+    assert KC.choose_kv_dtype("model", smol_int4).dtype == torch.bfloat16
+
+
+async def test_greedy_tokens_from_an_int8_cache_are_the_same_alone_batched_and_after_a_prefix_hit(smol_int4):
+    import asyncio
+
+    from test_engine_helpers import collect, greedy, running
+    from lmserve.server.engine import Request
+
+    tok = smol_int4.tokenizer
+    shared = tok.encode("You are a careful assistant. Answer in one short sentence. " * 4)
+    prompts = [shared + tok.encode(t) for t in ("What is rain?", "Name a prime.", "Why is the sky blue?")]
+    params = greedy(10, ignore_eos=True)
+    with running(smol_int4, max_batch=1, prefix_cache=False, kv_cache_dtype="int8") as engine:
+        assert engine.cache.quantized
+        alone = [(await collect(engine, Request(p, params)))[0].token_ids for p in prompts]
+    with running(smol_int4, max_batch=8, kv_cache_dtype="int8") as engine:
+        batched = await asyncio.gather(*(collect(engine, Request(p, params)) for p in prompts))
+        again = [(await collect(engine, Request(p, params)))[0].token_ids for p in prompts]  # prefix hits now
+        assert engine.stats().prefix_hit_tokens_total >= len(shared)
+    assert [r.token_ids for r, _ in batched] == alone == again
+
+
+def test_int8_is_refused_where_it_cannot_serve_and_auto_keeps_the_models_dtype(trained_model_dir, tmp_path):
+    from lmserve.model.loader import load_model
+    from lmserve.server.engine import Engine, EngineSettings
+    from lmserve.server.engine.kv_choice import choose_kv_dtype
+
+    f32 = load_model(trained_model_dir, dtype=torch.float32, device="cpu", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="float32 is the token-exact reference"):
+        Engine(f32, EngineSettings(kv_cache_dtype="int8"))
+    choice = choose_kv_dtype("auto", f32)
+    assert choice.dtype == torch.float32 and choice.reason.startswith("float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineSettings(kv_cache_dtype="fp8")
