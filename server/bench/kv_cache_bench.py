@@ -25,7 +25,7 @@ import time
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
-from .machine import lscpu, write_report
+from .machine import load_from_arguments, lscpu, model_arguments, write_report
 
 
 def quality(loaded, model_name: str, models_dir) -> dict:
@@ -147,16 +147,12 @@ def main(argv=None) -> int:
     import torch
 
     from lmserve.model.kv_cache import KVCache
-    from lmserve.model.loader import load_model
 
     from ..engine.kv_choice import choose_kv_dtype, int8_unavailable
     from .speculation_bench import workloads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="auto")
+    model_arguments(ap)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="alternating model/int8 rounds per concurrency")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -164,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["quality", "kernel", "served"])
     ap.add_argument("--out", default="reports/kv_cache.json")
     args = ap.parse_args(argv)
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+    loaded = load_from_arguments(args)
     why = int8_unavailable(loaded)
     if why:
         raise SystemExit(f"an int8 KV cache cannot serve {loaded.mode} here: {why}")

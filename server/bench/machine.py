@@ -18,6 +18,22 @@ def lscpu() -> dict:
     return {k: fields[k].strip() for k in ("Model name", "CPU(s)", "Flags", "L3 cache") if k in fields}
 
 
+def model_arguments(ap) -> None:
+    """The flags every in-process benchmark takes to load its model: --model, --models-dir, --dtype,
+    --quantization (as `lmserve serve` names them)."""
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--models-dir", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+
+
+def load_from_arguments(args):
+    """The model model_arguments' flags name, loaded (precision chosen as the server chooses it)."""
+    from lmserve.model.loader import load_model
+
+    return load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+
+
 def write_report(path, report: dict) -> None:
     """A benchmark's JSON report at `path` (its folder made if missing), one trailing newline."""
     path = Path(path)
@@ -25,4 +41,4 @@ def write_report(path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-__all__ = ["lscpu", "write_report"]
+__all__ = ["lscpu", "load_from_arguments", "model_arguments", "write_report"]

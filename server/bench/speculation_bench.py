@@ -19,7 +19,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from .machine import lscpu, write_report
+from .machine import load_from_arguments, lscpu, model_arguments, write_report
 
 def workloads(tok) -> dict[str, list[int]]:
     from lmserve.client.bench import synthetic_workload
@@ -82,13 +82,9 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
 
 
 def main(argv=None) -> int:
-    from lmserve.model.loader import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="auto")
+    model_arguments(ap)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -98,7 +94,7 @@ def main(argv=None) -> int:
                          "does; the tokens are the same with speculation on and off either way)")
     ap.add_argument("--out", default="reports/speculation.json")
     args = ap.parse_args(argv)
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+    loaded = load_from_arguments(args)
     prompts = workloads(loaded.tokenizer)
     max_model_len = max(map(len, prompts.values())) + args.max_new_tokens + 8
     results = []

@@ -29,7 +29,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .machine import lscpu, write_report
+from .machine import load_from_arguments, lscpu, model_arguments, write_report
 
 
 class _Timers:
@@ -104,21 +104,17 @@ def main(argv=None) -> int:
     from lmserve.model import attention_backend as AB
     from lmserve.model import kernels as K
     from lmserve.model.attention import AttentionMetadata
-    from lmserve.model.loader import load_model
 
     from ..engine import Engine, EngineSettings
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="auto")
+    model_arguments(ap)
     ap.add_argument("--tokens", type=int, default=96, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("reports/step_profile.json"))
     args = ap.parse_args(argv)
 
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization, models_dir=args.models_dir)
+    loaded = load_from_arguments(args)
     timers = _Timers()
     for cls in {type(m) for m in loaded.model.modules() if isinstance(m, K.ServingLinear)}:
         timers.wrap(cls, "forward", "linears")

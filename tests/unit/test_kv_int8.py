@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from oracles import explicit_attention
-from lmserve.model import native
 from lmserve.model.config import ModelConfig
 from lmserve.model.decode_attention import DecodeAttention
 from lmserve.model.kv_cache import KVCache, dequantize_rows, quantize_rows
-from lmserve.model.prompt_attention import PromptAttention
+from test_prompt_attention import kernel, lib  # noqa: F401 - fixtures: the native library, the prompt kernel on each path
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 SMOL = ModelConfig(vocab_size=64, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -36,28 +35,8 @@ def shape(heads, layers=1):
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
-    assert lib is not None, why  # g++ is part of the supported setup
-    return lib
-
-
-@pytest.fixture(scope="module")
 def decode(lib) -> DecodeAttention:
     return DecodeAttention(lib)
-
-
-@pytest.fixture(scope="module", params=["avx512-bf16", "amx"])
-def prompt(lib, request) -> PromptAttention:
-    if not PromptAttention.built(lib):
-        pytest.skip("this CPU has no AVX-512 BF16: prompts stay on SDPA, which an int8 cache does not serve")
-    k = PromptAttention(lib)
-    was = k.allow_amx(request.param == "amx")
-    if request.param == "amx" and not k.uses_amx(D):
-        k.allow_amx(was)
-        pytest.skip("no AMX tile state granted on this CPU or OS: the AVX-512 path serves")
-    yield k
-    k.allow_amx(was)
 
 
 def filled(heads, slots, max_len, seed=0) -> KVCache:
@@ -148,7 +127,7 @@ def test_decode_refuses_an_int8_cache_without_scales(decode):
 
 
 @pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
-def test_prompt_tokens_attend_over_what_the_codes_stand_for(prompt, heads):
+def test_prompt_tokens_attend_over_what_the_codes_stand_for(kernel, heads):
     h, hkv, d = heads
     c = filled(heads, 3, 1100)
     # a prompt from 0, a chunk continuing one at a block edge, a long tail
@@ -156,19 +135,19 @@ def test_prompt_tokens_attend_over_what_the_codes_stand_for(prompt, heads):
     pos = torch.cat([torch.arange(40), torch.arange(496, 516), torch.arange(1090, 1095)])
     g = torch.Generator().manual_seed(5)
     q = torch.randn(slots.shape[0], h, d, generator=g).bfloat16()
-    out = prompt(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
+    out = kernel(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
     for t in range(slots.shape[0]):
         torch.testing.assert_close(out[t].float(), reference(q[t], c, int(slots[t]), int(pos[t]) + 1),
                                    atol=2e-2, rtol=2e-2)
 
 
-def test_a_prompt_token_is_bitwise_the_same_in_any_chunk(prompt):
+def test_a_prompt_token_is_bitwise_the_same_in_any_chunk(kernel):
     c = filled((H, HKV, D), 2, 700)
     slots, pos = torch.tensor([0] * 48 + [1] * 30), torch.cat([torch.arange(100, 148), torch.arange(600, 630)])
     q = torch.randn(78, H, D, generator=torch.Generator().manual_seed(6)).bfloat16()
-    whole = prompt(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
+    whole = kernel(q, c.k[0], c.v[0], slots, pos, *c.scale_views(0))
     for lo, hi in ((0, 1), (5, 21), (47, 49), (60, 78)):
-        part = prompt(q[lo:hi], c.k[0], c.v[0], slots[lo:hi], pos[lo:hi], *c.scale_views(0))
+        part = kernel(q[lo:hi], c.k[0], c.v[0], slots[lo:hi], pos[lo:hi], *c.scale_views(0))
         assert torch.equal(part, whole[lo:hi]), (lo, hi)
 
 
