@@ -36,7 +36,7 @@ class LoadedModel:
     compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
     attention: SdpaBackend | None = None  # the attention backend (attention_backend.py); None: SDPA
     batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
-    kv_int8_quality: object = None  # quality.Quality of an int8 KV cache, measured once (server/engine/kv_choice.py)
+    kv_int8_measured: object = None  # an int8 KV cache's (quality, decode speed-up), measured once (server/engine/kv_choice.py)
 
     def __post_init__(self):
         if self.attention is None:
