@@ -34,7 +34,6 @@ from torch import Tensor
 from .config import ModelConfig
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
-KV_DTYPES = {"int8": torch.int8}  # quantized caches by name; else the model's dtype
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,7 +71,6 @@ class KVCache:
         if self.quantized and device.type != "cpu":
             raise ValueError("an int8 KV cache is served on CPU only (the native attention kernels read it)")
         self.virtual = device.type == "cpu" and bool(_MAP_NORESERVE) if virtual is None else virtual
-        self.dtype = dtype
         row = cfg.head_dim * _dtype_size(dtype)  # bytes of one position of one (layer, head)
         scale_row = 2 * cfg.num_kv_heads * 4  # bytes of one position's scales in one (layer, slot)
         page = mmap.PAGESIZE
@@ -115,9 +113,8 @@ class KVCache:
 
     @property
     def token_bytes(self) -> int:
-        """bytes_per_token of this cache's own layout."""
-        layers, _, heads, _, d = self.shape
-        return 2 * layers * heads * (d * self.k.element_size() + (4 if self.quantized else 0))
+        """bytes_per_token of this cache's own dtype."""
+        return self.bytes_per_page // self.page_tokens
 
     def scale_views(self, layer: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
         """An int8 cache's K and V scales of one layer ([slots, max_len, kv_heads] views), else (None, None)."""
@@ -143,7 +140,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the two tensors span (virtual on CPU: mostly never committed)."""
+        """Bytes the K and V tensors (and an int8 cache's scales) span (virtual on CPU: mostly never committed)."""
         return self.k.numel() * self.k.element_size() * 2 + (self.scales.numel() * 4 if self.scales is not None else 0)
 
     def pages(self, tokens: int) -> int:

@@ -1,6 +1,6 @@
 // Shared by the native kernels (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp, logit_mask.cpp, row_max.cpp, quant_matmul.cpp):
 // 16-lane float vectors (GCC vector extensions; AVX-512 or two AVX2 halves with -march=native),
-// float32 / bfloat16 loads and stores, a fixed-order lane sum, e^x, the softmax numerators of one
+// float32 / bfloat16 / int8 loads and stores, the int8 KV cache's row format, a fixed-order lane sum, e^x, the softmax numerators of one
 // row, and a row loop split over OpenMP threads.
 #pragma once
 

@@ -62,7 +62,6 @@ static inline void transpose16(v16u* r) {
     swap_blocks<1>(r);
 }
 
-typedef int8_t v32c __attribute__((vector_size(32)));
 typedef uint16_t v32h __attribute__((vector_size(64)));
 
 // 16 bfloat16 of a cache row (32 for pairs): copied, or int8 codes as the bfloat16 of the same value.
@@ -202,7 +201,7 @@ template <class T>
 struct CacheView {
     const T* k;
     const T* v;
-    const float* k_scales;  // [slots, Hkv, max_len]; int8 only
+    const float* k_scales;  // int8 only: the layer's K and V scale pointers (native_common.h)
     const float* v_scales;
     static constexpr bool coded = sizeof(T) == 1;
 };
