@@ -101,14 +101,18 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
     for (int blk = 0; blk < blocks; ++blk) {
         const int j0 = blk * 16, m = std::min(16, n - j0);
         widen(V, j0, m);
+        const v16f vscale = coded ? load_scales(vs + (size_t)j0 * ss, m, ss) : v16f{};
         for (int g = 0; g < G; ++g) {
             v16f o[C];
             for (int c = 0; c < C; ++c) o[c] = F32::load(o_acc + g * d + 16 * c);
+            float weighted[16];  // an int8 cache: each probability times its value's scale
             const float* p = scores + g * stride + j0;
-            for (int l = 0; l < m; ++l) {
-                const float w = coded ? p[l] * vs[(size_t)(j0 + l) * ss] : p[l];
-                for (int c = 0; c < C; ++c) o[c] = o[c] + w * F32::load(rows + l * d + 16 * c);
+            if (coded) {
+                F32::store(weighted, F32::load(p) * vscale);
+                p = weighted;
             }
+            for (int l = 0; l < m; ++l)
+                for (int c = 0; c < C; ++c) o[c] = o[c] + p[l] * F32::load(rows + l * d + 16 * c);
             for (int c = 0; c < C; ++c) F32::store(o_acc + g * d + 16 * c, o[c]);
         }
     }

@@ -16,8 +16,8 @@ SLOTS, MAX_LEN = 12, 1040
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> DecodeAttention:
-    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+def kernel(native_kernels_dir) -> DecodeAttention:
+    lib, why = native.build(native_kernels_dir)
     assert lib is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
     return DecodeAttention(lib)
 

@@ -183,12 +183,12 @@ async def test_prefix_cache_off_keeps_nothing(random_tiny):
 
 
 @pytest.fixture(scope="module")
-def trained_bf16(trained_model_dir, tmp_path_factory):
+def trained_bf16(trained_model_dir, native_kernels_dir):
     """The memorizing model in bfloat16 with the native kernels the loader installs on this CPU."""
     from lmserve.model.loader import load_model
 
     loaded = load_model(trained_model_dir, dtype=torch.bfloat16, device="cpu",
-                        cache_dir=tmp_path_factory.mktemp("cache"))
+                        cache_dir=native_kernels_dir)
     if getattr(loaded.attention, "prompt_kernel", None) is None:  # SDPA serves prompts there; the property below is the kernel's
         pytest.skip("no prompt-attention kernel on this CPU (it needs AVX-512 BF16)")
     return loaded

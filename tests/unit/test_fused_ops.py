@@ -16,8 +16,8 @@ ULP = 2 ** -7  # one bfloat16 step at 1.0
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> FusedOps:
-    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+def ops(native_kernels_dir) -> FusedOps:
+    lib, why = native.build(native_kernels_dir)
     assert lib is not None, why  # g++ is part of the supported setup
     return FusedOps(lib)
 

@@ -199,12 +199,12 @@ def test_sdpa_and_views_refuse_an_int8_cache():
 
 # ---- the engine's choice, and serving from an int8 cache ----------------------------------------------
 @pytest.fixture(scope="module")
-def smol_int4(smollm2_gguf_path, tmp_path_factory):
+def smol_int4(smollm2_gguf_path, native_kernels_dir):
     from lmserve.model.loader import load_model
     from lmserve.server.engine.kv_choice import int8_unavailable
 
     loaded = load_model(smollm2_gguf_path, device="cpu", quantization="int4",
-                        cache_dir=tmp_path_factory.mktemp("kernel-cache"))
+                        cache_dir=native_kernels_dir)
     why = int8_unavailable(loaded)
     if why:
         pytest.skip(f"an int8 KV cache cannot serve on this machine: {why}")
@@ -247,12 +247,12 @@ async def test_greedy_tokens_from_an_int8_cache_are_the_same_alone_batched_and_a
     assert [r.token_ids for r, _ in batched] == alone == again
 
 
-def test_int8_is_refused_where_it_cannot_serve_and_auto_keeps_the_models_dtype(trained_model_dir, tmp_path):
+def test_int8_is_refused_where_it_cannot_serve_and_auto_keeps_the_models_dtype(trained_model_dir, native_kernels_dir):
     from lmserve.model.loader import load_model
     from lmserve.server.engine import Engine, EngineSettings
     from lmserve.server.engine.kv_choice import choose_kv_dtype
 
-    f32 = load_model(trained_model_dir, dtype=torch.float32, device="cpu", cache_dir=tmp_path)
+    f32 = load_model(trained_model_dir, dtype=torch.float32, device="cpu", cache_dir=native_kernels_dir)
     with pytest.raises(ValueError, match="float32 is the token-exact reference"):
         Engine(f32, EngineSettings(kv_cache_dtype="int8"))
     choice = choose_kv_dtype("auto", f32)

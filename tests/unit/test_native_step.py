@@ -25,8 +25,8 @@ PROMPTS = [37, 5, 120, 64]  # prompt lengths of slots 0..3
 
 
 @pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kernels")
+def kernel_dir(native_kernels_dir):
+    d = native_kernels_dir
     QM.use_cache_dir(d)
     lib, why = native.build(d)
     if lib is None or QM.default_kernel() is None:

@@ -20,8 +20,8 @@ SLOTS, MAX_LEN = 6, 1100
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+def lib(native_kernels_dir):
+    lib, why = native.build(native_kernels_dir)
     assert lib is not None, why  # g++ is part of the supported setup (torch.compile needs it too)
     return lib
 

@@ -14,8 +14,8 @@ from lmserve.server.engine import row_max as RM
 
 
 @pytest.fixture(scope="module")
-def native_row_max(tmp_path_factory):
-    lib, why = native.build(tmp_path_factory.mktemp("kernels"))
+def native_row_max(native_kernels_dir):
+    lib, why = native.build(native_kernels_dir)
     if lib is None:
         pytest.skip(why)
     return RM._NativeRowMax(lib)
