@@ -46,33 +46,25 @@ class Quality:
 
 
 @torch.inference_mode()
-def logits_of(model, ids: list[int], window: int = 512) -> Tensor:
-    """Full-sequence logits [T, V] (float32) of one text, in windows of `window` tokens without a cache
-    (each window is scored on its own, as llama.cpp's perplexity tool does with its context size)."""
+def logits_of(model, ids: list[int], window: int = 512, attention=None, cache_dtype: torch.dtype | None = None) -> Tensor:
+    """Full-sequence logits [T, V] (float32) of one text, in windows of `window` tokens (each window is
+    scored on its own, as llama.cpp's perplexity tool does with its context size). Without a cache by
+    default; with an attention backend and `cache_dtype`, every window is prefilled into a KV cache of
+    that dtype through the backend, so each token attends over K/V read back from it (an int8 cache's
+    codes and scales included)."""
+    from .kv_cache import KVCache
+
     out = []
     device = next(iter(model.buffers())).device
     for start in range(0, len(ids), window):
         chunk = torch.tensor(ids[start:start + window], device=device)[None]  # [1, L]
         L = chunk.shape[1]
-        out.append(model(chunk, torch.arange(L, device=device)[None], AttentionMetadata.fresh(torch.tensor([L]))
-                         )[0].float())
-    return torch.cat(out)  # [T, V]
-
-
-@torch.inference_mode()
-def logits_through_cache(model, attention, ids: list[int], cache_dtype: torch.dtype, window: int = 512) -> Tensor:
-    """Like logits_of, but every window is prefilled into a KV cache of `cache_dtype` through the
-    attention backend, so each token attends over keys and values read back from that cache (an int8
-    cache's codes and scales included): [T, V] float32."""
-    from .kv_cache import KVCache
-
-    out = []
-    for start in range(0, len(ids), window):
-        chunk = torch.tensor(ids[start:start + window])[None]  # [1, L]
-        L = chunk.shape[1]
-        cache = KVCache(model.config, 1, L, cache_dtype)
-        meta, pos = attention.packed(torch.tensor([0]), torch.tensor([L]))
-        out.append(model(chunk, pos, meta, cache)[0].float())
+        if attention is None:
+            out.append(model(chunk, torch.arange(L, device=device)[None], AttentionMetadata.fresh(torch.tensor([L]))
+                             )[0].float())
+            continue
+        meta, pos = attention.packed(torch.tensor([0], device=device), torch.tensor([L], device=device))
+        out.append(model(chunk, pos, meta, KVCache(model.config, 1, L, cache_dtype, device))[0].float())
     return torch.cat(out)  # [T, V]
 
 
@@ -97,5 +89,4 @@ def text_ids(tokenizer, max_tokens: int | None = None) -> list[int]:
     return ids if max_tokens is None else ids[:max_tokens]
 
 
-__all__ = ["HELD_OUT_TEXT", "MAX_MEAN_KL", "MAX_PPL_RATIO", "Quality", "logits_of", "logits_through_cache", "compare",
-           "text_ids"]
+__all__ = ["HELD_OUT_TEXT", "MAX_MEAN_KL", "MAX_PPL_RATIO", "Quality", "logits_of", "compare", "text_ids"]

@@ -41,7 +41,7 @@ def quality(loaded, model_name: str, models_dir) -> dict:
     del ref_model
     out = {}
     for dtype in (loaded.dtype, torch.int8):
-        q = Q.compare(ref, Q.logits_through_cache(loaded.model, loaded.attention, ids, dtype, window), ids, window)
+        q = Q.compare(ref, Q.logits_of(loaded.model, ids, window, loaded.attention, dtype), ids, window)
         out[str(dtype).removeprefix("torch.")] = {**q.as_dict(), "within_bounds": q.within_bounds()}
     out["bounds"] = {"max_mean_kl": Q.MAX_MEAN_KL, "max_ppl_ratio": Q.MAX_PPL_RATIO}
     return out

@@ -21,11 +21,10 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from lmserve.model.kv_cache import KVCache
-
-from .kv_choice import choose_kv_dtype
 from lmserve.model.loader import LoadedModel, release_thread_pool
 
 from .constraints.compiler import ConstraintCompiler
+from .kv_choice import choose_kv_dtype
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput

@@ -22,7 +22,7 @@ import torch
 from lmserve.model import quality as Q
 from lmserve.model.attention_backend import NativeCpuBackend
 
-CHOICES = ("auto", "model", "int8")
+from .settings import KV_CACHE_DTYPES as CHOICES
 # the int8 cache's own share of a mode's quality budget (quality.py): a quarter of each bound
 MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
@@ -56,8 +56,8 @@ def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> Q.Quality:
     """The int8 cache against the model-dtype cache on the held-out text (quality.compare's numbers)."""
     ids = Q.text_ids(loaded.tokenizer, tokens)
     window = min(512, loaded.config.max_position_embeddings)
-    ref = Q.logits_through_cache(loaded.model, loaded.attention, ids, loaded.dtype, window)
-    got = Q.logits_through_cache(loaded.model, loaded.attention, ids, torch.int8, window)
+    ref = Q.logits_of(loaded.model, ids, window, loaded.attention, loaded.dtype)
+    got = Q.logits_of(loaded.model, ids, window, loaded.attention, torch.int8)
     return Q.compare(ref, got, ids, window)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "model", "int8")  # --kv-cache-dtype (kv_choice.py)
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -29,8 +31,8 @@ class EngineSettings:
         return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
 
     def __post_init__(self):
-        if self.kv_cache_dtype not in ("auto", "model", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto, model or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculation not in ("auto", "ngram", "off"):
             raise ValueError(f"speculation must be auto, ngram or off, got {self.speculation!r}")
         for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens", "draft_tokens",
