@@ -20,6 +20,10 @@
 //         k = 8j+t in the low nibble and k = 8j+4+t in the high one), 16 float16 d, 16 float16 m
 //   int8: 512 bytes (8 chunks of 64: byte 4c+t of chunk j is column c's code at k = 4j+t, plus
 //         128 so that it is unsigned), 16 float16 d
+// Quantized activations: row-major (row r's block b at codes r K + 32 b, the l codes after every
+// row's h codes; steps and sums [r KB + b]) for the AVX2 paths and AMX tiles; block-major on the
+// AVX-512 VNNI path (block b of row r at (b M + r) 64, h then l; steps and sums [b M + r]), so that a
+// row tile's codes are constant offsets from one pointer (no address arithmetic per row).
 // Paths, fixed at compile time by what -march=native defines: AVX-512 VNNI (zmm), AVX-VNNI or
 // AVX2 (two ymm halves per group). lm_qmm_path() says which one was built.
 
@@ -75,7 +79,7 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; a NaN s
 // of x (int4's minimum term) and the code sums of h and l (int8's offset of 128). Depends on that
 // row only.
 static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx,
-                         int32_t* sh, int32_t* sl) {
+                         int32_t* sh, int32_t* sl, int64_t cs = QK, int64_t ss = 1) {
     float v[QK];
     for (int64_t b = 0; b < K / QK; ++b) {
         float amax = 0.0f, sum = 0.0f;
@@ -95,15 +99,15 @@ static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, 
             // the remainder with one rounding (a fused multiply-add), whatever the compiler's contraction
             int l = (int)nearbyintf(fmaf(-e, (float)h, v[t]) * ie * 256.0f);
             l = l > 127 ? 127 : (l < -127 ? -127 : l);
-            xh[b * QK + t] = (int8_t)h;
-            xl[b * QK + t] = (int8_t)l;
+            xh[b * cs + t] = (int8_t)h;
+            xl[b * cs + t] = (int8_t)l;
             s1 += h;
             s2 += l;
         }
-        dx[b] = e;
-        sx[b] = sum;
-        sh[b] = s1;
-        sl[b] = s2;
+        dx[b * ss] = e;
+        sx[b * ss] = sum;
+        sh[b * ss] = s1;
+        sl[b * ss] = s2;
     }
 }
 
@@ -113,7 +117,7 @@ static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, 
 // maximum (order-free), and the float sum still added one value after another in index order. At
 // 512 rows the scalar loop took ~20% of a prompt chunk's matmul.
 static void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx,
-                         int32_t* sh, int32_t* sl) {
+                         int32_t* sh, int32_t* sl, int64_t cs = QK, int64_t ss = 1) {
     const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
     const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t b = 0; b < K / QK; ++b) {
@@ -140,21 +144,21 @@ static void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t*
             __m512 r = _mm512_mul_ps(_mm512_mul_ps(_mm512_fnmadd_ps(ve, h, v[i]), vie), v256);
             __m512 l = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(r, rn), nlim), lim);
             __m512i hi = _mm512_cvtps_epi32(h), li = _mm512_cvtps_epi32(l);
-            _mm_storeu_si128((__m128i*)(xh + k0 + 16 * i), _mm512_cvtepi32_epi8(hi));
-            _mm_storeu_si128((__m128i*)(xl + k0 + 16 * i), _mm512_cvtepi32_epi8(li));
+            _mm_storeu_si128((__m128i*)(xh + b * cs + 16 * i), _mm512_cvtepi32_epi8(hi));
+            _mm_storeu_si128((__m128i*)(xl + b * cs + 16 * i), _mm512_cvtepi32_epi8(li));
             s1 = _mm512_add_epi32(s1, hi);
             s2 = _mm512_add_epi32(s2, li);
         }
-        dx[b] = e;
-        sx[b] = sum;
-        sh[b] = _mm512_reduce_add_epi32(s1);
-        sl[b] = _mm512_reduce_add_epi32(s2);
+        dx[b * ss] = e;
+        sx[b * ss] = sum;
+        sh[b * ss] = _mm512_reduce_add_epi32(s1);
+        sl[b * ss] = _mm512_reduce_add_epi32(s2);
     }
 }
 #else
 static inline void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx,
-                                int32_t* sh, int32_t* sl) {
-    quantize_row_scalar(x, bf16, K, xh, xl, dx, sx, sh, sl);
+                                int32_t* sh, int32_t* sl, int64_t cs = QK, int64_t ss = 1) {
+    quantize_row_scalar(x, bf16, K, xh, xl, dx, sx, sh, sl, cs, ss);
 }
 #endif
 
@@ -173,6 +177,7 @@ struct Acts {  // the quantized rows of one call
     const int32_t *sh, *sl;  // [M, K/32] code sums
     int64_t K, KB;
     bool precise;  // both codes (256 h + l), else h alone
+    int64_t M;  // rows (the block-major layout's row count: vnni_group)
     // AMX only, [rows rounded up to 16, K/32] with the padding rows 0: unit() and offset() of each
     // row-block, and sx again, so that a tile's 16 rows read them with no bounds to check
     const float* units;
@@ -186,77 +191,98 @@ static inline float unit(const Acts& a, int64_t rb) { return a.precise ? a.dx[rb
 static inline int32_t offset(const Acts& a, int64_t rb) { return 128 * (a.precise ? 256 * a.sh[rb] + a.sl[rb] : a.sh[rb]); }
 
 #if QMM_PATH == 3
-// sum over one block of the codes xr (32 int8) times w (the group's 8 unpacked vectors, chunk j
-// holding k = 4j .. 4j+3 when `order` is 0, int4's interleave k = 8(j/2) + 4(j%2) .. when 1)
-static inline __m512i dot_block(const __m512i w[8], const int8_t* xr, int order) {
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-        int k0 = order ? 8 * (j / 2) : 4 * j;
-        int32_t x0, x1;
-        memcpy(&x0, xr + k0, 4);
-        memcpy(&x1, xr + k0 + 4, 4);
-        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x0));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x1));
-    }
-    return _mm512_add_epi32(s0, s1);
+typedef int32_t __attribute__((may_alias)) int32_alias;
+
+// acc += w (unsigned bytes) x the 4 signed codes at p, broadcast to every lane from the instruction's
+// memory operand (the intrinsic with _mm512_set1_epi32 costs GCC a separate vpbroadcastd each time)
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_alias*)p));
+    return acc;
 }
 
-static inline __m512i codes_dot(const Acts& a, const __m512i w[8], int64_t r, int64_t b, int order) {
-    const int64_t off = r * a.K + b * QK;
-    __m512i s = dot_block(w, a.xh + off, order);
-    if (a.precise) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), dot_block(w, a.xl + off, order));
+// The integer sum of one row's block of 32 codes (h at xh, l at xl) against w (chunk j holding
+// k = 4j .. 4j+3 when ORDER is 0, int4's interleave k = 8(j/2) + 4(j%2) .. when 1): with PRECISE,
+// 256 x the h codes' sum plus the l codes'. Four independent chains of four vpdpbusd.
+
+template <int ORDER, bool PRECISE>
+static inline __m512i row_block_sum(const __m512i w[8], const int8_t* xh, const int8_t* xl) {
+    __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+    __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+        const int k0 = ORDER ? 8 * (j / 2) : 4 * j, k1 = k0 + 4;
+        h0 = dpbusd_bcast(h0, w[j], xh + k0);
+        h1 = dpbusd_bcast(h1, w[j + 1], xh + k1);
+        if (PRECISE) {
+            l0 = dpbusd_bcast(l0, w[j], xl + k0);
+            l1 = dpbusd_bcast(l1, w[j + 1], xl + k1);
+        }
+    }
+    __m512i s = _mm512_add_epi32(h0, h1);
+    if (PRECISE) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_add_epi32(l0, l1));
     return s;  // exact: |s| < 2^24 for int4 codes, < 2^31 for int8
 }
 
-// rows r0 .. r0+R-1 of one column group over all blocks; R <= ROW_TILE.
-template <int R>
-static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+// rows r0 .. r0+R-1 of one column group over all blocks; R <= ROW_TILE. Per block and row:
+//   int4: y += (d * u) * sum(q * c) + m * sum(x);   int8: y += (d * u) * (sum(q' * c) - 128 sum(c))
+// The weight codes are unpacked once per block for all R rows; the accumulators stay in registers.
+template <int R, int BITS, bool PRECISE>
+static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
     __m512 acc[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < a.KB; ++b, g += Q4_GROUP_BYTES) {
-        prefetch_ahead(g, Q4_GROUP_BYTES);
+    const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    // block-major activations: block b of row r at codes (b M + r) 64 (h, then l at + 32), its steps and
+    // sums at [b M + r], so every row of the tile is a constant offset from one pointer per block
+    const int64_t M = a.M, KB = a.KB;
+    const int8_t* c = a.xh + r0 * 64;
+    const float* dx = a.dx + r0;
+    const float* sx = a.sx + r0;
+    const int32_t* sh = a.sh + r0;
+    const int32_t* sl = a.sl + r0;
+    for (int64_t b = 0; b < KB; ++b, g += group_bytes, c += M * 64, dx += M, sx += M, sh += M, sl += M) {
+        prefetch_ahead(g, group_bytes);
         __m512i w[8];
-        for (int j = 0; j < 4; ++j) {
-            __m512i p = _mm512_loadu_si512(g + 64 * j);
-            w[2 * j] = _mm512_and_si512(p, low);
-            w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        if (BITS == 4) {
+            for (int j = 0; j < 4; ++j) {
+                __m512i p = _mm512_loadu_si512(g + 64 * j);
+                w[2 * j] = _mm512_and_si512(p, low);
+                w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            }
+        } else {
+            for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 256)));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
+        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            int64_t rb = (r0 + r) * a.KB + b;
-            __m512 isum = _mm512_cvtepi32_ps(codes_dot(a, w, r0 + r, b, 1));
-            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(unit(a, rb))), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[rb]), acc[r]);
+            __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE>(w, c + r * 64, c + r * 64 + 32);
+            if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (PRECISE ? 256 * sh[r] + sl[r] : sh[r])));
+            const float u = PRECISE ? dx[r] * (1.0f / 256.0f) : dx[r];  // unit(): the same scalar product
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(u)), acc[r]);
+            if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+template <int R>
+static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
+    if (a.precise) vnni_group<R, 4, true>(g, a, r0, out); else vnni_group<R, 4, false>(g, a, r0, out);
 }
 
 template <int R>
 static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a.KB; ++b, g += Q8_GROUP_BYTES) {
-        prefetch_ahead(g, Q8_GROUP_BYTES);
-        __m512i w[8];
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 512)));
-        for (int r = 0; r < R; ++r) {
-            int64_t rb = (r0 + r) * a.KB + b;
-            __m512i s = _mm512_sub_epi32(codes_dot(a, w, r0 + r, b, 0), _mm512_set1_epi32(offset(a, rb)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(unit(a, rb))), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+    if (a.precise) vnni_group<R, 8, true>(g, a, r0, out); else vnni_group<R, 8, false>(g, a, r0, out);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define QMM_AMX 1
 // AMX tiles (Sapphire Rapids and later) for row tiles of 16: the same exact integer sums, taken
 // by tile dot products (tdpbsud: signed activation codes x unsigned weight codes, 16 rows x 16
-// columns x 32 k in one instruction), then the same float steps as q4_group / q8_group, element by
+// columns x 32 k in one instruction), then the same float steps as vnni_group, element by
 // element in block order. So a row's output is bitwise what the VNNI path gives: which path runs
 // for a call (by its row count) cannot change a row, and batch invariance holds across the switch.
 // Where the OS refuses the tile state (amx_granted, native_common.h) the VNNI path serves every call.
@@ -492,7 +518,18 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     int8_t* xh = codes.data();
     float* fl = floats.data();
     int32_t* su = sums.data();
-    Acts a{xh, xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, nullptr, nullptr, nullptr};
+#if QMM_PATH == 3
+#ifdef QMM_AMX
+    const bool blocked = !amx;
+#else
+    const bool blocked = true;
+#endif
+#else
+    const bool blocked = false;
+#endif
+    // the layouts of the header: block-major for vnni_group, row-major for the others
+    Acts a{xh, blocked ? xh + 32 : xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, M,
+           nullptr, nullptr, nullptr};
 #ifdef QMM_AMX
     static thread_local std::vector<float> amx_floats;
     static thread_local std::vector<int32_t> amx_offsets;
@@ -515,8 +552,12 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
-            quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * K, xh + rows * K + r * K, fl + r * KB,
-                         fl + M * KB + r * KB, su + r * KB, su + M * KB + r * KB);
+            if (blocked)
+                quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * 64, xh + r * 64 + 32, fl + r,
+                             fl + M * KB + r, su + r, su + M * KB + r, M * 64, M);
+            else
+                quantize_row((const char*)x + r * x_row, x_bf16, K, xh + r * K, xh + rows * K + r * K, fl + r * KB,
+                             fl + M * KB + r * KB, su + r * KB, su + M * KB + r * KB);
 #ifdef QMM_AMX
         if (amx) {
 #pragma omp for schedule(static)
