@@ -40,7 +40,6 @@ static const int QK = 32;          // block length along K
 static const int GROUP_COLS = 16;  // output columns per packed group
 static const int Q4_GROUP_BYTES = 256 + 64;
 static const int Q8_GROUP_BYTES = 512 + 32;
-static const int ROW_TILE = 8;     // rows sharing one unpacking of a group's codes
 // Weights are streamed once a step: asking for the bytes this far ahead of the block being read
 // kept more memory requests in flight than the hardware prefetcher alone (one batch-1 row over
 // SmolLM2's layers on the 2-core Xeon: int8 12.1 -> 14.7-17.8 GB/s, int4 10.0 -> 12.1-14.9 GB/s;
@@ -60,6 +59,10 @@ static inline void prefetch_ahead(const uint8_t* g, int bytes) {
 #else
 #define QMM_PATH 0
 #endif
+
+// rows sharing one unpacking of a group's codes: 12 in zmm registers (a verified draft of 8 is 9
+// rows), 8 on the ymm paths (16 registers hold no more accumulators)
+static const int ROW_TILE = QMM_PATH == 3 ? 12 : 8;
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t w = (uint32_t)h << 16;
@@ -229,7 +232,7 @@ static inline __m512i row_block_sum(const __m512i w[8], const int8_t* xh, const 
 template <int R, int BITS, bool PRECISE>
 static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
     __m512 acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
@@ -255,7 +258,7 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
         const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
             __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE>(w, c + r * 64, c + r * 64 + 32);
             if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (PRECISE ? 256 * sh[r] + sl[r] : sh[r])));
@@ -264,7 +267,7 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
             if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
@@ -483,7 +486,11 @@ struct Tiles {
     static GroupFn of(int r) {
         switch (r) {
             case 1: return F<1>::fn; case 2: return F<2>::fn; case 3: return F<3>::fn; case 4: return F<4>::fn;
-            case 5: return F<5>::fn; case 6: return F<6>::fn; case 7: return F<7>::fn; default: return F<8>::fn;
+            case 5: return F<5>::fn; case 6: return F<6>::fn; case 7: return F<7>::fn;
+#if QMM_PATH == 3
+            case 8: return F<8>::fn; case 9: return F<9>::fn; case 10: return F<10>::fn; case 11: return F<11>::fn;
+#endif
+            default: return F<ROW_TILE>::fn;
         }
     }
 };
@@ -544,6 +551,7 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     int32_t* offsets = amx_offsets.data();
 #endif
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
+    const int64_t tiles = (M + ROW_TILE - 1) / ROW_TILE;
     auto store = [&](int64_t r0, int R, int64_t gi, float out[][GROUP_COLS]) {
         for (int r = 0; r < R; ++r)
             store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16, gi * GROUP_COLS, out[r], GROUP_COLS);
@@ -584,10 +592,11 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
             for (int64_t gi = 0; gi < groups; ++gi) {
                 const uint8_t* g = w + gi * group_bytes;
                 float out[ROW_TILE][GROUP_COLS];
-                for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
-                    int R = (int)(M - r0 < ROW_TILE ? M - r0 : ROW_TILE);
+                for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // rows in tiles of even sizes (16: 8 + 8)
+                    const int R = (int)(M / tiles + (t < M % tiles));
                     (bits == 4 ? Tiles<Q4>::of(R) : Tiles<Q8>::of(R))(g, a, r0, out);
                     store(r0, R, gi, out);
+                    r0 += R;
                 }
             }
         }
