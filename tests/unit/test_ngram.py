@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lmserve.server.engine.ngram import NgramProposer
+from lmserve.server.engine.ngram import NgramProposer, Speculation
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -48,8 +48,8 @@ def test_no_match_no_draft():
 
 
 def test_length_starts_short_doubles_on_full_acceptance_shrinks_on_partial_and_rests_after_misses():
-    p = NgramProposer([1, 2, 1, 2, 1, 2], max_draft=4, patience=2, cooldown=3)
-    assert p.length == 2  # a first draft on text that may repeat nothing is cheap to reject
+    p = NgramProposer([1, 2, 1, 2, 1, 2], max_draft=4, patience=2, cooldown=3, first=2)
+    assert p.length == 2  # the first draft's length
     p.accepted(2, 2)
     assert p.length == 4
     p.accepted(4, 1)
@@ -64,3 +64,11 @@ def test_length_starts_short_doubles_on_full_acceptance_shrinks_on_partial_and_r
     p.extend([1])
     assert p.propose(4) == [2]  # one token, then it may grow again
     assert (p.drafted_total, p.accepted_total) == (13, 5)
+
+
+def test_the_settings_first_draft_length_bounded_by_max_draft():
+    assert Speculation().proposer([1, 2, 1]).length == 4
+    assert Speculation(max_draft=3).proposer([1, 2, 1]).length == 3
+    assert Speculation(first=2).proposer([1, 2, 1, 2, 1]).propose(8) == [2, 1]
+    with pytest.raises(ValueError):
+        Speculation(first=0)
