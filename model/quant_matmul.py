@@ -4,7 +4,7 @@ the remainder, "precise": ~16 bits), exact integer dot products.
 
 torch's weight-only kernels are fast for one row and slow down with the batch (a decode step at 32
 rows took ~2x bfloat16's on a 2-core EPYC), so a mode had to choose between one stream and many.
-This kernel unpacks a group of 16 columns' codes once and reuses them for up to 8 rows, so rows
+This kernel unpacks a group of 16 columns' codes once and reuses them for up to 12 rows, so rows
 cost integer dot products (VNNI) rather than weight reads. Every output element is summed over
 its blocks in one fixed order from its own row and column: batch-invariant by construction.
 

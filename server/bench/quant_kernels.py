@@ -10,6 +10,11 @@ the tiles turned off; the same bits either way). They take turns
 within every round, in one process; each timing is the median of the rounds (min beside it), so a
 neighbour's burst on a shared machine lands on every candidate alike.
 
+The native candidates are also timed as kernel calls alone ("calls"): each layer's packed weight
+through the library's entry point with outputs allocated once, no module, torch op or allocation
+per call (~1 us of ctypes a call, 121 a step). That is what the native decode loop pays, and it keeps
+Python's per-call cost (~2 ms a step) out of M=1, which would flatter the M=8 / M=1 ratio.
+
 Two readings of the memory: "cold" passes first read a buffer of 2x the last-level cache (the
 weights come from memory, the bound quoted against bandwidth), "warm" passes run back to back as
 a serving loop does (weights that fit the cache may partly come from it). Beside each wall time,
@@ -110,11 +115,29 @@ def main(argv=None) -> int:
     flush = torch.ones(l3 // 4)
     samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
     cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
+    calls = {n: {r: [] for r in ROWS} for n in sets if n.startswith("native")}  # cold, kernel calls alone
 
     def run(layers, rows):
         t0 = time.perf_counter()
         for m in layers:
             m(xs[m.in_features][:rows])
+        return time.perf_counter() - t0
+
+    outs = {}  # (module, rows) -> its output, allocated once for the "calls" passes
+
+    def run_calls(layers, rows):
+        """The native modules' kernel calls alone (QuantMatmul's entry point, outputs reused)."""
+        threads = torch.get_num_threads()
+        calls = []
+        for m in layers:
+            x = xs[m.in_features][:rows]
+            y = outs.setdefault((m, rows), torch.empty(rows, m.out_features, dtype=x.dtype))
+            calls.append((m.bits, int(m.precise), x.data_ptr(), rows, m.in_features, m.packed.data_ptr(),
+                          m.out_features, y.data_ptr()))
+        fn = qm._fn
+        t0 = time.perf_counter()
+        for bits, precise, xp, r, k, wp, n, yp in calls:
+            fn(bits, precise, xp, 1, r, k, wp, n, yp, 1, threads)
         return time.perf_counter() - t0
 
     with torch.inference_mode():
@@ -137,6 +160,9 @@ def main(argv=None) -> int:
                         for role in K.ROLES:
                             samples[name][mode][rows][role].append(run(s[role], rows))
                         cpu[name][mode][rows].append(time.process_time() - c0)
+                    if name in calls:
+                        flush.sum()
+                        calls[name][rows].append(sum(run_calls(s[role], rows) for role in K.ROLES))
             print(f"round {rnd + 1}/{args.rounds}", flush=True)
     if qm is not None:
         qm.set_amx_rows(default_amx_rows)
@@ -164,12 +190,18 @@ def main(argv=None) -> int:
             per1 = per[1]["step_ms"]
             c[mode] = {"rows": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per1, 3),
                        "m8_over_m1": round(per[8]["step_ms"] / per1, 3), "m32_over_m1": round(per[32]["step_ms"] / per1, 3)}
+        if name in calls:
+            per = {rows: med(calls[name][rows]) for rows in ROWS}
+            c["calls"] = {"step_ms": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per[1], 3),
+                          "m8_over_m1": round(per[8] / per[1], 3), "m32_over_m1": round(per[32] / per[1], 3)}
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:
         ref = report["candidates"]["onednn-bf16"]
         for c in report["candidates"].values():
             for mode in ("cold", "warm"):
                 c[mode]["m32_vs_onednn_bf16"] = round(ref[mode]["rows"][32]["step_ms"] / c[mode]["rows"][32]["step_ms"], 3)
+            if "calls" in c:
+                c["calls"]["m32_vs_onednn_bf16"] = round(ref["cold"]["rows"][32]["step_ms"] / c["calls"]["step_ms"][32], 3)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for name, c in report["candidates"].items():
@@ -178,6 +210,9 @@ def main(argv=None) -> int:
               f"  bw {c['cold']['m1_fraction_of_bandwidth']:.2f}  m8/m1 {c['cold']['m8_over_m1']:.2f}  warm ms " +
               " ".join(f"M{r}={c['warm']['rows'][r]['step_ms']:.2f}" for r in ROWS) + "  cpu ms " +
               " ".join(f"M{r}={c['cold']['rows'][r]['cpu_ms_all_threads']:.2f}" for r in ROWS))
+        if "calls" in c:
+            print(f"{'':12s} kernel calls alone, cold ms " + " ".join(f"M{r}={v:.2f}" for r, v in c["calls"]["step_ms"].items())
+                  + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f}  m8/m1 {c['calls']['m8_over_m1']:.2f}")
     return 0
 
 
