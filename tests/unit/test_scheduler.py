@@ -165,7 +165,7 @@ def test_drafts_go_only_into_steps_that_prefill_nothing():
         return seq, s.schedule()
 
     seq, alone = after_first_token(then_add=False)
-    assert alone.decode == (seq,) and alone.draft_of(0) == (8, 5)  # a first draft is 2 tokens long
+    assert alone.decode == (seq,) and alone.draft_of(0) == (8, 5, 6, 7)  # a first draft is 4 tokens long
     seq, mixed = after_first_token(then_add=True)
     assert mixed.decode == (seq,) and [c.seq.request_id for c in mixed.prefill] == ["newcomer"]
     assert mixed.draft_of(0) == ()
