@@ -127,8 +127,9 @@ def cpu_identity() -> dict:
 
 
 # Bumped when how kernels are timed or chosen changes, so that a cached choice made by older code is
-# measured again (2: native linears were timed with ~70 us of lookup overhead a call).
-CHOICE_VERSION = 2
+# measured again (2: native linears were timed with ~70 us of lookup overhead a call; 3: a tie goes to
+# the quantized mode that serves the file's own blocks before int8).
+CHOICE_VERSION = 3
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -240,6 +241,26 @@ TIE = 0.10  # modes whose speed scores are this close count as equally fast
 _BITS = {"none": 0, "int8": 1, "int4": 2}
 
 
+def file_exact_modes(sources: dict[str, list[K.WeightSource]], modes) -> frozenset:
+    """The quantized modes that serve every layer's own blocks from the file (int4: Q4_0/Q4_1,
+    int8: Q8_0) instead of quantizing its dequantized weights again. On a Q4_1 GGUF int4 is the
+    file itself and int8 adds a rounding (SmolLM2: mean KL 0.0017 in int4 against 0.0032 in int8)."""
+    layer_roles = [r for r in K.ROLES if r != "head"]
+
+    def exact(md) -> bool:
+        field = {"int4": "q41", "int8": "q80"}.get(md.quantization)
+        return field is not None and all(getattr(s, field) is not None for r in layer_roles for s in sources[r])
+    return frozenset(md for md in modes if exact(md))
+
+
+def _precision_rank(md, exact: frozenset) -> int:
+    """Among tied modes: unquantized first, then a quantized mode serving the file's own blocks,
+    then the others by bits (int8 before int4)."""
+    if md.quantization == "none":
+        return 0
+    return 1 if md in exact else 1 + _BITS.get(md.quantization, 2)
+
+
 def mode_scores(step_ms: dict[Mode, dict[int, float]]) -> dict[Mode, float]:
     """Each mode's speed score (kernels.speed_score: 1.0 = fastest at every bucket, batch 1 weighted)."""
     buckets = next(iter(step_ms.values())).keys()
@@ -247,31 +268,37 @@ def mode_scores(step_ms: dict[Mode, dict[int, float]]) -> dict[Mode, float]:
     return {md: K.speed_score(ms, best_at) for md, ms in step_ms.items()}
 
 
-def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE) -> list[Mode]:
+def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE, exact: frozenset = frozenset()) -> list[Mode]:
     """Modes fastest first by the speed score of their matmul-only step times (relative to the best
     at each batch bucket, batch 1 weighted: kernels.BUCKET_WEIGHTS); modes within `tie` of the
-    fastest score come first among themselves in order of precision (unquantized before int8
-    before int4, wider dtype first), so that a near tie, which timing noise could tip either way,
-    does not make two first starts on one machine serve different modes (it did: bfloat16 and
-    bfloat16+int4 scored within 5% on the 2-core EPYC)."""
+    fastest score come first among themselves in order of precision (unquantized first, then a
+    quantized mode in `exact`, which serves the file's own blocks, then int8 before int4; wider
+    dtype first), so that a near tie, which timing noise could tip either way, does not make two
+    first starts on one machine serve different modes (it did: bfloat16 and bfloat16+int4 scored
+    within 5% on the 2-core EPYC)."""
     score = mode_scores(step_ms)
     fastest = min(score.values())
 
     def key(md: Mode):
         tied = score[md] <= fastest * (1 + tie)
-        return (not tied, _BITS.get(md.quantization, 3) if tied else 0, -md.dtype.itemsize if tied else 0, score[md])
+        return (not tied, _precision_rank(md, exact) if tied else 0, -md.dtype.itemsize if tied else 0, score[md])
     return sorted(step_ms, key=key)
 
 
-def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: dict[str, str]) -> str:
-    """One line saying why `chosen` won: every mode's score and its step ms per bucket, and what
-    ruled out the modes ranked before it."""
+def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: dict[str, str],
+                  exact: frozenset = frozenset()) -> str:
+    """One line saying why `chosen` won: every mode's score and its step ms per bucket, a near tie
+    that precision broke, and what ruled out the modes ranked before it."""
     score = mode_scores(step_ms)
     weights = "/".join(f"{K.BUCKET_WEIGHTS.get(b, 1.0):g}" for b in next(iter(step_ms.values())))
     parts = [f"{md.name} {score[md]:.2f} ({'/'.join(f'{v:.1f}' for v in step_ms[md].values())} ms)"
              for md in sorted(step_ms, key=score.get)]
     text = (f"{chosen.name}: speed score (1 = fastest at every batch; batch {'/'.join(map(str, next(iter(step_ms.values()))))}"
             f" weighted {weights}) " + ", ".join(parts))
+    fastest = min(score, key=score.get)
+    if fastest != chosen and fastest.name not in skipped and score[chosen] <= score[fastest] * (1 + TIE):
+        why = "serves the file's own blocks" if chosen in exact else "more precise"
+        text += f"; {chosen.name} within {TIE:.0%} of {fastest.name} and {why}"
     if skipped:
         text += "; passed over: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
     return text
@@ -297,7 +324,8 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     if not measured:
         raise PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
                              "pass --batch-invariant false to serve it anyway")
-    ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()})
+    exact = file_exact_modes(sources, measured)
+    ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
     report = {"modes": {md.name: measured[md] for md in ranked}}
     chosen = None
     skipped: dict[str, str] = {}
@@ -333,7 +361,7 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
                              f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
     dt = time.perf_counter() - t0
     report["seconds"] = round(dt, 2)
-    reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped)
+    reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped, exact)
     if "quality" in report["modes"][chosen.name]:
         q = report["modes"][chosen.name]["quality"]
         reason += f"; {chosen.name} within the quality bounds (mean KL {q['mean_kl']:.4f}, perplexity x{q['ppl_ratio']:.3f})"
@@ -378,5 +406,5 @@ def default_cache_dir() -> Path:
 
 
 __all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
-           "mode_scores", "choice_reason",
+           "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

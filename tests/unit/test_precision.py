@@ -132,6 +132,29 @@ def test_mode_ranking_breaks_near_ties_toward_precision_and_keeps_clear_winners(
     assert P.rank_modes(slow_alone)[0] == bf16
 
 
+def test_a_near_tie_goes_to_the_quantized_mode_serving_the_files_own_blocks(gguf):
+    """The Zen 5 EPYC's measurement (2026-12-02): int4 1.04, int8 1.09, within the tie; on the Q4_1
+    file int4 serves its codes as they are and int8 quantizes them again (mean KL 0.0017 vs 0.0032)."""
+    int8, int4, bf16 = P.Mode(torch.bfloat16, "int8"), P.Mode(torch.bfloat16, "int4"), P.Mode(torch.bfloat16)
+    measured = {int4: {1: 3.5, 8: 6.2, 32: 19.0}, int8: {1: 4.1, 8: 5.9, 32: 17.5}, bf16: {1: 10.6, 8: 10.2, 32: 17.2}}
+    assert P.rank_modes(measured)[:2] == [int8, int4]  # no file blocks known: int8 before int4
+    sources = {r: [K.WeightSource(torch.zeros(1), q41=object())] for r in K.ROLES}  # every layer has Q4_1 blocks
+    exact = P.file_exact_modes(sources, measured)
+    assert exact == {int4}
+    assert P.rank_modes(measured, exact=exact)[:2] == [int4, int8]
+    int8_ahead = {**measured, int8: {1: 3.4, 8: 5.9, 32: 17.5}}  # int8 a little faster: the tie still goes to int4
+    assert P.rank_modes(int8_ahead, exact=exact)[0] == int4
+    assert "bfloat16+int4 within 10% of bfloat16+int8 and serves the file's own blocks" in P.choice_reason(
+        int8_ahead, int4, {}, exact)
+    assert P.rank_modes({**measured, int4: {1: 5.0, 8: 9.0, 32: 30.0}}, exact=exact)[0] == int8  # no tie: speed
+    # the real file: its layers hold Q4_1 blocks, so int4 is the file's own precision
+    from lmserve.model.precision import _role_sources
+    from lmserve.model.loader import build_model
+
+    probe = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", prepare=False, q41=gguf.q41, q80=gguf.q80)
+    assert P.file_exact_modes(_role_sources(probe), measured) == {int4}
+
+
 # ---- modes: refused early, with the reason ---------------------------------------------------------
 @pytest.mark.parametrize("device,dtype,quant,words", [
     ("cpu", "float32", "int4", "bfloat16"), ("cpu", "float16", "int8", "bfloat16"),
