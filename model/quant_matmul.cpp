@@ -206,7 +206,6 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 // The integer sum of one row's block of 32 codes (h at xh, l at xl) against w (chunk j holding
 // k = 4j .. 4j+3 when ORDER is 0, int4's interleave k = 8(j/2) + 4(j%2) .. when 1): with PRECISE,
 // 256 x the h codes' sum plus the l codes'. Four independent chains of four vpdpbusd.
-
 template <int ORDER, bool PRECISE>
 static inline __m512i row_block_sum(const __m512i w[8], const int8_t* xh, const int8_t* xl) {
     __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
