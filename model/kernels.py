@@ -263,10 +263,11 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
         if src.weight.shape[1] % GROUP:
             raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
         return Int4Linear(src.q41 if src.q41 is not None else quantize_q41(src.weight), bias, dtype)
-    if kernel == "native-int4":
+    if kernel in ("native-int4", "native-int4-a8"):
         if src.weight.shape[1] % GROUP:
             raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
-        return NativeQuantLinear(src.q41 if src.q41 is not None else quantize_q41(src.weight).half_steps(), bias)
+        return NativeQuantLinear(src.q41 if src.q41 is not None else quantize_q41(src.weight).half_steps(), bias,
+                                 precise=kernel == "native-int4")
     if kernel in ("native-int8", "native-int8-a8"):
         if src.weight.shape[1] % GROUP:
             raise ValueError(f"native int8 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
@@ -295,8 +296,8 @@ def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.d
         return ["int8", *(["native-int8-a8"] if native else [])]
     if quantization == "int8":
         return ["int8", *(["native-int8"] if native else [])]
-    if quantization == "int4":
-        return ["int4", *(["native-int4"] if native else [])]
+    if quantization == "int4":  # a8: one activation code, centred int4 codes (the plan's quality check decides)
+        return ["int4", *(["native-int4", "native-int4-a8"] if native else [])]
     if device.type != "cpu":
         return ["dense"]
     return ["dense", "onednn", "onednn-m2", "onednn-c16"] if onednn_supports(dtype) else ["dense"]

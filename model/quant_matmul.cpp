@@ -10,7 +10,11 @@
 // AVX2 maddubs), scaled in float32 and added to the column's sum in block order 0, 1, 2, ...
 //   int4: y += (d * u) * sum(q * c) + m * sum(x)        (w = d * q + m, q in 0..15)
 //   int8: y += (d * u) * sum(q * c)                     (w = d * q, q in -127..127)
-// with c = 256 h + l and u = e / 256 (precise), or c = h and u = e.
+// with c = 256 h + l and u = e / 256 (precise), or c = h and u = e. With one code (not precise) the
+// int4 codes are centred, w = d (q - 8) + (m + 8 d):
+//   y += (d * u) * (sum(q * h) - 8 sum(h)) + (m + 8 d) * sum(x)
+// so that h's rounding meets products of at most 8 steps rather than 15 (SmolLM2, one code for every
+// projection: mean KL 0.0135 uncentred, 0.0026 centred, emulated in float against float32).
 // Integer sums are exact and the float steps run in one fixed order per output element, on that
 // element's own row and column only: a row's output is bitwise the same alone or among any rows
 // (batch invariance by construction), whatever the thread split (columns are split by group).
@@ -226,7 +230,8 @@ static inline __m512i row_block_sum(const __m512i w[8], const int8_t* xh, const 
 }
 
 // rows r0 .. r0+R-1 of one column group over all blocks; R <= ROW_TILE. Per block and row:
-//   int4: y += (d * u) * sum(q * c) + m * sum(x);   int8: y += (d * u) * (sum(q' * c) - 128 sum(c))
+//   int4: y += (d * u) * sum(q * c) + m * sum(x) (one code: centred, see the header)
+//   int8: y += (d * u) * (sum(q' * c) - 128 sum(c))
 // The weight codes are unpacked once per block for all R rows; the accumulators stay in registers.
 template <int R, int BITS, bool PRECISE>
 static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GROUP_COLS]) {
@@ -256,11 +261,13 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
             for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
-        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        if (BITS == 4 && !PRECISE) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
             __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE>(w, c + r * 64, c + r * 64 + 32);
             if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (PRECISE ? 256 * sh[r] + sl[r] : sh[r])));
+            if (BITS == 4 && !PRECISE) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sh[r]));  // sum((q - 8) h)
             const float u = PRECISE ? dx[r] * (1.0f / 256.0f) : dx[r];  // unit(): the same scalar product
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(u)), acc[r]);
             if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
@@ -363,7 +370,8 @@ static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float 
             amx_block_sums<BITS>(g + group_bytes, a, r0, b + 1, wq[1 - p], ch[1 - p], cl[1 - p]);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
-        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        if (BITS == 4 && !PRECISE) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
         // all 16 rows (the padding ones are thrown away): a fixed count keeps acc[] in registers
 #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; ++r) {
@@ -437,9 +445,12 @@ static void q4_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
             }
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 256 + 16 * h)));
             __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 288 + 16 * h)));
+            if (!a.precise) m = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), d, m);  // centred codes' minimum
             for (int r = 0; r < R; ++r) {
                 int64_t rb = (r0 + r) * a.KB + b;
-                __m256 isum = _mm256_cvtepi32_ps(codes_dot<4>(a, w, r0 + r, b));
+                __m256i s = codes_dot<4>(a, w, r0 + r, b);
+                if (!a.precise) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a.sh[rb]));  // sum((q - 8) h)
+                __m256 isum = _mm256_cvtepi32_ps(s);
                 acc[r][h] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(unit(a, rb))), acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[rb]), acc[r][h]);
             }
@@ -508,7 +519,8 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     const int64_t KB = K / QK, groups = N / GROUP_COLS;
     const int64_t group_bytes = KB * (bits == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES);
 #ifdef QMM_AMX
-    const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_granted();
+    // the tiles take the uncentred sums only: int4 with one code stays on the VNNI path
+    const bool amx = amx_min_rows > 0 && M >= amx_min_rows && (bits == 8 || precise) && amx_granted();
     const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // a tile reads 16 rows of codes
 #else
     const int64_t rows = M;

@@ -45,6 +45,7 @@ CANDIDATES = {  # name -> (layers' kernel, head's kernel, dtype)
     "onednn-bf16": ("onednn", "onednn", torch.bfloat16),
     "native-int4": ("native-int4", "native-int8-a8", torch.bfloat16),
     "native-int8": ("native-int8", "native-int8-a8", torch.bfloat16),
+    "native-int4-a8": ("native-int4-a8", "native-int8-a8", torch.bfloat16),  # one activation code, centred int4
     "native-int8-a8": ("native-int8-a8", "native-int8-a8", torch.bfloat16),  # one activation code
 }
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     if qm is not None:
         qm.set_amx_rows(default_amx_rows)
         if qm.amx:
-            for name in ("native-int4", "native-int8", "native-int8-a8"):
+            for name in ("native-int4", "native-int8", "native-int4-a8", "native-int8-a8"):
                 sets[f"{name}-vnni"], amx_rows[f"{name}-vnni"] = sets[name], 0
     nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
     K_in = {m.in_features for s in sets.values() for ls in s.values() for m in ls}

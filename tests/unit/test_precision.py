@@ -234,6 +234,7 @@ def test_every_weight_is_counted(smollm2_gguf_path, kernel_cache, auto_loaded, d
 SERVED_PLANS = {  # every kernel each quantized mode may be served on: (mode, layers' kernel, head's kernel)
     "int8/torch": ("int8", "int8", "int8"), "int8/native": ("int8", "native-int8", "native-int8-a8"),
     "int4/torch": ("int4", "int4", "int8"), "int4/native": ("int4", "native-int4", "native-int8-a8"),
+    "int4/native-a8": ("int4", "native-int4-a8", "native-int8-a8"),
 }
 
 

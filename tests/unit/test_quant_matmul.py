@@ -60,13 +60,15 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 def reference(blocks, x: torch.Tensor, precise: bool) -> torch.Tensor:
     """What the kernel computes, in float64: the float activations when precise (two codes: ~16
-    bits), else their one-code quantization; int4's minimum term uses the float block sums of x."""
+    bits), else their one-code quantization; int4's minimum term uses the float block sums of x, and
+    with one code its codes are centred: w = d (q - 8) + (m + 8 d)."""
     xq = x.double() if precise else int8_activations(x)
     if isinstance(blocks, Q80Blocks):
         return xq @ blocks.dequantize().double().T
     d = blocks.d.double().repeat_interleave(32, 1)
     m = blocks.m.double().repeat_interleave(32, 1)
-    return xq @ (blocks.q.double() * d).T + x.double() @ m.T
+    shift = 0.0 if precise else 8.0
+    return xq @ ((blocks.q.double() - shift) * d).T + x.double() @ (m + shift * d).T
 
 
 def run(kernel, blocks, x, precise=True):
