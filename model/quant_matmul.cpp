@@ -370,8 +370,7 @@ static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float 
             amx_block_sums<BITS>(g + group_bytes, a, r0, b + 1, wq[1 - p], ch[1 - p], cl[1 - p]);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
-        __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
-        if (BITS == 4 && !PRECISE) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
+        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
         // all 16 rows (the padding ones are thrown away): a fixed count keeps acc[] in registers
 #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; ++r) {

@@ -10,6 +10,10 @@ kernel's documented recipe (tight), and with the float activations (loose: the i
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -208,3 +212,17 @@ def test_float_weights_are_blocked_like_the_files():
         err = (blocks.dequantize() - w).abs().reshape(64, -1, 32).amax(-1)  # [N, K/32]
         span = (w.reshape(64, -1, 32).amax(-1) - w.reshape(64, -1, 32).amin(-1))
         assert (err <= span / step * 0.51 + 1e-3).all()
+
+
+@pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3 -mavxvnni", "x86-64-v3", "x86-64-v2"])
+def test_every_path_of_the_native_sources_compiles(march):
+    """Each build only compiles the paths its CPU defines (AMX tiles, AVX-512, AVX-VNNI, AVX2, none):
+    compile the sources for each target whatever this CPU is, so that an edit breaking a path this
+    machine does not build fails here, not at another machine's first start."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx})")
+    arch, *more = march.split()
+    done = subprocess.run([cxx, f"-march={arch}", *more, "-fopenmp", "-std=c++17", "-fsyntax-only",
+                           *map(str, native.SOURCES)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
