@@ -192,10 +192,14 @@ struct Acts {  // the quantized rows of one call
     const float* sums;
 };
 
-// The activation unit of row-block rb: e / 256 with the remainder codes, else e.
-static inline float unit(const Acts& a, int64_t rb) { return a.precise ? a.dx[rb] * (1.0f / 256.0f) : a.dx[rb]; }
-// 128 x the activation code sum of row-block rb: the offset int8 codes stored unsigned add.
-static inline int32_t offset(const Acts& a, int64_t rb) { return 128 * (a.precise ? 256 * a.sh[rb] + a.sl[rb] : a.sh[rb]); }
+// The activation unit of a row-block of step e: e / 256 with the remainder codes, else e. Every path
+// takes it from here, so its rounding is one and the same.
+static inline float unit_of(bool precise, float e) { return precise ? e * (1.0f / 256.0f) : e; }
+// 128 x the activation code sum of a row-block (code sums sh, sl): what the offset int8 codes stored
+// unsigned add.
+static inline int32_t offset_of(bool precise, int32_t sh, int32_t sl) { return 128 * (precise ? 256 * sh + sl : sh); }
+static inline float unit(const Acts& a, int64_t rb) { return unit_of(a.precise, a.dx[rb]); }
+static inline int32_t offset(const Acts& a, int64_t rb) { return offset_of(a.precise, a.sh[rb], a.sl[rb]); }
 
 #if QMM_PATH == 3
 typedef int32_t __attribute__((may_alias)) int32_alias;
@@ -266,10 +270,9 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
             __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE>(w, c + r * 64, c + r * 64 + 32);
-            if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (PRECISE ? 256 * sh[r] + sl[r] : sh[r])));
+            if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset_of(PRECISE, sh[r], sl[r])));
             if (BITS == 4 && !PRECISE) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sh[r]));  // sum((q - 8) h)
-            const float u = PRECISE ? dx[r] * (1.0f / 256.0f) : dx[r];  // unit(): the same scalar product
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(u)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(unit_of(PRECISE, dx[r]))), acc[r]);
             if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r]), acc[r]);
         }
     }
@@ -522,8 +525,10 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     const bool amx = amx_min_rows > 0 && M >= amx_min_rows && (bits == 8 || precise) && amx_granted();
     const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // a tile reads 16 rows of codes
 #else
+    const bool amx = false;
     const int64_t rows = M;
 #endif
+    const bool blocked = QMM_PATH == 3 && !amx;  // the header's activation layouts: block-major for vnni_group
     static thread_local std::vector<int8_t> codes;
     static thread_local std::vector<float> floats;
     static thread_local std::vector<int32_t> sums;
@@ -535,16 +540,6 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     int8_t* xh = codes.data();
     float* fl = floats.data();
     int32_t* su = sums.data();
-#if QMM_PATH == 3
-#ifdef QMM_AMX
-    const bool blocked = !amx;
-#else
-    const bool blocked = true;
-#endif
-#else
-    const bool blocked = false;
-#endif
-    // the layouts of the header: block-major for vnni_group, row-major for the others
     Acts a{xh, blocked ? xh + 32 : xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, M,
            nullptr, nullptr, nullptr};
 #ifdef QMM_AMX

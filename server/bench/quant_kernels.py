@@ -130,15 +130,15 @@ def main(argv=None) -> int:
     def run_calls(layers, rows):
         """The native modules' kernel calls alone (QuantMatmul's entry point, outputs reused)."""
         threads = torch.get_num_threads()
-        calls = []
+        args = []
         for m in layers:
             x = xs[m.in_features][:rows]
             y = outs.setdefault((m, rows), torch.empty(rows, m.out_features, dtype=x.dtype))
-            calls.append((m.bits, int(m.precise), x.data_ptr(), rows, m.in_features, m.packed.data_ptr(),
-                          m.out_features, y.data_ptr()))
+            args.append((m.bits, int(m.precise), x.data_ptr(), rows, m.in_features, m.packed.data_ptr(),
+                         m.out_features, y.data_ptr()))
         fn = qm._fn
         t0 = time.perf_counter()
-        for bits, precise, xp, r, k, wp, n, yp in calls:
+        for bits, precise, xp, r, k, wp, n, yp in args:
             fn(bits, precise, xp, 1, r, k, wp, n, yp, 1, threads)
         return time.perf_counter() - t0
 

@@ -8,10 +8,10 @@ followed the latest earlier occurrence of the longest suffix it finds.
 
 Draft length adapts to the sequence's own record. The first draft is short (`first` tokens, 4 by
 default): on text that repeats nothing it is rejected, and a long one would cost a dear verifying
-step for nothing (a short answer pays for it in full). The length doubles after a draft accepted whole, up to
-`max_draft`, and falls to what was accepted plus one otherwise; after `patience` drafts in a row
-with nothing accepted the sequence stops drafting for `cooldown` tokens, then tries one token again. The engine
-verifies drafts (runner.py, scheduler.py); this module only guesses.
+step for nothing (a short answer pays for it in full). The length doubles after a draft accepted
+whole, up to `max_draft`, and falls to what was accepted plus one otherwise; after `patience` drafts
+in a row with nothing accepted the sequence stops drafting for `cooldown` tokens, then tries one token
+again. The engine verifies drafts (runner.py, scheduler.py); this module only guesses.
 """
 
 from __future__ import annotations
