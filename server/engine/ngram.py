@@ -6,6 +6,13 @@ proposer keeps an index of its n-grams (n = min_n..max_n) over prompt + output, 
 are recorded (O(max_n) dictionary writes per token, never a rescan), and drafts the tokens that
 followed the latest earlier occurrence of the longest suffix it finds.
 
+Once a draft comes from somewhere, the proposer keeps a pointer into that source (the copy) and
+follows it while the output agrees. A quote rarely agrees to the letter: the model adds a comma,
+renames a variable, drops a word. Where the output leaves the copy, the pointer realigns without
+waiting for a new n-gram: a token found among the next `REALIGN` source tokens resumes the copy
+after it (a dropped or replaced token), and if nothing else matches, one draft assumes the token was
+inserted and resumes where the copy stood. Each costs O(REALIGN) work a step.
+
 Draft length adapts to the sequence's own record. The first draft is short (`first` tokens, 4 by
 default): on text that repeats nothing it is rejected, and a long one would cost a dear verifying
 step for nothing (a short answer pays for it in full). The length doubles after a draft accepted
@@ -17,6 +24,8 @@ again. The engine verifies drafts (runner.py, scheduler.py); this module only gu
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+REALIGN = 3  # source tokens searched for the output's latest token where the output left its copy
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,9 @@ class NgramProposer:
         self.length = max(1, min(first, max_draft))  # the next draft's length
         self._misses = 0  # drafts in a row with nothing accepted
         self._resting = 0  # tokens still to wait before drafting again
+        self._copy: int | None = None  # position of the source token the output is expected to repeat next
+        self._following = False  # the latest token was the copy's (the pointer advanced past it)
+        self._inserted_tried = False  # the "token inserted" draft was tried since the output left the copy
         self.drafted_total = 0
         self.accepted_total = 0
         self.extend(tokens)
@@ -70,6 +82,11 @@ class NgramProposer:
         """Tokens appended to the sequence (prompt at first, then each recorded output token)."""
         for tok in tokens:
             self._index_last()
+            copy = self._copy
+            self._following = copy is not None and copy < len(self.tokens) and self.tokens[copy] == tok
+            if self._following:
+                self._copy = copy + 1
+            self._inserted_tried = False
             self.tokens.append(tok)
             if self._resting:
                 self._resting -= 1
@@ -81,17 +98,46 @@ class NgramProposer:
         for n in range(self.min_n, min(self.max_n, end) + 1):
             self._index[n][tuple(t[end - n: end])] = end
 
-    def propose(self, limit: int) -> list[int]:
-        """Up to min(limit, the adapted length) tokens to verify; [] when there is no match or drafting rests."""
-        k = min(limit, self.length)
-        if k <= 0 or self._resting:
-            return []
+    def match(self) -> int | None:
+        """Where the tokens after the latest earlier occurrence of the longest suffix (max_n down to
+        min_n) start, or None when no suffix occurred before."""
         t, end = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             after = self._index[n].get(tuple(t[end - n:]))
             if after is not None:
-                return t[after: after + k]  # may run into the suffix itself: a repeating pattern
-        return []
+                return after
+        return None
+
+    def _source(self) -> int | None:
+        """Where the next draft is copied from: the copy while the output follows it; else the copy
+        realigned past the latest token (found among the next REALIGN source tokens); else the
+        longest-suffix match; else, once, the copy as it stands (the latest token was inserted)."""
+        t, end, copy = self.tokens, len(self.tokens), self._copy
+        if copy is not None and copy < end - 1:
+            if self._following:
+                return copy
+            for q in range(copy, min(end - 1, copy + REALIGN)):
+                if t[q] == t[-1]:
+                    return q + 1
+        after = self.match()
+        if after is not None:
+            return after
+        if copy is not None and copy < end - 1 and not self._inserted_tried:
+            self._inserted_tried = True
+            return copy
+        return None
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to min(limit, the adapted length) tokens to verify; [] when there is nothing to copy or
+        drafting rests."""
+        k = min(limit, self.length)
+        if k <= 0 or self._resting:
+            return []
+        start = self._source()
+        if start is None:
+            return []
+        self._copy = start
+        return self.tokens[start: start + k]  # may run into the suffix itself: a repeating pattern
 
     def accepted(self, drafted: int, accepted: int) -> None:
         """The outcome of a verified draft: adapt the next draft's length."""

@@ -1,5 +1,6 @@
-"""The n-gram proposer against a brute-force oracle: the tokens after the latest earlier occurrence
-of the longest suffix (max_n down to min_n) of the tokens so far; and its draft-length policy."""
+"""The n-gram proposer: its index against a brute-force oracle (the tokens after the latest earlier
+occurrence of the longest suffix, max_n down to min_n), the copy it follows and realigns where the
+output leaves it, and its draft-length policy."""
 
 import random
 
@@ -19,15 +20,15 @@ def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_drafts_equal_the_brute_force_lookup_as_tokens_arrive(seed):
+def test_the_index_match_equals_the_brute_force_lookup_as_tokens_arrive(seed):
     rng = random.Random(seed)
     alphabet = rng.randint(2, 6)  # small alphabets: many repeats, many candidate matches
     tokens = [rng.randrange(alphabet) for _ in range(rng.randint(1, 10))]
     p = NgramProposer(tokens, max_draft=5, min_n=rng.randint(1, 2), max_n=rng.randint(2, 5))
     for _ in range(60):
         k = rng.randint(1, 5)
-        p.length = 5
-        assert p.propose(k) == brute_force(p.tokens, k, p.min_n, p.max_n)
+        after = p.match()
+        assert (p.tokens[after: after + k] if after is not None else []) == brute_force(p.tokens, k, p.min_n, p.max_n)
         new = [rng.randrange(alphabet) for _ in range(rng.randint(1, 3))]
         p.extend(new)
         tokens += new
@@ -40,6 +41,48 @@ def test_a_quoted_passage_is_drafted_from_the_prompt():
     p.extend(passage[:3])  # the output starts quoting
     assert p.propose(8) == passage[3:11]
     assert p.propose(2) == passage[3:5]  # never more than asked
+
+
+def _following(passage, prompt_tail=(3, 4), **kw):
+    """A proposer whose output has quoted passage[:5] (drafts verified whole)."""
+    p = NgramProposer([1, 2, *passage, *prompt_tail], max_draft=8, first=8, **kw)
+    p.extend(passage[:2])
+    assert p.propose(3) == passage[2:5]
+    p.accepted(3, 3)
+    p.extend(passage[2:5])
+    return p
+
+
+def test_the_copy_is_followed_where_a_later_occurrence_of_the_suffix_goes_elsewhere():
+    passage = list(range(100, 120))
+    # the prompt ends with passage[3:5] followed by 7: a suffix lookup of 2 tokens would draft 7
+    p = _following(passage, prompt_tail=(passage[3], passage[4], 7), max_n=2)
+    after = p.match()
+    assert p.tokens[after] == 7
+    assert p.propose(4) == passage[5:9]
+
+
+def test_an_inserted_token_resumes_the_copy_where_it_stood():
+    passage = list(range(100, 120))
+    p = _following(passage)
+    p.extend([55])  # a comma the passage does not have
+    assert p.propose(4) == passage[5:9]
+    p.accepted(4, 4)
+    p.extend(passage[5:10])
+    assert p.propose(4) == passage[10:14]  # following again
+
+
+def test_a_replaced_token_and_a_dropped_token_realign_the_copy_past_them():
+    passage = list(range(100, 120))
+    p = _following(passage)
+    p.extend([55])  # passage[5] renamed
+    assert p.propose(2) == passage[5:7]  # first guess: 55 was inserted
+    p.accepted(2, 0)
+    p.extend([passage[6]])  # the model goes on with passage[6]: 55 replaced passage[5]
+    assert p.propose(3) == passage[7:8]  # one token after a miss
+    q = _following(passage)
+    q.extend([passage[6]])  # passage[5] dropped
+    assert q.propose(3) == passage[7:10]
 
 
 def test_no_match_no_draft():
