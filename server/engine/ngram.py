@@ -73,7 +73,7 @@ class NgramProposer:
         self._resting = 0  # tokens still to wait before drafting again
         self._copy: int | None = None  # position of the source token the output is expected to repeat next
         self._following = False  # the latest token was the copy's (the pointer advanced past it)
-        self._inserted_tried = False  # the "token inserted" draft was tried since the output left the copy
+        self._inserted_tried = False  # the "token inserted" draft was tried since the output left this copy
         self.drafted_total = 0
         self.accepted_total = 0
         self.extend(tokens)
@@ -85,8 +85,7 @@ class NgramProposer:
             copy = self._copy
             self._following = copy is not None and copy < len(self.tokens) and self.tokens[copy] == tok
             if self._following:
-                self._copy = copy + 1
-            self._inserted_tried = False
+                self._copy, self._inserted_tried = copy + 1, False
             self.tokens.append(tok)
             if self._resting:
                 self._resting -= 1
@@ -136,7 +135,8 @@ class NgramProposer:
         start = self._source()
         if start is None:
             return []
-        self._copy = start
+        if start != self._copy:  # a new source: its own divergence may be tried as an insertion
+            self._copy, self._inserted_tried = start, False
         return self.tokens[start: start + k]  # may run into the suffix itself: a repeating pattern
 
     def accepted(self, drafted: int, accepted: int) -> None:

@@ -72,6 +72,16 @@ def test_an_inserted_token_resumes_the_copy_where_it_stood():
     assert p.propose(4) == passage[10:14]  # following again
 
 
+def test_the_inserted_guess_is_tried_once_where_the_output_leaves_the_copy():
+    passage = list(range(100, 120))
+    p = _following(passage)
+    p.extend([55])
+    assert p.propose(2) == passage[5:7]
+    p.accepted(2, 0)
+    p.extend([66])  # the output wanders off: nothing to realign to, no n-gram, the guess spent
+    assert p.propose(2) == []
+
+
 def test_a_replaced_token_and_a_dropped_token_realign_the_copy_past_them():
     passage = list(range(100, 120))
     p = _following(passage)
