@@ -58,6 +58,7 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         disable_speculation=not params.speculate,
+        prediction=params.prediction,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -93,6 +94,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         speculate=not msg.disable_speculation,
+        prediction=msg.prediction,
         **_constraint_from_proto(msg),
     )
 

@@ -61,6 +61,8 @@ class SamplingParams:
             the model's own, before the constraint's mask).
         speculate: False to opt out of the server's speculative decoding (the tokens are
             the same either way).
+        prediction: text the output is expected to repeat (e.g. the file an edit rewrites):
+            the server drafts from it as from the prompt; the tokens are the same either way.
 
     Constrained decoding (at most one; see docs/constrained-decoding.md):
         json_schema: the output is JSON valid under this schema (a dict, or its JSON text).
@@ -84,6 +86,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculate: bool = True
+    prediction: str = ""
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None

@@ -69,6 +69,7 @@ class InputParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculate: bool = True  # False: this request opts out of speculative decoding
+    prediction: str = ""  # text the output is expected to repeat (a source of speculative drafts); "" for none
     # the output constraint as sent: (kind, its text / True / the choice's strings), None for free text;
     # held by reference (O(1)) and built into a Constraint on a worker thread
     constraint: tuple[str, object] | None = None
@@ -81,7 +82,7 @@ class InputParams:
                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                    seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
                    ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
-                   speculate=not p.disable_speculation, constraint=_proto_constraint(p))
+                   speculate=not p.disable_speculation, prediction=p.prediction, constraint=_proto_constraint(p))
 
 
 def _proto_constraint(p: pb.SamplingParams) -> tuple[str, object] | None:
@@ -161,8 +162,10 @@ def _messages_violations(msgs: Sequence[ChatTurn], field: str, limits: InputLimi
     return v
 
 
-def _params_violations(p: InputParams) -> list[tuple[str, str]]:
+def _params_violations(p: InputParams, limits: InputLimits) -> list[tuple[str, str]]:
     v = []
+    if len(p.prediction) > limits.max_input_chars:
+        v.append(("params.prediction", f"at most {limits.max_input_chars} characters, got {len(p.prediction)}"))
     if len(p.stop) > MAX_STOP_STRINGS:
         v.append(("params.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"))
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -197,7 +200,7 @@ def precheck_generate(req: GenerateInput, limits: InputLimits) -> None:
         v += _messages_violations(req.messages, "messages", limits)
     else:
         v.append(("input", "set one of prompt, token_ids or messages"))
-    v += _params_violations(req.params)
+    v += _params_violations(req.params, limits)
     if v:
         raise RequestValidationError(v)
 
@@ -249,6 +252,8 @@ class InputConverter:
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs,
             speculate=p.speculate,
+            # plain text (never control tokens), as the answer would spell it
+            prediction=tuple(self.tokenizer.encode(p.prediction, parse_special=False)) if p.prediction else (),
             constraint=build_constraint(p.constraint),
         )
 

@@ -13,6 +13,10 @@ waiting for a new n-gram: a token found among the next `REALIGN` source tokens r
 after it (a dropped or replaced token), and if nothing else matches, one draft assumes the token was
 inserted and resumes where the copy stood. Each costs O(REALIGN) work a step.
 
+A request may also name the text it expects to repeat (a `reference`: OpenAI's predicted output,
+e.g. the file an edit rewrites). Its tokens are indexed before the prompt, behind a separator no
+token equals, and the first draft copies its beginning.
+
 Draft length adapts to the sequence's own record. The first draft is short (`first` tokens, 4 by
 default): on text that repeats nothing it is rejected, and a long one would cost a dear verifying
 step for nothing (a short answer pays for it in full). The length doubles after a draft accepted
@@ -26,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REALIGN = 3  # source tokens searched for the output's latest token where the output left its copy
+SEPARATOR = -1  # between a reference and the sequence: never a token, so no n-gram matches across it
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,15 @@ class Speculation:
         return (params.speculate and params.temperature == 0 and params.repetition_penalty == 1.0
                 and not params.presence_penalty and not params.frequency_penalty)
 
-    def proposer(self, tokens: list[int]) -> "NgramProposer":
-        return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first)
+    def proposer(self, tokens: list[int], reference=()) -> "NgramProposer":
+        return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first, reference=reference)
 
 
 class NgramProposer:
     """One sequence's n-gram index and draft-length state (Sequence.draft, owned by the scheduler)."""
 
     def __init__(self, tokens: list[int], max_draft: int = 8, min_n: int = 2, max_n: int = 4,
-                 patience: int = 3, cooldown: int = 16, first: int = 2):
+                 patience: int = 3, cooldown: int = 16, first: int = 2, reference=()):
         if not 1 <= min_n <= max_n or max_draft < 1:
             raise ValueError("need 1 <= min_n <= max_n and max_draft >= 1")
         self.max_draft, self.min_n, self.max_n = max_draft, min_n, max_n
@@ -76,7 +81,12 @@ class NgramProposer:
         self._inserted_tried = False  # the "token inserted" draft was tried since the output left this copy
         self.drafted_total = 0
         self.accepted_total = 0
+        self._separator = len(reference) if reference else -1  # drafts stop before it
+        if reference:
+            self.extend([*reference, SEPARATOR])
         self.extend(tokens)
+        if reference:  # the output is expected to start where the reference does
+            self._copy, self._following = 0, True
 
     def extend(self, tokens) -> None:
         """Tokens appended to the sequence (prompt at first, then each recorded output token)."""
@@ -137,6 +147,8 @@ class NgramProposer:
             return []
         if start != self._copy:  # a new source: its own divergence may be tried as an insertion
             self._copy, self._inserted_tried = start, False
+        if start <= self._separator < start + k:  # a reference's end
+            k = self._separator - start
         return self.tokens[start: start + k]  # may run into the suffix itself: a repeating pattern
 
     def accepted(self, drafted: int, accepted: int) -> None:

@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_PREDICTION_TOKENS = 16384  # a predicted output (drafts only: its index costs ~3 dictionary entries a token)
 # Temperatures in (0, GREEDY_TEMPERATURE) decode greedily: dividing logits by less can overflow to
 # inf and turn the softmax into NaN. Repetition penalties are clamped to REPETITION_PENALTY_RANGE
 # for the same reason. Both are normalized when SamplingParams is built, so nothing downstream
@@ -65,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)
     speculate: bool = True  # False: never verify drafted tokens for this request (the output is the same)
+    prediction: tuple[int, ...] = ()  # tokens the output is expected to repeat: a source of drafts (ngram.py)
     constraint: Constraint | None = None  # the output's shape (constraints/spec.py); None: free text
 
     def __post_init__(self):
@@ -75,6 +77,8 @@ class SamplingParams:
             object.__setattr__(self, "repetition_penalty", min(max(self.repetition_penalty, lo), hi))
         if not isinstance(self.stop_token_ids, frozenset):
             object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if not isinstance(self.prediction, tuple):
+            object.__setattr__(self, "prediction", tuple(self.prediction))
         if self.constraint is not None:  # drafts are not verified against a constraint's mask yet
             object.__setattr__(self, "speculate", False)
 
@@ -117,6 +121,10 @@ class SamplingParams:
             outside = sorted(t for t in self.stop_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size))
             if outside:
                 bad("stop_token_ids", f"{len(outside)} id(s) outside the vocabulary [0, {vocab_size}), e.g. {outside[0]}")
+        if len(self.prediction) > MAX_PREDICTION_TOKENS:
+            bad("prediction", f"at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction)}")
+        elif any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in self.prediction):
+            bad("prediction", f"holds ids outside the vocabulary [0, {vocab_size or 'vocab size'})")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.constraint is not None and self.ignore_eos:

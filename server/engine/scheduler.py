@@ -394,7 +394,7 @@ class Scheduler:
         if seq.pending or not Speculation.applies(p):
             return ()
         if seq.draft is None:
-            seq.draft = self.speculation.proposer(seq.all_tokens)
+            seq.draft = self.speculation.proposer(seq.all_tokens, p.prediction)
         return tuple(seq.draft.propose(min(budget - 1, p.max_new_tokens - len(seq.output_ids) - 1)))
 
     def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:

@@ -24,14 +24,14 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Known OpenAI parameters this server does not implement; each is a 400 naming it unless null/default.
 UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
-                         "prediction", "reasoning_effort", "web_search_options", "echo", "suffix", "best_of",
+                         "reasoning_effort", "web_search_options", "echo", "suffix", "best_of",
                          "verbosity", "prompt_cache_key", "safety_identifier"})
 _HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "logit_bias": {}, "tools": [], "functions": []}
 # Chat roles the chat template knows; "developer" is OpenAI's newer name for "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
 # lmserve's own sampling parameters, accepted beside OpenAI's (as other servers accept them)
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "speculate")
 
 
 class BodyError(RequestValidationError):
@@ -125,6 +125,8 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
         repetition_penalty=r.get("repetition_penalty", float),
         ignore_eos=bool(r.get("ignore_eos", bool)),
         stop_token_ids=tuple(_ints(r.get("stop_token_ids", list) or [], "stop_token_ids")),
+        speculate=_or(r.get("speculate", bool), True),
+        prediction=_prediction(r.get("prediction", dict)) if chat else "",
         constraint=constraint,
     )
     if chat:
@@ -154,6 +156,15 @@ def _response_format(fmt: dict | None) -> tuple[str, object] | None:
             raise BodyError("response_format.json_schema.schema", "must be a JSON schema object")
         return "json_schema", json.dumps(spec["schema"])
     raise BodyError("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _prediction(prediction: dict | None) -> str:
+    """A predicted output ({"type": "content", "content": text or text parts}) -> its text; "" for none."""
+    if prediction is None:
+        return ""
+    if prediction.get("type") != "content" or sorted(prediction.keys()) != ["content", "type"]:
+        raise BodyError("prediction", 'must be {"type": "content", "content": ...}')
+    return _content(prediction["content"], "prediction.content", "user")
 
 
 def _messages(raw: list) -> list[ChatTurn]:

@@ -191,6 +191,7 @@ async def test_async_client_streams_and_answers(server, model_id, training_promp
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
     (dict(n=2), "n"),
     (dict(logprobs=21), "logprobs"),
+    (dict(extra_body={"prediction": {"type": "content", "content": "x"}}), "prediction"),  # chat only
 ])
 def test_a_bad_or_unsupported_parameter_is_a_400_naming_it(client, model_id, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -212,6 +213,9 @@ def test_a_bad_or_unsupported_parameter_is_a_400_naming_it(client, model_id, kwa
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content[0]"),
     (dict(messages=[]), "messages"),
+    (dict(prediction={"type": "text", "content": "x"}), "prediction"),
+    (dict(prediction={"type": "content", "content": [{"type": "image_url"}]}), "prediction.content[0]"),
+    (dict(extra_body={"speculate": "no"}), "speculate"),
 ])
 def test_chat_refuses_what_it_cannot_do(client, model_id, kwargs, param):
     kwargs.setdefault("messages", [{"role": "user", "content": "hi"}])
@@ -258,3 +262,28 @@ def test_http_requests_are_counted_with_their_protocol(server, client, model_id)
                                                                                   protocol="grpc")
     assert after.total("lmserve_time_to_first_token_seconds_count", protocol="http") - before.total(
         "lmserve_time_to_first_token_seconds_count", protocol="http") == 1
+
+
+def test_a_predicted_output_is_drafted_from_and_changes_no_token(start_server, trained_model_dir):
+    """OpenAI's `prediction`: the server drafts from it (its accepted-draft counter grows by most of
+    the answer where the answer repeats it) and the answer is the one given without it."""
+    srv = start_server(trained_model_dir, threads=1, speculation="ngram")
+    messages = [{"role": "user", "content": "Tell me about the lighthouse keeper."}]
+    with openai.OpenAI(base_url=srv.http_url, api_key="unused", max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0].id
+        accepted = []
+        for prediction in (None, "previous"):
+            before = srv.wait_idle()
+            extra = {} if prediction is None else {"prediction": {"type": "content", "content": text}}
+            res = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                                 **extra)
+            after = srv.wait_idle()
+            if prediction is None:
+                text, tokens = res.choices[0].message.content, res.usage.completion_tokens
+            accepted.append(after.total("lmserve_speculative_accepted_tokens_total")
+                            - before.total("lmserve_speculative_accepted_tokens_total"))
+        opted_out = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                                   extra_body={"speculate": False})
+    assert res.choices[0].message.content == opted_out.choices[0].message.content == text
+    assert res.usage.completion_tokens == tokens > 10
+    assert accepted[1] >= tokens // 2 and accepted[1] > accepted[0]

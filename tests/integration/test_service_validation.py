@@ -77,6 +77,8 @@ CASES = {
     "empty chat role": (pb.GenerateRequest(messages=chat(("", "hi"))), "messages[0].role"),
     "no chat messages": (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
     "no input": (pb.GenerateRequest(params=P(max_new_tokens=4)), "input"),
+    "prediction over the input limit": (pb.GenerateRequest(prompt="Hi", params=P(prediction="x" * (32 * CONTEXT + 1))),
+                                        "params.prediction"),
 }
 
 

@@ -64,6 +64,8 @@ def _random_params(rng: random.Random) -> SamplingParams:
         stop_token_ids=tuple(rng.sample(range(50000), rng.randrange(0, 3))),
         ignore_eos=rng.random() < 0.5,
         logprobs=rng.choice([None, 0, 5]),
+        speculate=rng.random() < 0.5,
+        prediction=rng.choice(["", "def f(x):\n    return x"]),
     )
 
 

@@ -125,3 +125,25 @@ def test_the_settings_first_draft_length_bounded_by_max_draft():
     assert Speculation(first=2).proposer([1, 2, 1, 2, 1]).propose(8) == [2, 1]
     with pytest.raises(ValueError):
         Speculation(first=0)
+
+
+def test_a_reference_is_drafted_from_its_start_and_drafts_stop_at_its_end():
+    reference = list(range(200, 212))
+    p = NgramProposer([1, 2, 3], max_draft=8, first=8, reference=reference)
+    assert p.propose(8) == reference[:8]  # before any output: the output is expected to start like it
+    p.accepted(8, 8)
+    p.extend(reference[:9])
+    assert p.propose(8) == reference[9:]  # never the separator or the prompt behind it
+    p.accepted(3, 3)
+    p.extend(reference[9:] + [7])
+    assert p.propose(8) == []  # the reference is used up, and 7 follows nothing
+
+
+def test_a_reference_is_a_source_of_n_grams_and_never_matches_across_its_end():
+    reference = [5, 6, 7, 8, 9]
+    p = NgramProposer([8, 9, 1, 2], max_draft=4, first=4, reference=reference)
+    p.extend([40, 6, 7])  # the output left the reference's start, then met it again: (6, 7) -> 8, 9
+    assert p.propose(4) == [8, 9]
+    q = NgramProposer([1, 2], max_draft=4, first=4, reference=[8, 9])
+    q.extend([30, 8, 9])  # (8, 9) ends the reference: what follows it there is no text
+    assert q.propose(4) == []

@@ -204,3 +204,33 @@ async def test_metrics_count_every_token_of_an_accepted_draft(trained):
     assert values["lmserve_inter_token_latency_seconds_count"] == sum(len(r.token_ids) - 1 for r in got)
     assert values["lmserve_speculative_draft_tokens_total"] == st.drafted_tokens_total
     assert values["lmserve_speculative_accepted_tokens_total"] == st.accepted_tokens_total
+
+
+async def test_a_predicted_output_is_drafted_and_changes_no_token(trained):
+    """Drafts come from the request's prediction as from its prompt: a prediction equal to the answer
+    (taken from a run without one) is accepted for most tokens, a wrong one costs nothing but
+    rejected drafts, and the tokens are those of decoding without speculation every time."""
+    from dataclasses import replace
+
+    rng = random.Random(5)
+    prompt = random_prompt(rng, 12, trained.config.vocab_size)  # random text: nothing for the prompt to draft
+    base = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    with running(trained, speculation="off") as engine:
+        (plain,) = await results_of(engine, [Request(list(prompt), base)])
+    answer = tuple(plain.token_ids)
+    wrong = tuple(rng.randrange(trained.config.vocab_size) for _ in range(40))
+    accepted = {}
+    for name, prediction in (("none", ()), ("answer", answer), ("wrong", wrong)):
+        with running(trained, speculation="ngram") as engine:
+            (got,) = await results_of(engine, [Request(list(prompt), replace(base, prediction=prediction))])
+            accepted[name] = engine.stats().accepted_tokens_total
+        assert tuple(got.token_ids) == answer, name
+    assert accepted["answer"] >= len(answer) // 2 > accepted["none"]
+
+
+def test_a_prediction_outside_the_vocabulary_is_refused(trained):
+    vocab = trained.config.vocab_size
+    bad = SamplingParams(prediction=(1, vocab)).violations(vocab)
+    assert [name for name, _ in bad] == ["prediction"]
+    assert SamplingParams(prediction=(-1,)).violations(None)  # the proposer's separator is never a token
+    assert not SamplingParams(prediction=(1, vocab - 1)).violations(vocab)
