@@ -6,8 +6,10 @@ Workloads whose answers repeat their input (editing code, quoting a passage, ans
 document by quoting it) and ones that do not (the chat prompts of `lmserve bench`), greedy, at c=1
 and at c=32. Each configuration runs speculation off and on alternately (off, on, off, on) through
 the engine's async API; the report has tokens/s for both, their ratio, drafted and accepted tokens,
-and whether the tokens were identical (they must be). This is a benchmark, not a test: run it on a
-quiet machine.
+and whether the tokens were identical (they must be). At c=1 a third configuration sends each
+request its own answer (from the off round) as its prediction: every draft is right, so its gain is
+the most that verifying lets any proposer reach on this machine. This is a benchmark, not a test:
+run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ def workloads(tok) -> dict[str, list[int]]:
     return out
 
 
-async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True):
+async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True, prediction=()):
     from ..engine import Request, SamplingParams
 
     async def one(ids):
         toks = []
-        async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))):
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos, prediction=prediction)
+        async for ch in engine.generate(Request(ids, params)):
             toks += ch.token_ids
         return toks
 
@@ -49,20 +52,23 @@ async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool
 
 def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
         draft_tokens: int = 8, ignore_eos: bool = False) -> dict:
-    """tokens/s with speculation off and on (alternating rounds), acceptance and token identity."""
+    """tokens/s with speculation off and on (alternating rounds), acceptance and token identity; at c=1
+    also on with the answer itself as the request's prediction ("predicted": every draft right, so
+    the gain is what verifying costs allows, the bound of any proposer)."""
     from ..engine import Engine, EngineSettings
 
-    rates = {"off": [], "ngram": []}
+    rates = {"off": [], "ngram": [], **({"predicted": []} if concurrency == 1 else {})}
     tokens, stats = {}, None
     for _ in range(rounds):
         for mode in rates:  # one engine thread at a time (each keeps its own OpenMP pool)
             engine = Engine(loaded, EngineSettings(max_batch=concurrency, max_model_len=max_model_len,
-                                                   prefix_cache=False, speculation=mode,
-                                                   draft_tokens=draft_tokens)).start()
+                                                   prefix_cache=False, speculation="ngram" if mode == "predicted"
+                                                   else mode, draft_tokens=draft_tokens)).start()
+            prediction = tuple(tokens["off"][0]) if mode == "predicted" else ()
             try:
                 asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
                 before = engine.stats()
-                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos))
+                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos, prediction))
                 after = engine.stats()
             finally:
                 engine.shutdown()
@@ -78,7 +84,10 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
             "speedup": round(on / off, 3), "rounds_off": [round(r, 1) for r in rates["off"]],
             "rounds_on": [round(r, 1) for r in rates["ngram"]], "drafted": stats[0], "accepted": stats[1],
             "acceptance": round(stats[1] / max(1, stats[0]), 3),
-            "identical_tokens": tokens["off"] == tokens["ngram"]}
+            "identical_tokens": all(tokens[m] == tokens["off"] for m in tokens),
+            **({"tok_s_predicted": round(statistics.median(rates["predicted"]), 1),
+                "speedup_predicted": round(statistics.median(rates["predicted"]) / off, 3)}
+               if "predicted" in rates else {})}
 
 
 def main(argv=None) -> int:
