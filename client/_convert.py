@@ -200,7 +200,8 @@ def _usage(msg: pb.GenerateResponse | pb.GenerateStreamResponse) -> Usage | None
     if not msg.HasField("usage"):
         return None
     return Usage(prompt_tokens=msg.usage.prompt_tokens, completion_tokens=msg.usage.completion_tokens,
-                 cached_prompt_tokens=msg.usage.cached_prompt_tokens)
+                 cached_prompt_tokens=msg.usage.cached_prompt_tokens, draft_tokens=msg.usage.draft_tokens,
+                 accepted_draft_tokens=msg.usage.accepted_draft_tokens)
 
 
 def _timing(msg: pb.GenerateResponse | pb.GenerateStreamResponse) -> Timing | None:

@@ -116,6 +116,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # prompt tokens served from the server's prefix cache
+    draft_tokens: int = 0  # speculative drafts the server verified for this request
+    accepted_draft_tokens: int = 0  # of which the model agreed with
 
     @property
     def total_tokens(self) -> int:

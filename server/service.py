@@ -95,7 +95,8 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
         out = {"finish_reason": FINISH[c.finish_reason], "matched_stop": c.matched_stop or ""}
         if c.usage:
             out["usage"] = pb.Usage(prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens,
-                                    cached_prompt_tokens=c.usage.cached_prompt_tokens)
+                                    cached_prompt_tokens=c.usage.cached_prompt_tokens,
+                                    draft_tokens=c.usage.draft_tokens, accepted_draft_tokens=c.usage.accepted_draft_tokens)
         if c.timings:
             out["timing"] = pb.Timing(queue_seconds=c.timings.queue_seconds,
                                       time_to_first_token_seconds=c.timings.time_to_first_token_seconds,

@@ -19,6 +19,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at admission
+    draft_tokens: int = 0  # speculative drafts verified for this request (from its prompt, output or prediction)
+    accepted_draft_tokens: int = 0  # of which the model agreed with (each saved a step)
 
 
 @dataclass(frozen=True)

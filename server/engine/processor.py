@@ -78,7 +78,9 @@ class OutputProcessor:
             total_seconds=now - arrival,
         )
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
-                      cached_prompt_tokens=seq.cached_prompt_tokens)
+                      cached_prompt_tokens=seq.cached_prompt_tokens,
+                      draft_tokens=seq.draft.drafted_total if seq.draft else 0,
+                      accepted_draft_tokens=seq.draft.accepted_total if seq.draft else 0)
         base = chunk or GenerationChunk(request_id=seq.request_id)
         return GenerationChunk(request_id=seq.request_id, text=base.text, token_ids=base.token_ids,
                                logprobs=base.logprobs, finish_reason=reason, usage=usage, timings=timings,

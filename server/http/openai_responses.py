@@ -24,9 +24,14 @@ _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 def usage_of(usage: Usage | None) -> dict | None:
     if usage is None:
         return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    if usage.draft_tokens:  # OpenAI's predicted-output counts: here every verified draft, whatever its source
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_draft_tokens,
+            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_draft_tokens}
+    return out
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -12,6 +12,7 @@ import grpc
 import openai
 import pytest
 
+from lmserve.client import Client
 from lmserve.v1 import lmserve_pb2 as pb
 
 
@@ -271,7 +272,7 @@ def test_a_predicted_output_is_drafted_from_and_changes_no_token(start_server, t
     messages = [{"role": "user", "content": "Tell me about the lighthouse keeper."}]
     with openai.OpenAI(base_url=srv.http_url, api_key="unused", max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id
-        accepted = []
+        accepted, drafted = [], []
         for prediction in (None, "previous"):
             before = srv.wait_idle()
             extra = {} if prediction is None else {"prediction": {"type": "content", "content": text}}
@@ -280,10 +281,22 @@ def test_a_predicted_output_is_drafted_from_and_changes_no_token(start_server, t
             after = srv.wait_idle()
             if prediction is None:
                 text, tokens = res.choices[0].message.content, res.usage.completion_tokens
-            accepted.append(after.total("lmserve_speculative_accepted_tokens_total")
-                            - before.total("lmserve_speculative_accepted_tokens_total"))
+            for counts, name in ((accepted, "accepted"), (drafted, "draft")):
+                counts.append(after.total(f"lmserve_speculative_{name}_tokens_total")
+                              - before.total(f"lmserve_speculative_{name}_tokens_total"))
         opted_out = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
                                                    extra_body={"speculate": False})
+    with Client(srv.target, timeout=60) as grpc_client:  # the same through gRPC and the Python client
+        before = srv.wait_idle()
+        via_grpc = grpc_client.generate(messages[0]["content"], max_new_tokens=60, prediction=text)
+        after = srv.wait_idle()
+    assert (via_grpc.usage.draft_tokens, via_grpc.usage.accepted_draft_tokens) == tuple(
+        after.total(f"lmserve_speculative_{name}_tokens_total") - before.total(f"lmserve_speculative_{name}_tokens_total")
+        for name in ("draft", "accepted"))
+    assert via_grpc.usage.accepted_draft_tokens > 0
     assert res.choices[0].message.content == opted_out.choices[0].message.content == text
     assert res.usage.completion_tokens == tokens > 10
     assert accepted[1] >= tokens // 2 and accepted[1] > accepted[0]
+    details = res.usage.completion_tokens_details  # this request's own drafts, as OpenAI names them
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+        accepted[1], drafted[1] - accepted[1])

@@ -223,8 +223,12 @@ async def test_a_predicted_output_is_drafted_and_changes_no_token(trained):
     for name, prediction in (("none", ()), ("answer", answer), ("wrong", wrong)):
         with running(trained, speculation="ngram") as engine:
             (got,) = await results_of(engine, [Request(list(prompt), replace(base, prediction=prediction))])
-            accepted[name] = engine.stats().accepted_tokens_total
+            stats = engine.stats()
+            accepted[name] = stats.accepted_tokens_total
         assert tuple(got.token_ids) == answer, name
+        # the request's usage counts its own drafts: here the only request of the engine
+        assert (got.usage.draft_tokens, got.usage.accepted_draft_tokens) == (stats.drafted_tokens_total,
+                                                                             stats.accepted_tokens_total), name
     assert accepted["answer"] >= len(answer) // 2 > accepted["none"]
 
 
