@@ -38,6 +38,11 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_new_tokens: int = 
     group.add_argument("--seed", type=int, default=None, help="sampling seed")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    spec = parser.add_argument_group("speculative decoding (docs/speculative-decoding.md)")
+    spec.add_argument("--prediction", metavar="FILE",
+                      help="text the answer is expected to repeat (e.g. the file an edit rewrites): the server "
+                           "drafts from it; the answer is the same, sooner where it repeats it")
+    spec.add_argument("--no-speculation", action="store_true", help="opt this request out of speculative decoding")
     shape = parser.add_argument_group("output constraint (at most one; docs/constrained-decoding.md)")
     one = shape.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE", help="JSON valid under the schema in FILE")
@@ -60,6 +65,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        speculate=not args.no_speculation,
+        prediction=_read_file(args.prediction, "--prediction") or "",
         json_schema=_read_file(args.json_schema, "--json-schema"),
         json_object=args.json_object,
         regex=args.regex,
@@ -123,8 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         u = result.usage
         timing = f", ttft {result.timing.time_to_first_token_seconds:.3f}s" if result.timing else ""
-        print(f"[{result.finish_reason}] prompt {u.prompt_tokens} + completion {u.completion_tokens} tokens{timing}",
-              file=sys.stderr)
+        drafts = f", drafts {u.accepted_draft_tokens}/{u.draft_tokens} accepted" if u.draft_tokens else ""
+        print(f"[{result.finish_reason}] prompt {u.prompt_tokens} + completion {u.completion_tokens} tokens{timing}"
+              f"{drafts}", file=sys.stderr)
     return 0
 
 

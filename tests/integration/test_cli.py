@@ -64,6 +64,20 @@ def test_generate_json_is_the_full_result(server, training_prompts, sp):
     assert 0 <= timing["queue_seconds"] <= timing["time_to_first_token_seconds"] <= timing["total_seconds"]
 
 
+def test_generate_with_a_prediction_or_opted_out_prints_the_same_text(server, training_prompts, tmp_path):
+    prefix, continuation = training_prompts[4]
+    predicted = tmp_path / "prediction.txt"
+    predicted.write_text(continuation, encoding="utf-8")
+    for flags in (["--prediction", predicted], ["--no-speculation"]):
+        proc = lmserve("generate", prefix, "--max-new-tokens", 100, "-t", server.target, "--json", *flags)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["text"] == continuation
+        assert result["usage"]["accepted_draft_tokens"] <= result["usage"]["draft_tokens"]
+    proc = lmserve("generate", prefix, "-t", server.target, "--prediction", tmp_path / "missing.txt")
+    assert proc.returncode == 2 and "--prediction: cannot read" in proc.stderr
+
+
 def test_generate_chat_sends_the_prompt_as_messages(server):
     with server.channel() as channel:  # what the same conversation gives through the raw stub
         expected = pb_grpc.TextGenerationStub(channel).Generate(pb.GenerateRequest(
