@@ -22,7 +22,8 @@ default): on text that repeats nothing it is rejected, and a long one would cost
 step for nothing (a short answer pays for it in full). The length doubles after a draft accepted
 whole, up to `max_draft`, and falls to what was accepted plus one otherwise; after `patience` drafts
 in a row with nothing accepted the sequence stops drafting for `cooldown` tokens, then tries one token
-again. The engine verifies drafts (runner.py, scheduler.py); this module only guesses.
+again. The engine verifies drafts (runner.py, scheduler.py, sampler.py); beside the guesses this
+module holds only the rule for how much of a verified draft is kept (`kept`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class Speculation:
 
     def proposer(self, tokens: list[int], reference=()) -> "NgramProposer":
         return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first, reference=reference)
+
+
+def kept(tokens: list[int], ok: list[bool], first: int, draft) -> int:
+    """How many drafted tokens a verifying row keeps: the longest prefix equal to the tokens its rows
+    chose (rows first .. first + len(draft)), each followed by a row that chose one at all. The tokens
+    recorded are then rows first .. first + kept: the kept drafts and the model's own next token."""
+    n = 0
+    while n < len(draft) and tokens[first + n] == draft[n] and ok[first + n + 1]:
+        n += 1
+    return n
 
 
 class NgramProposer:

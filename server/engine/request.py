@@ -81,8 +81,6 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if not isinstance(self.prediction, tuple):
             object.__setattr__(self, "prediction", tuple(self.prediction))
-        if self.constraint is not None:  # drafts are not verified against a constraint's mask yet
-            object.__setattr__(self, "speculate", False)
 
     def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
         v: list[tuple[str, str]] = []

@@ -49,11 +49,15 @@ class ModelRunner:
         (overlapped steps); decode rows whose input is such a token read it from its `tokens` on the
         device. On CUDA nothing here waits for the device when every row is plain greedy."""
         # one logits row per sampled sequence; k + 1 for one verifying k drafts (each row greedy)
-        sampled = [seq for seq, draft in zip(batch.sampled(), batch.sampled_drafts()) for _ in range(1 + len(draft))]
+        pairs = [(seq, draft, j) for seq, draft in zip(batch.sampled(), batch.sampled_drafts())
+                 for j in range(1 + len(draft))]
+        sampled = [seq for seq, _, _ in pairs]
         self._model_seconds = 0.0
         logits = self.step(batch, previous.out if previous is not None else None)
         t0 = time.perf_counter()
-        out = self.sampler(logits, sampled) if sampled else None
+        # each row's draft and its place in it: a constrained verifying row is masked as of that place
+        drafts = [(draft, j) for _, draft, j in pairs] if batch.drafts else None
+        out = self.sampler(logits, sampled, drafts) if sampled else None
         return RunOutput(out, self._model_seconds, time.perf_counter() - t0)
 
     def _tensor(self, rows: list[int]) -> Tensor:

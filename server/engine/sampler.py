@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
+from .ngram import kept
 from .row_max import row_max as _row_max
 from .request import SamplingParams
 
@@ -177,6 +178,39 @@ def _constraint_state(seq) -> ConstraintState:
     return seq.constraint
 
 
+def _constraint_masks(seqs, rows: list[int], drafts: list | None) -> Tensor:
+    """[R, W] the bitmask of each constrained row. A verifying row j is masked as of the draft's first
+    j tokens: the state consumes the draft row by row here (the scheduler drafted only what the
+    constraint allows), and _advance_constraints rewinds it to what was kept."""
+    masks = []
+    for i in rows:
+        state = _constraint_state(seqs[i])
+        draft, j = drafts[i] if drafts else ((), 0)
+        if j:
+            state.advance(draft[j - 1])
+        masks.append(state.mask().clone() if draft else state.mask())  # the next advance refills the buffer
+    return torch.stack(masks)
+
+
+def _advance_constraints(seqs, rows: list[int], drafts: list | None, tokens: list[int], ok: list[bool]) -> None:
+    """Each constrained sequence's state moved to what its rows recorded: a plain row's token; for a
+    verifying sequence (its state holds its whole draft), back to the drafts kept, then the token of
+    the row after them."""
+    for i in rows:
+        draft, j = drafts[i] if drafts else ((), 0)
+        if j:
+            continue  # a verifying sequence is handled at its first row
+        state = seqs[i].constraint
+        try:
+            keep = kept(tokens, ok, i, draft) if draft else 0
+            if draft:
+                state.rollback(len(draft) - keep)
+            if ok[i + keep]:
+                state.advance(tokens[i + keep])  # and the next step's mask starts computing
+        except ConstraintError:  # fails this row alone (a matcher past its end: a dropped overlapped row)
+            ok[i] = False
+
+
 def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     chosen = float(lp_row[token])
     if n == 0:
@@ -186,17 +220,20 @@ def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tupl
 
 
 class Sampler:
-    def __call__(self, logits: Tensor, seqs: list) -> SampleOutput:
+    def __call__(self, logits: Tensor, seqs: list, drafts: list | None = None) -> SampleOutput:
         """logits [N, V] (any float dtype), one row per sequence -> one token per row.
 
         Each sequence (engine.sequence.Sequence) brings its request's parameters and keeps its own
-        generator and penalty tallies, which are updated with the sampled token."""
+        generator and penalty tallies, which are updated with the sampled token. A sequence verifying
+        k drafts has k + 1 consecutive rows (greedy); `drafts` gives each row (its draft, its place j
+        in it), which a constrained row needs: its mask is the constraint's after the draft's first j
+        tokens."""
         constrained = [i for i, seq in enumerate(seqs) if seq.request.compiled is not None]
         unmasked: dict[int, Tensor] = {}
-        if constrained:  # (a constrained request verifies no drafts: one row each)
+        if constrained:
             unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask
                         for i in constrained if seqs[i].request.params.logprobs is not None}
-            mask_logits(logits, constrained, [_constraint_state(seqs[i]) for i in constrained])  # in place
+            mask_logits(logits, constrained, _constraint_masks(seqs, constrained, drafts))  # in place
         row_max, tokens = _row_max(logits)  # [N], [N]: greedy tokens; NaN propagates through max
         if logits.device.type == "cuda" and not constrained and all(_plain_greedy(seq.request.params) for seq in seqs):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
@@ -226,10 +263,5 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if ok[i] and seq.sampling is not None and seq.sampling.penalties is not None:
                 seq.sampling.penalties.add(token_list[i])
-        for i in constrained:
-            if ok[i]:
-                try:
-                    seqs[i].constraint.advance(token_list[i])  # and the next step's mask starts computing
-                except ConstraintError:  # fails this row alone (a matcher past its end: a dropped overlapped row)
-                    ok[i] = False
+        _advance_constraints(seqs, constrained, drafts, token_list, ok)
         return SampleOutput(torch.tensor(token_list, device=dev) if worked else tokens, lps, host=(token_list, ok))

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .ngram import Speculation
+from .ngram import Speculation, kept
 from .outputs import merge_chunks
 from .prefix_cache import PrefixCache, PrefixEntry
 from .processor import StepOutput
@@ -395,7 +395,10 @@ class Scheduler:
             return ()
         if seq.draft is None:
             seq.draft = self.speculation.proposer(seq.all_tokens, p.prediction)
-        return tuple(seq.draft.propose(min(budget - 1, p.max_new_tokens - len(seq.output_ids) - 1)))
+        draft = seq.draft.propose(min(budget - 1, p.max_new_tokens - len(seq.output_ids) - 1))
+        if draft and seq.constraint is not None:  # a constrained row verifies only what its constraint allows
+            draft = draft[: seq.constraint.count_valid(draft)]
+        return tuple(draft)
 
     def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:
         """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
@@ -504,9 +507,7 @@ class Scheduler:
                 self.finish(seq, FinishReason.ERROR)
                 results.append(StepOutput(seq, None, FinishReason.ERROR))
                 continue
-            keep = 0  # drafts accepted
-            while keep < len(draft) and out.token_ids[rows[keep]] == draft[keep] and out.ok[rows[keep + 1]]:
-                keep += 1
+            keep = kept(out.token_ids, out.ok, rows[0], draft)  # drafts accepted
             if draft:
                 seq.num_cached -= len(draft) - keep
                 self.drafted_tokens_total += len(draft)

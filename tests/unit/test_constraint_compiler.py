@@ -136,7 +136,7 @@ def test_mask_logits_masks_only_constrained_rows(compiler, smollm2_tokenizer):
     V = compiler.vocabulary.size
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))  # [3, V]
     before = logits.clone()
-    mask_logits(logits, [1], [state])
+    mask_logits(logits, [1], torch.stack([state.mask()]))
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = unpack(state.mask()[None], V)[0]
     assert torch.isinf(logits[1][~allowed]).all() and torch.equal(logits[1][allowed], before[1][allowed])

@@ -65,7 +65,7 @@ def reference(engine, loaded, prompt: list[int], constraint: Constraint, n: int)
     eos = set(loaded.tokenizer.eos_ids)
     for _ in range(n):
         logits = full_forward_logits(loaded.model, ids)[-1:].clone()  # [1, V]
-        mask_logits(logits, [0], [state])
+        mask_logits(logits, [0], torch.stack([state.mask()]))
         token = int(logits[0].argmax())
         out.append(token)
         if token in eos:
@@ -207,3 +207,30 @@ def test_bad_constraints_fail_validation_before_queueing(smol):
             engine.validate(Request(chat(smol, "hi"), params(Constraint.json_object(), ignore_eos=True)))
         assert [f for f, _ in e.value.violations] == ["ignore_eos"]
         assert engine.stats().waiting == 0
+
+
+async def test_speculation_under_a_constraint_gives_the_tokens_of_speculation_off(smol):
+    """A constrained greedy request verifies drafts too: each verifying row masked as of its place in
+    the draft, the matcher rewound to what was kept. The answers copy JSON from the prompt (drafts
+    accepted) or leave it (drafts rejected, the matcher rolled back); every output equals speculation
+    off, and the first tokens equal the full-recompute reference."""
+    record = '{"name": "Ada Lovelace", "age": 36, "role": "engineer", "skills": ["maths", "poetry"], ' \
+             '"address": {"city": "London", "country": "England"}}'
+    cases = [
+        (chat(smol, f"Repeat this JSON exactly:\n{record}"), Constraint.json_schema(PERSON), 80),
+        (chat(smol, f"Repeat this JSON exactly:\n{record}"), Constraint.json_object(), 80),
+        (chat(smol, "Call (555) 123-4567 or (555) 123-9876. Give one of the numbers."), Constraint.regex(PHONE), 30),
+        (chat(smol, "red, green or blue? red, green or blue?"), Constraint.choice(["red", "green", "blue"]), 10),
+    ]
+    results, stats = {}, {}
+    for mode in ("off", "ngram"):
+        with running(smol, speculation=mode) as engine:
+            results[mode] = [(await collect(engine, Request(p, params(c, n))))[0] for p, c, n in cases]
+            stats[mode] = engine.stats()
+            if mode == "ngram":
+                ref = reference(engine, smol, cases[0][0], cases[0][1], 16)
+    for off, on in zip(results["off"], results["ngram"]):
+        assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
+    assert results["ngram"][0].token_ids[:16] == ref
+    assert stats["ngram"].accepted_tokens_total > 10  # the copied JSON was drafted and kept
+    assert stats["ngram"].drafted_tokens_total > stats["ngram"].accepted_tokens_total  # and some drafts rejected

@@ -152,13 +152,13 @@ def _native_mask() -> _NativeMask | None:
     return native.bound(_NativeMask)  # the model loader's library on CPU; never built here
 
 
-def mask_logits(logits: Tensor, rows: list[int], states: list[ConstraintState]) -> None:
-    """Set to -inf, in place, the logits [N, V] of ids each constrained row's state does not allow
-    (ids past the bitmasks' width are never allowed). On CPU with the native kernels loaded, one pass
-    per row (logit_mask.cpp); otherwise the bits are unpacked and applied with torch ops."""
+def mask_logits(logits: Tensor, rows: list[int], bitmasks: Tensor) -> None:
+    """Set to -inf, in place, the logits [N, V] of ids each constrained row's bitmask ([R, W] int32,
+    ConstraintState.mask of its state) does not allow (ids past the bitmasks' width are never allowed).
+    On CPU with the native kernels loaded, one pass per row (logit_mask.cpp); otherwise the bits are
+    unpacked and applied with torch ops."""
     if not rows:
         return
-    bitmasks = torch.stack([s.mask() for s in states])  # [R, W] int32
     native = _native_mask()
     if native is not None and native.applies(logits):
         native(logits, rows, bitmasks)
