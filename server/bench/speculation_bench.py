@@ -3,10 +3,11 @@
     python -m lmserve.server.bench.speculation_bench --out reports/speculation.json
 
 Workloads whose answers repeat their input (editing code, quoting a passage, answering from a
-document by quoting it) and ones that do not (the chat prompts of `lmserve bench`), greedy, at c=1
-and at c=32. Each configuration runs speculation off and on alternately (off, on, off, on) through
-the engine's async API; the report has tokens/s for both, their ratio, drafted and accepted tokens,
-and whether the tokens were identical (they must be). At c=1 a third configuration sends each
+document by quoting it, restating a record as JSON under a json_object constraint) and ones that do
+not (the chat prompts of `lmserve bench`), greedy, at c=1 and at c=32. Each configuration runs
+speculation off and on alternately (off, on, off, on) through the engine's async API; the report
+has tokens/s for both, their ratio, drafted and accepted tokens, and whether the tokens were
+identical (they must be). At c=1 a third configuration sends each
 request its own answer (from the off round) as its prediction: every draft is right, so its gain is
 the most that verifying lets any proposer reach on this machine. This is a benchmark, not a test:
 run it on a quiet machine.
@@ -23,24 +24,41 @@ from datetime import datetime, timezone
 
 from .machine import load_from_arguments, lscpu, model_arguments, write_report
 
+# a constrained workload: JSON (json_object) that restates a record given in the prompt
+RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", '
+          '"known_for": ["the first computer program", "notes on the Analytical Engine"]}')
+
+
 def workloads(tok) -> dict[str, list[int]]:
     from lmserve.client.bench import synthetic_workload
     from lmserve.client.bench_prompts import REPEATING
 
-    out = {name: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-           for name, text in REPEATING.items()}
-    chat = synthetic_workload()[0].prompt
-    out["chat"] = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content} for m in chat],
+    def chat(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+    out = {name: chat(text) for name, text in REPEATING.items()}
+    out["json_copy"] = chat(f"Restate this record as JSON with the same keys and values:\n\n{RECORD}")
+    chat_prompt = synthetic_workload()[0].prompt
+    out["chat"] = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content} for m in chat_prompt],
                                                      add_generation_prompt=True))
     return out
 
 
-async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True, prediction=()):
+def constraint_of(workload: str):
+    """The output constraint a workload's requests carry (None: free text)."""
+    from ..engine.constraints import Constraint
+
+    return Constraint.json_object() if workload == "json_copy" else None
+
+
+async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True, prediction=(),
+                constraint=None):
     from ..engine import Request, SamplingParams
 
     async def one(ids):
         toks = []
-        params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos, prediction=prediction)
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos and constraint is None,
+                                prediction=prediction, constraint=constraint)
         async for ch in engine.generate(Request(ids, params)):
             toks += ch.token_ids
         return toks
@@ -51,7 +69,7 @@ async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool
 
 
 def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
-        draft_tokens: int = 8, ignore_eos: bool = False) -> dict:
+        draft_tokens: int = 8, ignore_eos: bool = False, constraint=None) -> dict:
     """tokens/s with speculation off and on (alternating rounds), acceptance and token identity; at c=1
     also on with the answer itself as the request's prediction ("predicted": every draft right, so
     the gain is what verifying costs allows, the bound of any proposer)."""
@@ -68,7 +86,8 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
             try:
                 asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
                 before = engine.stats()
-                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos, prediction))
+                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos, prediction,
+                                                 constraint))
                 after = engine.stats()
             finally:
                 engine.shutdown()
@@ -111,7 +130,7 @@ def main(argv=None) -> int:
         for c in args.concurrency:
             r = {"workload": name, "prompt_tokens": len(ids), "draft_tokens": args.draft_tokens,
                  **run(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens,
-                     args.ignore_eos)}
+                     args.ignore_eos, constraint_of(name))}
             print(json.dumps(r), flush=True)
             results.append(r)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
