@@ -10,16 +10,6 @@ from lmserve.model import native
 from lmserve.server.engine.constraints import state as S
 
 
-class _Fixed:
-    """A state whose mask is given (mask_logits only reads mask())."""
-
-    def __init__(self, bits: torch.Tensor):
-        self.bits = bits
-
-    def mask(self) -> torch.Tensor:
-        return self.bits
-
-
 def _reference(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
     out = logits.clone()
     W = bits.shape[1]
@@ -64,7 +54,7 @@ def test_torch_path_agrees(monkeypatch, V, W):
     monkeypatch.setattr(S, "_native_mask", lambda: None)  # as on a device without the native kernels
     logits, rows, bits = _case(V, W, 7 * V, torch.float32)
     want = _reference(logits, rows, bits)
-    S.mask_logits(logits, rows, [_Fixed(b) for b in bits])
+    S.mask_logits(logits, rows, bits)
     assert torch.equal(logits, want)
 
 
@@ -80,5 +70,5 @@ def test_mask_logits_takes_the_native_kernel_on_cpu(kernel, monkeypatch):
     monkeypatch.setattr(S, "_native_mask", lambda: spy)
     logits, rows, bits = _case(4000, 125, 3, torch.float32)
     want = _reference(logits, rows, bits)
-    S.mask_logits(logits, rows, [_Fixed(b) for b in bits])
+    S.mask_logits(logits, rows, bits)
     assert calls == [3] and torch.equal(logits, want)
