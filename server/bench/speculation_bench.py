@@ -7,10 +7,9 @@ document by quoting it, restating a record as JSON under a json_object constrain
 not (the chat prompts of `lmserve bench`), greedy, at c=1 and at c=32. Each configuration runs
 speculation off and on alternately (off, on, off, on) through the engine's async API; the report
 has tokens/s for both, their ratio, drafted and accepted tokens, and whether the tokens were
-identical (they must be). At c=1 a third configuration sends each
-request its own answer (from the off round) as its prediction: every draft is right, so its gain is
-the most that verifying lets any proposer reach on this machine. This is a benchmark, not a test:
-run it on a quiet machine.
+identical (they must be). At c=1 a third configuration sends each request its own answer (from
+the off round) as its prediction: every draft is right, so its gain is the most that verifying lets
+any proposer reach on this machine. This is a benchmark, not a test: run it on a quiet machine.
 """
 
 from __future__ import annotations

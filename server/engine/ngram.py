@@ -133,7 +133,8 @@ class NgramProposer:
         realigned past the latest token (found among the next REALIGN source tokens); else the
         longest-suffix match; else, once, the copy as it stands (the latest token was inserted)."""
         t, end, copy = self.tokens, len(self.tokens), self._copy
-        if copy is not None and copy < end - 1:
+        live = copy is not None and copy < end - 1  # a copy with a source token left to draft
+        if live:
             if self._following:
                 return copy
             for q in range(copy, min(end - 1, copy + REALIGN)):
@@ -142,7 +143,7 @@ class NgramProposer:
         after = self.match()
         if after is not None:
             return after
-        if copy is not None and copy < end - 1 and not self._inserted_tried:
+        if live and not self._inserted_tried:
             self._inserted_tried = True
             return copy
         return None

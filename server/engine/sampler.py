@@ -202,8 +202,8 @@ def _advance_constraints(seqs, rows: list[int], drafts: list | None, tokens: lis
             continue  # a verifying sequence is handled at its first row
         state = seqs[i].constraint
         try:
-            keep = kept(tokens, ok, i, draft) if draft else 0
-            if draft:
+            keep = kept(tokens, ok, i, draft)
+            if draft:  # (a rollback of nothing would restart the next mask's computation)
                 state.rollback(len(draft) - keep)
             if ok[i + keep]:
                 state.advance(tokens[i + keep])  # and the next step's mask starts computing
