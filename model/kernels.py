@@ -296,8 +296,8 @@ def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.d
         return ["int8", *(["native-int8-a8"] if native else [])]
     if quantization == "int8":
         return ["int8", *(["native-int8"] if native else [])]
-    if quantization == "int4":  # native-int4-a8 (one centred code) is built on request only: see quantized-kernels.md
-        return ["int4", *(["native-int4"] if native else [])]
+    if quantization == "int4":  # one centred activation code or two: the faster within the quality bounds
+        return ["int4", *(["native-int4", "native-int4-a8"] if native else [])]
     if device.type != "cpu":
         return ["dense"]
     return ["dense", "onednn", "onednn-m2", "onednn-c16"] if onednn_supports(dtype) else ["dense"]

@@ -267,6 +267,38 @@ def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache
     return backend
 
 
+def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict, dict, Tokenizer]:
+    """(config, float32 tensors, Q4_0/Q4_1 blocks, Q8_0 blocks, tokenizer) of a .gguf file or a Hugging
+    Face directory (no blocks for the latter)."""
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf_reader import read_gguf
+
+        ckpt = read_gguf(path, keep_q41=True)
+        return ckpt.config, ckpt.tensors, ckpt.q41, ckpt.q80, Tokenizer.from_gguf_fields(ckpt.metadata)
+    if path.is_dir():
+        cfg, tensors = read_hf_dir(path)
+        return cfg, tensors, {}, {}, Tokenizer.from_dir(path)
+    raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+
+
+def reference_logits(source: Path, ids: list[int], window: int) -> torch.Tensor:
+    """quality.logits_of for the float32 reference of the checkpoint at `source` (read again, dense float32
+    on the CPU, dropped after): what every lossy path is measured against, as precision.choose does."""
+    from . import kernels as K
+    from .precision import Mode
+    from .quality import logits_of
+
+    cfg, tensors, q41, q80, _ = read_checkpoint(Path(source))
+    plan = Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})
+    model = build_model(cfg, tensors, torch.float32, "cpu", plan=plan, q41=q41, q80=q80)
+    del tensors, q41, q80
+    try:
+        return logits_of(model, ids, window)
+    finally:
+        del model
+        release_freed_memory()
+
+
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                models_dir: str | Path | None = None, quantization: str | None = None, batch_invariant: bool = True,
                cache_dir: str | Path | None = None, compile: str = "false") -> LoadedModel:
@@ -287,20 +319,8 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     if compile not in ("true", "false", "auto"):
         raise ValueError(f"compile must be true, false or auto, got {compile!r}")
     path = resolve_model(str(spec), models_dir=models_dir)
-    q41: dict = {}
-    q80: dict = {}
-    if path.is_file() and path.suffix == ".gguf":
-        from .gguf_reader import read_gguf
+    cfg, tensors, q41, q80, tokenizer = read_checkpoint(path)
 
-        ckpt = read_gguf(path, keep_q41=True)
-        cfg, tensors, q41, q80 = ckpt.config, ckpt.tensors, ckpt.q41, ckpt.q80
-        tokenizer = Tokenizer.from_gguf_fields(ckpt.metadata)
-        del ckpt
-    elif path.is_dir():
-        cfg, tensors = read_hf_dir(path)
-        tokenizer = Tokenizer.from_dir(path)
-    else:
-        raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
     def build(plan: Plan) -> LlamaForCausalLM:
         return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41, q80=q80)
 

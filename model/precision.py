@@ -128,8 +128,9 @@ def cpu_identity() -> dict:
 
 # Bumped when how kernels are timed or chosen changes, so that a cached choice made by older code is
 # measured again (2: native linears were timed with ~70 us of lookup overhead a call; 3: a tie goes to
-# the quantized mode that serves the file's own blocks before int8).
-CHOICE_VERSION = 3
+# the quantized mode that serves the file's own blocks before int8; 4: int4 may take one centred
+# activation code, native-int4-a8, within the quality bounds).
+CHOICE_VERSION = 4
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -168,17 +169,23 @@ def _role_sources(model) -> dict[str, list[K.WeightSource]]:
             "head": [src(model.lm_head)]}
 
 
+# kernels that take one int8 code per activation where a precise sibling takes two: a plan that
+# fails the quality bounds with them is measured again without them (precision.choose)
+ONE_CODE_KERNELS = frozenset({"native-int4-a8"})
+
+
 def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
-                 sources: dict | None = None) -> dict | None:
+                 sources: dict | None = None, exclude: frozenset = frozenset()) -> dict | None:
     """Per-role kernel choice and the mode's decode-step matmul time per bucket (all layers), or None
-    when some role has no allowed kernel (none is batch-invariant and invariance is required)."""
+    when some role has no allowed kernel (none is batch-invariant and invariance is required).
+    exclude: kernels not to consider."""
     sources = sources or _role_sources(model)
     n_layers = len(model.model.layers)
     chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
     detail = {}
     in_loop = native_step.possible(model.config, mode.dtype, mode.quantization, device)
     for role in K.ROLES:
-        kernels = K.candidates(mode.quantization, mode.dtype, role, device)
+        kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device) if k not in exclude]
         if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
             kernels = [k for k in kernels if k.startswith("native")] or kernels
         ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
@@ -334,7 +341,10 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     ref = None
     for md in ranked:
         reference = md.dtype == torch.float32 and md.quantization == "none"
-        if len(ranked) == 1 and not batch_invariant:
+        # a mode asked for alone is served without a quality probe, but for one activation code, a
+        # kernel choice the user did not make
+        alone = len(ranked) == 1 and not ONE_CODE_KERNELS & set(measured[md]["kernels"].values())
+        if alone and not batch_invariant:
             chosen = md
             break
         candidate = build_mode(Plan(md, measured[md]["kernels"]))
@@ -344,14 +354,25 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
             if not ok:
                 skipped[md.name] = "not batch-invariant end to end"
                 continue
-        if reference or len(ranked) == 1:
+        if reference or alone:
             chosen = md
             break
         if ref is None:
             ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids, window)
         q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
         report["modes"][md.name]["quality"] = q.as_dict()
-        if q.within_bounds():
+        if not q.within_bounds() and ONE_CODE_KERNELS & set(measured[md]["kernels"].values()):
+            # one activation code lost too much here: the same mode with two codes (its rank kept)
+            precise = measure_mode(model, md, batch_invariant, device, sources, exclude=ONE_CODE_KERNELS)
+            if precise["kernels"] is not None:
+                measured[md] = report["modes"][md.name] = {**precise, "one_code_quality": q.as_dict()}
+                candidate = build_mode(Plan(md, precise["kernels"]))
+                if batch_invariant and not model_batch_invariant(candidate, ids):
+                    skipped[md.name] = "not batch-invariant end to end"
+                    continue
+                q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
+                report["modes"][md.name]["quality"] = q.as_dict()
+        if q.within_bounds() or len(ranked) == 1:
             chosen = md
             break
         skipped[md.name] = f"quality: mean KL {q.mean_kl:.4f}, perplexity x{q.ppl_ratio:.3f}"
@@ -405,6 +426,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "lmserve"
 
 
-__all__ = ["Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
+__all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

@@ -7,7 +7,9 @@ document by quoting it, restating a record as JSON under a json_object constrain
 not (the chat prompts of `lmserve bench`), greedy, at c=1 and at c=32. Each configuration runs
 speculation off and on alternately (off, on, off, on) through the engine's async API; the report
 has tokens/s for both, their ratio, drafted and accepted tokens, and whether the tokens were
-identical (they must be). At c=1 a third configuration sends each request its own answer (from
+identical (they must be); at c=1 also the decode rate, tokens after the first over the time after
+the first (what speculation can change: the prompt's prefill is the same either way, and it is a
+large share of a short answer's time). At c=1 a third configuration sends each request its own answer (from
 the off round) as its prediction: every draft is right, so its gain is the most that verifying lets
 any proposer reach on this machine. This is a benchmark, not a test: run it on a quiet machine.
 """
@@ -55,16 +57,23 @@ async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool
     from ..engine import Request, SamplingParams
 
     async def one(ids):
-        toks = []
+        toks, first = [], None
         params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos and constraint is None,
                                 prediction=prediction, constraint=constraint)
         async for ch in engine.generate(Request(ids, params)):
+            if first is None:
+                first = (time.perf_counter(), len(ch.token_ids))
             toks += ch.token_ids
-        return toks
+        return toks, first
 
     t0 = time.perf_counter()
-    out = await asyncio.gather(*(one(p) for p in prompts))
-    return out, time.perf_counter() - t0
+    done = await asyncio.gather(*(one(p) for p in prompts))
+    end = time.perf_counter()
+    out = [toks for toks, _ in done]
+    # after the first token: what speculation can change (the prompt's prefill is the same either way)
+    t_first = max(first[0] for _, first in done)
+    after_first = sum(len(toks) - first[1] for toks, first in done)
+    return out, end - t0, after_first / max(end - t_first, 1e-9)
 
 
 def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
@@ -75,6 +84,7 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
     from ..engine import Engine, EngineSettings
 
     rates = {"off": [], "ngram": [], **({"predicted": []} if concurrency == 1 else {})}
+    decode_rates = {mode: [] for mode in rates}
     tokens, stats = {}, None
     for _ in range(rounds):
         for mode in rates:  # one engine thread at a time (each keeps its own OpenMP pool)
@@ -85,26 +95,32 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
             try:
                 asyncio.run(_wave(engine, [prompt], 8))  # warm-up: kernels primed, first-step costs paid
                 before = engine.stats()
-                out, seconds = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos, prediction,
-                                                 constraint))
+                out, seconds, decode_rate = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos,
+                                                              prediction, constraint))
                 after = engine.stats()
             finally:
                 engine.shutdown()
             rates[mode].append(sum(map(len, out)) / seconds)
+            decode_rates[mode].append(decode_rate)
             tokens.setdefault(mode, out)
             if mode == "ngram":
                 d = after.drafted_tokens_total - before.drafted_tokens_total
                 a = after.accepted_tokens_total - before.accepted_tokens_total
                 stats = (d + (stats or (0, 0))[0], a + (stats or (0, 0))[1])
     off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+    d_off, d_on = statistics.median(decode_rates["off"]), statistics.median(decode_rates["ngram"])
     return {"concurrency": concurrency, "output_tokens": len(tokens["off"][0]),
             "tok_s_off": round(off, 1), "tok_s_on": round(on, 1),
-            "speedup": round(on / off, 3), "rounds_off": [round(r, 1) for r in rates["off"]],
+            "speedup": round(on / off, 3),
+            **({"decode_tok_s_off": round(d_off, 1), "decode_tok_s_on": round(d_on, 1),
+                "decode_speedup": round(d_on / d_off, 3)} if concurrency == 1 else {}),
+            "rounds_off": [round(r, 1) for r in rates["off"]],
             "rounds_on": [round(r, 1) for r in rates["ngram"]], "drafted": stats[0], "accepted": stats[1],
             "acceptance": round(stats[1] / max(1, stats[0]), 3),
             "identical_tokens": all(tokens[m] == tokens["off"] for m in tokens),
             **({"tok_s_predicted": round(statistics.median(rates["predicted"]), 1),
-                "speedup_predicted": round(statistics.median(rates["predicted"]) / off, 3)}
+                "speedup_predicted": round(statistics.median(rates["predicted"]) / off, 3),
+                "decode_speedup_predicted": round(statistics.median(decode_rates["predicted"]) / d_off, 3)}
                if "predicted" in rates else {})}
 
 
