@@ -161,7 +161,21 @@ def test_auto_speculates_only_where_it_is_exact_and_measured_to_pay(trained, mon
     auto = Engine(trained, EngineSettings())
     assert auto.scheduler.speculation is not None and auto.verify_cost > 0  # measured; CPU, batch-invariant
     monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", -1.0)  # a device where verifying is dear
-    assert Engine(trained, EngineSettings()).scheduler.speculation is None
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_REMEASURE_PAUSE", 0.0)
+    measured = []
+    real = Engine._verify_cost
+    monkeypatch.setattr(Engine, "_verify_cost", lambda self, k: measured.append(real(self, k)) or measured[-1])
+    dear = Engine(trained, EngineSettings())
+    assert dear.scheduler.speculation is None  # measured again before giving up, the fastest kept
+    assert len(measured) == 1 + engine_module.AUTO_SPECULATION_REMEASURE and dear.verify_cost == min(measured)
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_module, "AUTO_SPECULATION_REMEASURE_PAUSE", 0.0)
+    # a start beside a busy neighbour: the first measurement dear (3x for 4 drafts), the next ones not
+    costs = iter([4.0, 1.4, 1.3])
+    monkeypatch.setattr(Engine, "_verify_cost", lambda self, k: next(costs))
+    busy_start = Engine(trained, EngineSettings(draft_tokens=4))
+    assert busy_start.scheduler.speculation is not None and busy_start.verify_cost == 1.4
+    monkeypatch.undo()
     assert Engine(trained, EngineSettings(speculation="ngram")).scheduler.speculation is not None  # asked for
     monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", float("inf"))
     assert Engine(trained, EngineSettings(overlap_steps=True)).scheduler.speculation is None
