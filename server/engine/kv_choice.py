@@ -26,6 +26,7 @@ import torch
 
 from lmserve.model import quality as Q
 from lmserve.model.attention_backend import NativeCpuBackend
+from lmserve.model.errors import ModelLoadError
 
 from .settings import KV_CACHE_DTYPES as CHOICES
 # what the int8 cache may add to a mode's distance from float32 (quality.py): a quarter of each bound
@@ -145,7 +146,13 @@ def choose_kv_dtype(request: str, loaded) -> KvChoice:
         raise ValueError(f"--kv-cache-dtype int8 cannot be served: {why}; use --kv-cache-dtype model")
     if why:
         return KvChoice(loaded.dtype, f"{model}, the model's dtype: an int8 cache {why}")
-    q, speedup = measured(loaded)
+    try:
+        q, speedup = measured(loaded)
+    except (OSError, ModelLoadError) as exc:  # the checkpoint was moved or changed since it was loaded
+        unread = f"the checkpoint could not be read again for the float32 reference ({exc})"
+        if request == "int8":
+            return KvChoice(torch.int8, f"int8 (asked; its quality not measured: {unread})")
+        return KvChoice(loaded.dtype, f"{model}: the int8 cache's quality could not be measured: {unread}")
     numbers = q.describe()
     if request == "int8":
         return KvChoice(torch.int8, f"int8 (asked; {numbers})")
@@ -156,5 +163,6 @@ def choose_kv_dtype(request: str, loaded) -> KvChoice:
     if speedup < SPEED_FLOOR:
         return KvChoice(loaded.dtype, f"{model}: an int8 cache is slower here ({speed}; {numbers})")
     return KvChoice(torch.int8, f"int8: within the quality bounds ({numbers}), {speed}")
+
 
 __all__ = ["CHOICES", "CacheQuality", "KvChoice", "choose_kv_dtype", "decode_speedup", "int8_unavailable", "measure_int8", "measured"]

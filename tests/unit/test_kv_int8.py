@@ -230,6 +230,20 @@ def test_auto_takes_int8_within_its_quality_bounds_and_says_so(smol_int4):
     assert KC.choose_kv_dtype("model", smol_int4).dtype == torch.bfloat16
 
 
+def test_a_checkpoint_gone_since_loading_keeps_the_models_dtype_and_says_why(smol_int4, tmp_path):
+    """The int8 check reads the checkpoint again for its float32 reference: where it is gone, auto keeps
+    the model's dtype (an unmeasured cache is not served by default) and an explicit int8 is served."""
+    from dataclasses import replace
+
+    from lmserve.server.engine import kv_choice as KC
+
+    moved = replace(smol_int4, source=tmp_path / "moved.gguf", kv_int8_measured=None)
+    auto = KC.choose_kv_dtype("auto", moved)
+    assert auto.dtype == torch.bfloat16 and "could not be measured" in auto.reason and "moved.gguf" in auto.reason
+    asked = KC.choose_kv_dtype("int8", moved)
+    assert asked.dtype == torch.int8 and "not measured" in asked.reason
+
+
 async def test_greedy_tokens_from_an_int8_cache_are_the_same_alone_batched_and_after_a_prefix_hit(smol_int4):
     import asyncio
 
