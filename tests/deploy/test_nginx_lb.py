@@ -18,9 +18,11 @@ import pytest
 from _procs import Nginx, render_nginx_conf
 from _repo import DEPLOY, replica_pair, server_harness, trained_model
 
-# speculation off: the trained model's memorised answers are nearly all drafted, and streams of a few
-# steps each leave gaps with no call in flight, where the SIGTERM test's signal could land
-SERVER_FLAGS = dict(threads=1, max_batch=8, grace_period=20, speculation="off")
+# The SIGTERM test needs calls in flight on the doomed replica when the signal lands, and the trained
+# model streams 100 tokens in ~20-40 ms: with room for 8 at once, a replica now and then held none
+# between the client's requests (a fresh-clone run drained with 0 calls). Room for two makes the others
+# wait their turn, in flight (4-7 at the signal in five runs); speculation off keeps a step per token.
+SERVER_FLAGS = dict(threads=1, max_batch=2, grace_period=20, speculation="off")
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +105,10 @@ def test_sigterm_on_one_replica_loses_no_request(nginx, replicas, prompts_file, 
     doomed, survivor = replicas
     out = tmp_path / "bench.json"
     # Streams long enough (~100 tokens, most of the trained model's 128-token context) and a load long
-    # enough (each replica serves ~4 streams at a time for a few seconds) that the doomed replica is
-    # mid-stream when it handles the signal, even on a busy machine: it is sent once the doomed replica
-    # has finished a few requests (the load is under way) and is decoding, far from the load's tail.
+    # enough (~4 calls at each replica at a time, two decoding and the others waiting, for a few
+    # seconds) that the doomed replica holds calls when it handles the signal, even on a busy machine:
+    # it is sent once the doomed replica has finished a few requests (the load is under way) and is
+    # decoding, far from the load's tail.
     total, tokens = 160, 100
     survivor_before, doomed_before = finished_requests(survivor), finished_requests(doomed)
     bench = subprocess.Popen(bench_cmd(nginx.target, prompts_file, out, requests=total, max_new_tokens=tokens, max_retries=10),
