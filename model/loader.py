@@ -284,13 +284,11 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
 def reference_logits(source: Path, ids: list[int], window: int) -> torch.Tensor:
     """quality.logits_of for the float32 reference of the checkpoint at `source` (read again, dense float32
     on the CPU, dropped after): what every lossy path is measured against, as precision.choose does."""
-    from . import kernels as K
-    from .precision import Mode
+    from .precision import reference_plan
     from .quality import logits_of
 
     cfg, tensors, q41, q80, _ = read_checkpoint(Path(source))
-    plan = Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})
-    model = build_model(cfg, tensors, torch.float32, "cpu", plan=plan, q41=q41, q80=q80)
+    model = build_model(cfg, tensors, torch.float32, "cpu", plan=reference_plan(), q41=q41, q80=q80)
     del tensors, q41, q80
     try:
         return logits_of(model, ids, window)

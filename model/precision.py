@@ -72,6 +72,11 @@ class Plan:
         return ", ".join(f"{k} ({'/'.join(r)})" for k, r in kinds.items())
 
 
+def reference_plan() -> Plan:
+    """float32 with every role dense: what each lossy plan's quality is measured against."""
+    return Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})
+
+
 def parse_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -172,6 +177,11 @@ def _role_sources(model) -> dict[str, list[K.WeightSource]]:
 # kernels that take one int8 code per activation where a precise sibling takes two: a plan that
 # fails the quality bounds with them is measured again without them (precision.choose)
 ONE_CODE_KERNELS = frozenset({"native-int4-a8"})
+
+
+def uses_one_code(kernels: dict[str, str]) -> bool:
+    """Whether a plan's kernels (role -> kernel) include one that takes one int8 code per activation."""
+    return not ONE_CODE_KERNELS.isdisjoint(kernels.values())
 
 
 def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
@@ -339,36 +349,43 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     ids = Qm.text_ids(tokenizer, 256)
     window = min(512, model.config.max_position_embeddings)  # a small model's context may be shorter
     ref = None
-    for md in ranked:
-        reference = md.dtype == torch.float32 and md.quantization == "none"
-        # a mode asked for alone is served without a quality probe, but for one activation code, a
-        # kernel choice the user did not make
-        alone = len(ranked) == 1 and not ONE_CODE_KERNELS & set(measured[md]["kernels"].values())
-        if alone and not batch_invariant:
-            chosen = md
-            break
+
+    def invariant_candidate(md: Mode):
+        """The mode built on its measured kernels, or None where invariance is required and fails."""
         candidate = build_mode(Plan(md, measured[md]["kernels"]))
         if batch_invariant:
             ok = model_batch_invariant(candidate, ids)
             report["modes"][md.name]["model_batch_invariant"] = ok
             if not ok:
                 skipped[md.name] = "not batch-invariant end to end"
-                continue
+                return None
+        return candidate
+
+    for md in ranked:
+        reference = md.dtype == torch.float32 and md.quantization == "none"
+        # a mode asked for alone is served without a quality probe, but for one activation code, a
+        # kernel choice the user did not make
+        alone = len(ranked) == 1 and not uses_one_code(measured[md]["kernels"])
+        if alone and not batch_invariant:
+            chosen = md
+            break
+        candidate = invariant_candidate(md)
+        if candidate is None:
+            continue
         if reference or alone:
             chosen = md
             break
         if ref is None:
-            ref = Qm.logits_of(build_mode(Plan(Mode(torch.float32), {r: "dense" for r in K.ROLES})), ids, window)
+            ref = Qm.logits_of(build_mode(reference_plan()), ids, window)
         q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
         report["modes"][md.name]["quality"] = q.as_dict()
-        if not q.within_bounds() and ONE_CODE_KERNELS & set(measured[md]["kernels"].values()):
+        if not q.within_bounds() and uses_one_code(measured[md]["kernels"]):
             # one activation code lost too much here: the same mode with two codes (its rank kept)
             precise = measure_mode(model, md, batch_invariant, device, sources, exclude=ONE_CODE_KERNELS)
             if precise["kernels"] is not None:
                 measured[md] = report["modes"][md.name] = {**precise, "one_code_quality": q.as_dict()}
-                candidate = build_mode(Plan(md, precise["kernels"]))
-                if batch_invariant and not model_batch_invariant(candidate, ids):
-                    skipped[md.name] = "not batch-invariant end to end"
+                candidate = invariant_candidate(md)
+                if candidate is None:
                     continue
                 q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
                 report["modes"][md.name]["quality"] = q.as_dict()
@@ -427,5 +444,6 @@ def default_cache_dir() -> Path:
 
 
 __all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
+           "reference_plan", "uses_one_code",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

@@ -245,7 +245,9 @@ class Engine:
         if s.speculation == "auto":
             if not loaded.batch_invariant:
                 return None
-            dear = lambda cost: (cost - 1.0) / spec.max_draft > AUTO_SPECULATION_MAX_BREAK_EVEN  # noqa: E731
+            def dear(cost: float) -> bool:
+                return (cost - 1.0) / spec.max_draft > AUTO_SPECULATION_MAX_BREAK_EVEN
+
             self.verify_cost = self._verify_cost(spec.max_draft)
             for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
                 if not dear(self.verify_cost):            # starts alone measured 1.7-1.9x: look again later

@@ -167,7 +167,7 @@ def test_it_is_built_only_where_every_layer_linear_is_native(gguf, kernel_dir):
     torch_layers, _ = served(gguf, kernel_dir, "int8", "int8")
     assert torch_layers.native_step is None
     assert "not the native quantized kernel" in native_step.why_not(torch_layers)
-    plan = P.Plan(P.Mode(torch.float32), {r: "dense" for r in K.ROLES})
+    plan = P.reference_plan()
     f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan)
     attention_and_fused_ops(f32, torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
     assert f32.native_step is None and "not fused" in native_step.why_not(f32)

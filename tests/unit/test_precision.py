@@ -245,7 +245,7 @@ def float32_reference(smollm2_gguf_path, gguf):
 
     tok = Tokenizer.from_gguf_fields(gguf.metadata)
     ids = Q.text_ids(tok, 256)
-    plan = P.Plan(P.Mode(torch.float32), {r: "dense" for r in K.ROLES})
+    plan = P.reference_plan()
     return ids, Q.logits_of(build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan), ids)
 
 
