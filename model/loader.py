@@ -37,6 +37,7 @@ class LoadedModel:
     attention: SdpaBackend | None = None  # the attention backend (attention_backend.py); None: SDPA
     batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
     kv_int8_measured: object = None  # an int8 KV cache's (quality, decode speed-up), measured once (server/engine/kv_choice.py)
+    cache_dir: Path | None = None  # where measurements of this machine are cached (precision.py, kv_choice.py)
 
     def __post_init__(self):
         if self.attention is None:
@@ -344,4 +345,4 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
                        device=device, plan=plan, compiled=compiled, attention=attention,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, cache_dir=cache_dir)

@@ -14,13 +14,20 @@ against the model-dtype cache keeps two lossy paths from being charged each othe
 int8 activation code per product (native-int4-a8), a small change in K/V moves activation codes
 across rounding steps, and the two caches differed from each other more than either differed from
 float32. Both are measured once per loaded model, so every engine built on it holds the same cache
-(a timing near the floor must not give two engines different bits). The choice and its numbers go
-in the startup line and GetModelInfo.
+(a timing near the floor must not give two engines different bits), and kept on disk beside the
+precision plan (`<cache_dir>/kernels/kv-<key>.json`, keyed like the plan by the machine, the
+checkpoint file, the served mode and kernels): the check reads the checkpoint again for its
+float32 reference (~3 s of a SmolLM2 start on 2 cores), which a restart then skips, and a restart
+makes the same choice. The choice and its numbers go in the startup line and GetModelInfo.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,6 +41,9 @@ MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
 QUALITY_TOKENS = 512
 SPEED_FLOOR = 0.8  # int8 is passed over only when its decode kernel runs below this fraction of the model dtype's speed
+CHECK_VERSION = 1  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
+
+log = logging.getLogger("lmserve.server")
 
 
 @dataclass(frozen=True)
@@ -93,11 +103,56 @@ def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> CacheQuality:
 
 
 def measured(loaded) -> tuple[CacheQuality, float]:
-    """(measure_int8, decode_speedup) of this loaded model, measured at its first engine (~3 s for
-    SmolLM2-135M on 2 cores, the float32 reference included) and kept on it."""
+    """(measure_int8, decode_speedup) of this loaded model: read from the disk cache where this machine
+    already checked this checkpoint in this mode, else measured (~3 s for SmolLM2-135M on 2 cores, the
+    float32 reference included) and written there; kept on the loaded model either way."""
     if loaded.kv_int8_measured is None:
-        loaded.kv_int8_measured = (measure_int8(loaded), decode_speedup(loaded))
+        path = cache_path(loaded)
+        found = _read(path) if path is not None else None
+        if found is None:
+            found = (measure_int8(loaded), decode_speedup(loaded))
+            if path is not None:
+                _write(path, found)
+        loaded.kv_int8_measured = found
     return loaded.kv_int8_measured
+
+
+def cache_path(loaded) -> Path | None:
+    """Where this loaded model's check is cached, or None (no cache directory)."""
+    if getattr(loaded, "cache_dir", None) is None:
+        return None
+    from lmserve.model.precision import cache_key
+
+    plan = loaded.plan
+    request = {"kv_check": CHECK_VERSION, "tokens": QUALITY_TOKENS, "mode": loaded.mode,
+               "kernels": plan.kernels if plan is not None else None, "attention": loaded.attention.describe(),
+               "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled)}
+    return Path(loaded.cache_dir) / "kernels" / f"kv-{cache_key(Path(loaded.source), request)}.json"
+
+
+def _read(path: Path) -> tuple[CacheQuality, float] | None:
+    try:
+        d = json.loads(path.read_text())
+        fields = ("tokens", "perplexity", "reference_perplexity", "mean_kl", "top1_agreement")
+        q = CacheQuality(*(Q.Quality(**{f: d[which][f] for f in fields}) for which in ("model", "int8")))
+        return q, float(d["decode_speedup"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable: measured again, written over
+        log.warning("the cached int8 KV check at %s is unreadable (%s); measuring again", path, exc)
+        return None
+
+
+def _write(path: Path, found: tuple[CacheQuality, float]) -> None:
+    q, speedup = found
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"model": q.model.as_dict(), "int8": q.int8.as_dict(), "decode_speedup": speedup},
+                                  indent=1))
+        tmp.replace(path)  # atomic: a concurrent start reads the whole file or none
+    except OSError as exc:  # a read-only cache: checked again next start
+        log.warning("int8 KV check not cached (%s)", exc)
 
 
 def decode_speedup(loaded, rows: int = 32, keys: int = 1024, repeats: int = 7) -> float:
@@ -165,4 +220,4 @@ def choose_kv_dtype(request: str, loaded) -> KvChoice:
     return KvChoice(torch.int8, f"int8: within the quality bounds ({numbers}), {speed}")
 
 
-__all__ = ["CHOICES", "CacheQuality", "KvChoice", "choose_kv_dtype", "decode_speedup", "int8_unavailable", "measure_int8", "measured"]
+__all__ = ["CHOICES", "CacheQuality", "KvChoice", "cache_path", "choose_kv_dtype", "decode_speedup", "int8_unavailable", "measure_int8", "measured"]

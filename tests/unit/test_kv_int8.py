@@ -230,6 +230,33 @@ def test_auto_takes_int8_within_its_quality_bounds_and_says_so(smol_int4):
     assert KC.choose_kv_dtype("model", smol_int4).dtype == torch.bfloat16
 
 
+def test_a_restart_reads_the_check_from_the_disk_cache_without_the_float32_reference(smol_int4, monkeypatch):
+    """The check is kept beside the precision plan: a model loaded again (a restart) makes the same choice
+    from it without reading the checkpoint again, and an unreadable file is measured again and rewritten."""
+    import json
+    from dataclasses import replace
+
+    from lmserve.model import loader
+    from lmserve.server.engine import kv_choice as KC
+
+    first = KC.measured(smol_int4)
+    path = KC.cache_path(smol_int4)
+    assert path is not None and path.is_file() and path.parent == smol_int4.cache_dir / "kernels"
+
+    def reference_read(*args, **kwargs):
+        raise AssertionError("the float32 reference was read again")
+
+    with monkeypatch.context() as m:
+        m.setattr(loader, "reference_logits", reference_read)
+        restarted = replace(smol_int4, kv_int8_measured=None)
+        assert KC.measured(restarted) == first
+        assert KC.choose_kv_dtype("auto", restarted) == KC.choose_kv_dtype("auto", smol_int4)
+    path.write_text("{not json")
+    q, _ = KC.measured(replace(smol_int4, kv_int8_measured=None))  # measured again
+    assert q.int8.mean_kl == pytest.approx(first[0].int8.mean_kl, rel=1e-6)
+    assert json.loads(path.read_text())["int8"]["mean_kl"] == pytest.approx(q.int8.mean_kl)
+
+
 def test_a_checkpoint_gone_since_loading_keeps_the_models_dtype_and_says_why(smol_int4, tmp_path):
     """The int8 check reads the checkpoint again for its float32 reference: where it is gone, auto keeps
     the model's dtype (an unmeasured cache is not served by default) and an explicit int8 is served."""
