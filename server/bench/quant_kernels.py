@@ -15,6 +15,11 @@ through the library's entry point with outputs allocated once, no module, torch 
 per call (~1 us of ctypes a call, 121 a step). That is what the native decode loop pays, and it keeps
 Python's per-call cost (~2 ms a step) out of M=1, which would flatter the M=8 / M=1 ratio.
 
+The memory's read bandwidth (a sum over 512 MiB) is taken once at the start and again every round,
+beside the kernels: on a shared VM it moved by 2x within minutes, so the kernel calls' M=1 time is
+also set against its own round's bandwidth ("same round"), and against the rate at which the
+decode loop's pattern reads the same weights (machine_peaks.py: one parallel region per linear).
+
 Two readings of the memory: "cold" passes first read a buffer of 2x the last-level cache (the
 weights come from memory, the bound quoted against bandwidth), "warm" passes run back to back as
 a serving loop does (weights that fit the cache may partly come from it). Beside each wall time,
@@ -118,6 +123,21 @@ def main(argv=None) -> int:
     samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
     cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
     calls = {n: {r: [] for r in ROWS} for n in sets if n.startswith("native")}  # cold, kernel calls alone
+    # the machine's bandwidth moves by up to 2x within minutes on a shared VM: read again every round,
+    # beside the kernels, so that each round's M=1 time is set against that round's bandwidth
+    bw_rounds: list[float] = []
+    peaks = None  # machine_peaks: products a second and the decode loop's read rate, over native-int4-a8's weights
+    step_read = []
+    if "native-int4-a8" in sets:
+        from . import machine_peaks as MP
+
+        layers = [m for role in K.ROLES for m in sets["native-int4-a8"][role]]
+        read_bufs = [m.packed for m in layers]
+        read_groups = [m.packed.numel() // (m.out_features // QM.GROUP_COLS) for m in layers]
+        try:
+            peaks = MP.Peaks()
+        except RuntimeError as exc:
+            print("machine peaks not measured:", exc, flush=True)
 
     def run(layers, rows):
         t0 = time.perf_counter()
@@ -148,6 +168,9 @@ def main(argv=None) -> int:
                 for r in ROWS:
                     run(ls, r)
         for rnd in range(args.rounds):
+            bw_rounds.append(read_bandwidth(repeats=3)["median_gb_s"])
+            if peaks is not None:
+                step_read.append(peaks.read_gb_s(read_bufs, read_groups, torch.get_num_threads(), False, repeats=3))
             for name, s in sets.items():
                 if qm is not None:
                     qm.set_amx_rows(amx_rows[name])
@@ -178,6 +201,13 @@ def main(argv=None) -> int:
               "per-role ms are summed over all layers",
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "candidates": {}}
+    report["read_bandwidth_rounds_gb_s"] = bw_rounds
+    if peaks is not None:
+        report["machine_peaks"] = {
+            "products_g_per_s": round(peaks.products_per_second(torch.get_num_threads()) / 1e9, 1),
+            "step_read_gb_s_rounds": [round(r, 1) for r in step_read],
+            "note": "step read: native-int4-a8's packed weights read as the decode loop reads them (a parallel "
+                    "region per linear), each round beside the sum over 512 MiB (read_bandwidth_rounds_gb_s)"}
     gbs = bw["median_gb_s"]
     for name in sets:
         c = {"weight_mb": round(nbytes[name] / 1e6, 1), "bound_ms_at_bandwidth": round(nbytes[name] / gbs / 1e6, 3)}
@@ -194,8 +224,13 @@ def main(argv=None) -> int:
                        "m8_over_m1": round(per[8]["step_ms"] / per1, 3), "m32_over_m1": round(per[32]["step_ms"] / per1, 3)}
         if name in calls:
             per = {rows: med(calls[name][rows]) for rows in ROWS}
+            paired = [nbytes[name] / (b * 1e9) / t for b, t in zip(bw_rounds, calls[name][1])]
             c["calls"] = {"step_ms": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per[1], 3),
+                          "m1_fraction_of_bandwidth_same_round": round(statistics.median(paired), 3),
                           "m8_over_m1": round(per[8] / per[1], 3), "m32_over_m1": round(per[32] / per[1], 3)}
+            if step_read:
+                c["calls"]["m1_fraction_of_step_read_same_round"] = round(statistics.median(
+                    nbytes[name] / (r * 1e9) / t for r, t in zip(step_read, calls[name][1])), 3)
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:
         ref = report["candidates"]["onednn-bf16"]
@@ -214,7 +249,8 @@ def main(argv=None) -> int:
               " ".join(f"M{r}={c['cold']['rows'][r]['cpu_ms_all_threads']:.2f}" for r in ROWS))
         if "calls" in c:
             print(f"{'':12s} kernel calls alone, cold ms " + " ".join(f"M{r}={v:.2f}" for r, v in c["calls"]["step_ms"].items())
-                  + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f}  m8/m1 {c['calls']['m8_over_m1']:.2f}")
+                  + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f} (same round {c['calls']['m1_fraction_of_bandwidth_same_round']:.2f})"
+                  + f"  m8/m1 {c['calls']['m8_over_m1']:.2f}")
     return 0
 
 

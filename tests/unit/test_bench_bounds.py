@@ -87,3 +87,37 @@ def test_native_cache_bounds_are_defaults_an_operator_can_override(monkeypatch):
     bound_native_caches()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+def test_step_bounds_take_the_larger_of_reading_the_bytes_and_doing_the_products():
+    from lmserve.server.bench.machine_peaks import bounds
+
+    peaks = {"threads": 2, "read_gb_s": {"region_per_linear": 50.0}, "products_g_per_s": {"2_threads": 500.0}}
+    light = bounds(peaks, weight_bytes=100_000_000, products_per_row=100_000_000)
+    assert light["read_ms"] == 2.0 and light["products_ms_m1"] == 0.2 and light["products_ms_m8"] == 1.6
+    assert light["bound_ms_m1"] == light["bound_ms_m8"] == 2.0 and light["m8_over_m1_bound"] == 1.0
+    heavy = bounds(peaks, weight_bytes=100_000_000, products_per_row=200_000_000)
+    assert heavy["bound_ms_m8"] == 3.2 and heavy["m8_over_m1_bound"] == 1.6  # 8 rows of products outlast the read
+
+
+def test_machine_peaks_read_every_byte_once_in_both_patterns_and_count_products(native_kernels_dir):
+    import pytest
+
+    from lmserve.server.bench import machine_peaks as MP
+
+    from lmserve.model import native
+
+    lib, why = native.build(native_kernels_dir)
+    if lib is None:
+        pytest.skip(f"no native kernels here: {why}")
+    peaks = MP.Peaks(native_kernels_dir)  # built like them: must build wherever they do
+    bufs, gbytes = MP.step_buffers([(32, 64, 4), (48, 96, 8), (16, 32, 4)])
+    assert [b.numel() for b in bufs] == [2 * 2 * 320, 3 * 3 * 544, 1 * 1 * 320]  # groups x blocks x bytes
+    expected = sum(int(b.view(torch.int64).sum()) for b in bufs)  # int64 words, wrapping like the kernel
+    expected = (expected + 2**63) % 2**64 - 2**63
+    for threads in (1, 2):
+        for one_region in (False, True):
+            assert peaks.read(bufs, gbytes, threads, one_region)() == expected
+    assert peaks.read_gb_s(bufs, gbytes, 2, False, repeats=1) > 0
+    if peaks.per_instruction:
+        assert peaks.products_per_second(1, iters=120_000, repeats=1) > 0
