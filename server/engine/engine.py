@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -30,7 +31,7 @@ from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
 from .request import FinishReason, Request, RequestValidationError, SamplingParams
 from .runner import ModelRunner, RunOutput
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation
@@ -44,7 +45,7 @@ AUTO_SPECULATION_MAX_BREAK_EVEN = 0.25
 # moment of its machine (other replicas or peers starting), and the choice holds for its whole life
 AUTO_SPECULATION_REMEASURE = 3
 AUTO_SPECULATION_REMEASURE_PAUSE = 0.5
-from .step_cost import StepPacer
+from .step_cost import StepPacer, batch_features
 from .streams import ChunkStream, hand_off
 
 log = logging.getLogger("lmserve.engine")
@@ -215,6 +216,8 @@ class Engine:
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
         self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs)
+        if self.step_pacer is not None:
+            self._seed_step_costs()
         self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
         self.scheduler.speculation = self._speculation(s, loaded)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
@@ -267,6 +270,52 @@ class Engine:
         if spec is None:
             return f"off ({self.settings.speculation}{cost})"
         return f"ngram (up to {spec.max_draft} drafts while <= {spec.max_batch} decode{cost})"
+
+    @torch.inference_mode()
+    def _seed_step_costs(self, rounds: int = 3) -> None:
+        """The step pacer's first fit, from steps run here before any request: decode steps of 1 and of
+        up to 8 rows, new prompts of two lengths, a chunk continuing a prompt half the context in (its
+        attention over the cached part is what makes late chunks dear) alone and with the decode rows
+        (what they write to the cache is handed back after). Fed only by traffic, the fit cannot tell a decode row's cost
+        from a step's until it has seen decode steps of two row counts, and it sized a server's first
+        prefill chunks from whichever steps came first: a warm-up whose first step verified a draft (5
+        rows) fitted cheap rows and let 16 prompt tokens ride with a wave's decode rows where a plain
+        warm-up let 28-56 (speculative-decoding.md). ~0.2 s for SmolLM2 on 2 cores."""
+        slots = self.cache.num_slots
+        rows = max(1, min(8, self.max_batch, slots - 1))
+        short = max(1, min(16, self.max_model_len // 4))
+        long = max(short + 1, min(64, self.max_model_len // 2))
+        far = min(2048, self.max_model_len // 2)  # where the continued chunk starts
+
+        def seq(slot: int, prompt_len: int) -> Sequence:
+            s = Sequence(Request([0] * prompt_len, SamplingParams(max_new_tokens=1)))
+            s.slot, s.status = slot, SeqStatus.RUNNING
+            return s
+
+        decodes = tuple(seq(i, 1) for i in range(rows))
+        prompt = slots - 1 if slots > rows else 0  # a slot of its own where there is one
+        continued = PrefillChunk(seq(prompt, far + short), far, short)
+        batches = [ScheduledBatch(decode=decodes[:1]), ScheduledBatch(decode=decodes),
+                   ScheduledBatch(prefill=(PrefillChunk(seq(prompt, short), 0, short),)),
+                   ScheduledBatch(prefill=(PrefillChunk(seq(prompt, long), 0, long),)),
+                   ScheduledBatch(prefill=(continued,))]
+        if slots > rows:
+            batches.append(ScheduledBatch(decode=decodes, prefill=(continued,)))
+        best = [math.inf] * len(batches)
+        try:
+            for r in range(rounds + 1):  # the first round warms up (first calls, pages of the cache)
+                for i, batch in enumerate(batches):
+                    t0 = time.perf_counter()
+                    self.runner.run(batch)
+                    if self.loaded.device.type == "cuda":
+                        torch.cuda.synchronize(self.loaded.device)
+                    if r:
+                        best[i] = min(best[i], time.perf_counter() - t0)
+            for batch, seconds in zip(batches, best):  # the fastest of the rounds: a neighbour's burst is not the step's cost
+                self.step_pacer.model.observe(batch_features(batch.decode, batch.prefill), seconds * 1000.0)
+        finally:
+            for slot in {*range(rows), prompt}:
+                self.cache.release(slot)
 
     @torch.inference_mode()
     def _verify_cost(self, k: int, rounds: int = 5) -> float:

@@ -61,3 +61,28 @@ async def test_long_prompt_completes_its_prefill_while_streams_keep_decoding(tra
     # within [smallest chunk, token budget - rows]; how many chunks the budget makes depends on the step
     # times it measures, which a busy machine changes, so only these bounds are asserted
     assert all(16 <= c[2] <= 64 - STREAMS for _, c in chunks[:-1])
+
+
+@pytest.mark.parametrize("max_batch, prefix_cache", [(1, False), (6, True)], ids=["one-slot", "spare-slots"])
+async def test_a_new_engines_pacer_has_seen_every_kind_of_step_and_the_cache_is_clean(trained, max_batch, prefix_cache):
+    """The pacer's first fit comes from steps the engine runs at start (decode steps of one and of several
+    rows, two prompt lengths, a mixed step where a spare slot allows one): ready before any request,
+    with nothing left in the cache they wrote to, and the first requests' tokens unchanged."""
+    from lmserve.server.engine import Engine, EngineSettings
+    from lmserve.server.engine.step_cost import DECODE_ROWS, PREFILL_PAIRS_K, PREFILL_TOKENS
+
+    engine = Engine(trained, EngineSettings(max_batch=max_batch, max_model_len=128, prefix_cache=prefix_cache))
+    model = engine.step_pacer.model
+    assert model.ready and model.counts["decode"] == 2 and model.counts["prefill"] == 3
+    assert model.counts["mixed"] == (0 if engine.cache.num_slots == 1 else 1)  # one slot: no room for a mixed step
+    assert min(model.coef[PREFILL_TOKENS], model.coef[PREFILL_PAIRS_K], model.coef[DECODE_ROWS]) >= 0
+    assert not engine.cache.k.any() and not engine.cache.v.any()  # every slot handed back: zeros
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n, trained.config.vocab_size) for n in (5, 30)]
+    engine.start()
+    try:
+        for p in prompts:
+            result, _ = await collect(engine, Request(p, greedy(6, ignore_eos=True)))
+            assert result.token_ids == greedy_reference(trained.model, p, 6)[0]
+    finally:
+        engine.shutdown()
