@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     # beside the kernels, so that each round's M=1 time is set against that round's bandwidth
     bw_rounds: list[float] = []
     peaks = None  # machine_peaks: products a second and the decode loop's read rate, over native-int4-a8's weights
-    step_read = []
+    step_read, products_rounds = [], []
     if "native-int4-a8" in sets:
         from . import machine_peaks as MP
 
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
             bw_rounds.append(read_bandwidth(repeats=3)["median_gb_s"])
             if peaks is not None:
                 step_read.append(peaks.read_gb_s(read_bufs, read_groups, torch.get_num_threads(), False, repeats=3))
+                products_rounds.append(peaks.products_per_second(torch.get_num_threads(), repeats=3))
             for name, s in sets.items():
                 if qm is not None:
                     qm.set_amx_rows(amx_rows[name])
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     report["read_bandwidth_rounds_gb_s"] = bw_rounds
     if peaks is not None:
         report["machine_peaks"] = {
-            "products_g_per_s": round(peaks.products_per_second(torch.get_num_threads()) / 1e9, 1),
+            "products_g_per_s_rounds": [round(r / 1e9, 1) for r in products_rounds],
             "step_read_gb_s_rounds": [round(r, 1) for r in step_read],
             "note": "step read: native-int4-a8's packed weights read as the decode loop reads them (a parallel "
                     "region per linear), each round beside the sum over 512 MiB (read_bandwidth_rounds_gb_s)"}
@@ -231,6 +232,14 @@ def main(argv=None) -> int:
             if step_read:
                 c["calls"]["m1_fraction_of_step_read_same_round"] = round(statistics.median(
                     nbytes[name] / (r * 1e9) / t for r, t in zip(step_read, calls[name][1])), 3)
+                # the least M=8 can take in each round: reading the weights at that round's step-read rate,
+                # or 8 rows of products at its product rate, whichever is longer; over M=1's own reading
+                products = 8 * sum(m.in_features * m.out_features * (2 if m.precise else 1)
+                                   for ls in sets[name].values() for m in ls)
+                c["calls"]["m8_products_fraction_of_peak_same_round"] = round(statistics.median(
+                    products / rate / t for rate, t in zip(products_rounds, calls[name][8])), 3)
+                c["calls"]["m8_over_m1_bound_same_round"] = round(statistics.median(
+                    max(1.0, products / rate / (nbytes[name] / (r * 1e9))) for rate, r in zip(products_rounds, step_read)), 3)
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:
         ref = report["candidates"]["onednn-bf16"]
