@@ -36,58 +36,58 @@ static inline uint64_t total_of(Lanes v) { return v.w[0] + v.w[1] + v.w[2] + v.w
 
 extern "C" {
 
-// Products per instruction of the path built here (0: none of them).
-int lm_peak_products_per_instruction() {
+// The dot-product instruction of the path built here, on one vector of accumulators: 64 products
+// (AVX-512 VNNI), 32 (AVX-VNNI, or AVX2's maddubs + madd pair), or none.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    return 64;
-#elif defined(__AVXVNNI__) || defined(__AVX2__)
-    return 32;
+typedef __m512i Vec;
+static const int PRODUCTS = 64;
+static inline Vec splat(char b) { return _mm512_set1_epi8(b); }
+static inline Vec zero() { return _mm512_setzero_si512(); }
+static inline Vec dot(Vec a, Vec w, Vec x) { return _mm512_dpbusd_epi32(a, w, x); }
+static inline Vec add(Vec a, Vec b) { return _mm512_add_epi32(a, b); }
+static inline int64_t first(Vec a) { return _mm512_reduce_add_epi32(a); }
+#elif defined(__AVX2__)
+typedef __m256i Vec;
+static const int PRODUCTS = 32;
+static inline Vec splat(char b) { return _mm256_set1_epi8(b); }
+static inline Vec zero() { return _mm256_setzero_si256(); }
+#if defined(__AVXVNNI__)
+static inline Vec dot(Vec a, Vec w, Vec x) { return _mm256_dpbusd_avx_epi32(a, w, x); }
 #else
-    return 0;
-#endif
+static inline Vec dot(Vec a, Vec w, Vec x) {
+    return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+#endif
+static inline Vec add(Vec a, Vec b) { return _mm256_add_epi32(a, b); }
+static inline int64_t first(Vec a) { return _mm256_extract_epi32(a, 0); }
+#else
+static const int PRODUCTS = 0;
+#endif
+
+// Products per instruction of the path built here (0: none of them).
+int lm_peak_products_per_instruction() { return PRODUCTS; }
 
 // Runs `iters` dot-product instructions on each of `threads` threads (12 independent chains each);
 // returns a checksum so that the work is kept.
 int64_t lm_peak_products(int64_t iters, int threads) {
     int64_t total = 0;
+#if defined(__AVX2__)
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-        __m512i a[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
-        for (int i = 0; i < 12; ++i) a[i] = _mm512_setzero_si512();
+        Vec a[12], w = splat(3), x = splat(5);
+        for (int i = 0; i < 12; ++i) a[i] = zero();
         for (int64_t it = 0; it < iters / 12; ++it) {
 #pragma GCC unroll 12
-            for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w, x);
+            for (int i = 0; i < 12; ++i) a[i] = dot(a[i], w, x);
             asm volatile("" : "+v"(w));
         }
-        for (int i = 1; i < 12; ++i) a[0] = _mm512_add_epi32(a[0], a[i]);
-        total += _mm512_reduce_add_epi32(a[0]);
-#elif defined(__AVXVNNI__)
-        __m256i a[12], w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
-        for (int i = 0; i < 12; ++i) a[i] = _mm256_setzero_si256();
-        for (int64_t it = 0; it < iters / 12; ++it) {
-#pragma GCC unroll 12
-            for (int i = 0; i < 12; ++i) a[i] = _mm256_dpbusd_avx_epi32(a[i], w, x);
-            asm volatile("" : "+v"(w));
-        }
-        for (int i = 1; i < 12; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
-        total += _mm256_extract_epi32(a[0], 0);
-#elif defined(__AVX2__)
-        __m256i a[12], w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5), one = _mm256_set1_epi16(1);
-        for (int i = 0; i < 12; ++i) a[i] = _mm256_setzero_si256();
-        for (int64_t it = 0; it < iters / 12; ++it) {
-#pragma GCC unroll 12
-            for (int i = 0; i < 12; ++i)
-                a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), one));
-            asm volatile("" : "+v"(w));
-        }
-        for (int i = 1; i < 12; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
-        total += _mm256_extract_epi32(a[0], 0);
-#else
-        (void)iters;
-#endif
+        for (int i = 1; i < 12; ++i) a[0] = add(a[0], a[i]);
+        total += first(a[0]);
     }
+#else
+    (void)iters;
+    (void)threads;
+#endif
     return total;
 }
 
