@@ -12,8 +12,13 @@ its OpenAI API), streaming:
   and take turns, round after round (--rounds), and each reports its median round;
 - json: the same chat questions under a JSON schema (`response_format` over both OpenAI APIs), c=1:
   tokens/s and the share of outputs that validate, beside the same questions unconstrained.
-The report names the machine (lscpu), the modes each server ran and every run's numbers. A benchmark,
-not a test: run it on a quiet machine. llama.cpp is a reference here, never a dependency.
+The report names the machine (lscpu), the modes each server ran and every run's numbers, and what
+bounds them on this machine: the read bandwidth (before and after the servers ran), the rate at which
+a step's weights can be read the way lmserve's native loop reads them and the int8 product rate
+(machine_peaks.py), each server's batch-1 bound (the bytes a decode step streams at that bandwidth)
+and the share of it chat at c=1 reached, and lmserve's batch-1 step by phase (step_profile.py, run
+after the servers). A benchmark, not a test: run it on a quiet machine. llama.cpp is a reference
+here, never a dependency.
 """
 
 from __future__ import annotations
@@ -126,6 +131,49 @@ def _repeat_rounds(starts: dict, rounds: int, max_new: int) -> dict[str, dict]:
     return out
 
 
+def _step_profile(models_dir) -> dict | None:
+    """lmserve's batch-1 decode step by phase in the default mode (step_profile.py in a process of its
+    own, after the servers stopped): its summary, mode, kernels and the bytes a step streams."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step_profile.json"
+        cmd = [sys.executable, "-m", "lmserve.server.bench.step_profile", "--out", str(out), "--rounds", "3"]
+        if models_dir:
+            cmd += ["--models-dir", str(models_dir)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            print("step profile failed:", done.stderr[-500:], flush=True)
+            return None
+        r = json.loads(out.read_text())
+    return {k: r[k] for k in ("mode", "kernels", "linear_weight_bytes", "summary")}
+
+
+def _gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors: what llama.cpp streams per decode step (SmolLM2 ties the LM head to the
+    embedding table, which the head reads whole)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def _bounds(servers: dict, nbytes: dict[str, int], gb_s: float) -> dict:
+    """Each server's batch-1 bound on this machine: its decode step's bytes at the read bandwidth, as
+    tokens a second, and the share of it chat at c=1 reached."""
+    out = {}
+    for name, b in nbytes.items():
+        tok_s = gb_s * 1e9 / b
+        row = {"step_mb": round(b / 1e6, 1), "bound_ms_per_token": round(b / (gb_s * 1e9) * 1e3, 3),
+               "bound_tok_s_c1": round(tok_s, 1)}
+        chat = next((r["tok_s"] for r in servers.get(name, {}).get("runs", [])
+                     if r["workload"] == "chat" and r["concurrency"] == 1), None)
+        if chat:
+            row["chat_c1_share_of_bound"] = round(chat / tok_s, 3)
+        out[name] = row
+    return out
+
+
 def _model_id(http_url: str) -> str:
     with urllib.request.urlopen(http_url + "/models", timeout=30) as r:
         return json.load(r)["data"][0]["id"]
@@ -142,7 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeat-max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the repeat workload")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["lmserve", "llama.cpp", "chat", "repeat", "json"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["lmserve", "llama.cpp", "chat", "repeat", "json", "profile"])
     ap.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("reports/peer_llama_cpp.json"))
     args = ap.parse_args(argv)
@@ -157,6 +206,10 @@ def main(argv=None) -> int:
         return [_bench(where, api, "chat", 1, n1, args.max_new_tokens),
                 _bench(where, api, "chat", 32, n32, args.max_new_tokens)]
 
+    from . import machine_peaks as MP
+    from .quant_kernels import read_bandwidth
+
+    memory = {"read_bandwidth_before": read_bandwidth()}
     servers = {}
     lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
     if "lmserve" not in args.skip:
@@ -204,9 +257,22 @@ def main(argv=None) -> int:
         x, y = rate(a, w, c), rate(b, w, c)
         if x and y:
             ratios[name] = round(x / y, 2)
+    memory["read_bandwidth_after"] = read_bandwidth()
+    try:
+        memory["machine_peaks"] = MP.measure(*MP.step_buffers(MP.smollm2_step(4)))
+    except RuntimeError as exc:  # no native build here: the sum's bandwidth still bounds every server
+        memory["machine_peaks"] = f"not measured: {exc}"
+    profile = None if "profile" in args.skip else _step_profile(args.models_dir)
+    nbytes = {"llama.cpp": _gguf_tensor_bytes(gguf)}
+    if profile is not None:
+        nbytes["lmserve"] = profile["linear_weight_bytes"]
+    # the higher reading: a bound is the most the machine showed, so a share of it is not flattered
+    gb_s = max(memory["read_bandwidth_before"]["median_gb_s"], memory["read_bandwidth_after"]["median_gb_s"])
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "gguf": gguf.name, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-              "repeat_max_new_tokens": args.repeat_max_new_tokens, "ratios": ratios, "servers": servers}
+              "repeat_max_new_tokens": args.repeat_max_new_tokens, "ratios": ratios, "memory": memory,
+              "bounds_at_gb_s": gb_s, "bounds": _bounds(servers, nbytes, gb_s), "lmserve_step_profile": profile,
+              "servers": servers}
     write_report(args.out, report)
     print(json.dumps(ratios, indent=2))
     print(f"wrote {args.out}")

@@ -177,7 +177,11 @@ def main(argv=None) -> int:
         summary["eager_over_native_step"] = round(summary["eager"]["step_ms_plain"] / summary["native"]["step_ms_plain"], 3)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
-              "mode": loaded.mode, "kernels": loaded.kernels, "prompt_tokens": len(prompt),
+              "mode": loaded.mode, "kernels": loaded.kernels,
+              # what a decode step streams from memory: every linear's weights (the head's included; the
+              # embedding table is only gathered from)
+              "linear_weight_bytes": sum(m.nbytes for m in loaded.model.modules() if isinstance(m, K.ServingLinear)),
+              "prompt_tokens": len(prompt),
               "tokens_per_round": args.tokens, "summary": summary,
               "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
               "op_profile": ops}

@@ -121,3 +121,23 @@ def test_machine_peaks_read_every_byte_once_in_both_patterns_and_count_products(
     assert peaks.read_gb_s(bufs, gbytes, 2, False, repeats=1) > 0
     if peaks.per_instruction:
         assert peaks.products_per_second(1, iters=120_000, repeats=1) > 0
+
+
+def test_peer_bounds_are_each_servers_step_bytes_at_the_bandwidth_and_the_share_chat_reached():
+    from lmserve.server.bench.peer_bench import _bounds
+
+    servers = {"a": {"runs": [{"workload": "chat", "concurrency": 32, "tok_s": 900.0},
+                              {"workload": "chat", "concurrency": 1, "tok_s": 250.0}]},
+               "b": {"runs": []}}
+    out = _bounds(servers, {"a": 100_000_000, "b": 50_000_000}, gb_s=50.0)
+    assert out["a"] == {"step_mb": 100.0, "bound_ms_per_token": 2.0, "bound_tok_s_c1": 500.0,
+                        "chat_c1_share_of_bound": 0.5}
+    assert out["b"]["bound_tok_s_c1"] == 1000.0 and "chat_c1_share_of_bound" not in out["b"]  # no chat run
+
+
+def test_the_peer_streams_the_ggufs_tensors_which_are_nearly_the_whole_file(smollm2_gguf_path):
+    from lmserve.server.bench.peer_bench import _gguf_tensor_bytes
+
+    n = _gguf_tensor_bytes(smollm2_gguf_path)
+    size = smollm2_gguf_path.stat().st_size
+    assert 0.9 * size < n < size  # the rest is metadata (the tokenizer's vocabulary and merges)
