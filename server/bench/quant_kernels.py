@@ -239,7 +239,8 @@ def main(argv=None) -> int:
                 c["calls"]["m8_products_fraction_of_peak_same_round"] = round(statistics.median(
                     products / rate / t for rate, t in zip(products_rounds, calls[name][8])), 3)
                 c["calls"]["m8_over_m1_bound_same_round"] = round(statistics.median(
-                    max(1.0, products / rate / (nbytes[name] / (r * 1e9))) for rate, r in zip(products_rounds, step_read)), 3)
+                    max(1.0, products / rate / (nbytes[name] / (r * 1e9)))
+                    for rate, r in zip(products_rounds, step_read)), 3)
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:
         ref = report["candidates"]["onednn-bf16"]
@@ -258,7 +259,8 @@ def main(argv=None) -> int:
               " ".join(f"M{r}={c['cold']['rows'][r]['cpu_ms_all_threads']:.2f}" for r in ROWS))
         if "calls" in c:
             print(f"{'':12s} kernel calls alone, cold ms " + " ".join(f"M{r}={v:.2f}" for r, v in c["calls"]["step_ms"].items())
-                  + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f} (same round {c['calls']['m1_fraction_of_bandwidth_same_round']:.2f})"
+                  + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f}"
+                  + f" (same round {c['calls']['m1_fraction_of_bandwidth_same_round']:.2f})"
                   + f"  m8/m1 {c['calls']['m8_over_m1']:.2f}")
     return 0
 

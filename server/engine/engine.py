@@ -274,17 +274,20 @@ class Engine:
     @torch.inference_mode()
     def _seed_step_costs(self, rounds: int = 3) -> None:
         """The step pacer's first fit, from steps run here before any request: decode steps of 1 and of
-        up to 8 rows, new prompts of two lengths, a chunk continuing a prompt half the context in (its
-        attention over the cached part is what makes late chunks dear) alone and with the decode rows
-        (what they write to the cache is handed back after). Fed only by traffic, the fit cannot tell a decode row's cost
-        from a step's until it has seen decode steps of two row counts, and it sized a server's first
-        prefill chunks from whichever steps came first: a warm-up whose first step verified a draft (5
-        rows) fitted cheap rows and let 16 prompt tokens ride with a wave's decode rows where a plain
-        warm-up let 28-56 (speculative-decoding.md). ~0.2 s for SmolLM2 on 2 cores."""
+        up to 8 rows, new prompts of two lengths, and a chunk continuing a prompt half the context in
+        (its attention over the cached part is what makes late chunks dear), alone and with the decode
+        rows; what they write to the cache is handed back after. Fed only by traffic, the fit cannot
+        tell a decode row's cost from a step's until it has seen decode steps of two row counts, and it
+        sized a server's first prefill chunks from whichever steps came first: a warm-up whose first
+        step verified a draft (5 rows) fitted cheap rows and let 16 prompt tokens ride with a wave's
+        decode rows where a plain warm-up let 28-56 (speculative-decoding.md). ~0.35 s for SmolLM2 on
+        2 cores. A failure here leaves the pacer to learn from traffic, as before, and is logged."""
+        if self.max_model_len < 8:
+            return
         slots = self.cache.num_slots
         rows = max(1, min(8, self.max_batch, slots - 1))
-        short = max(1, min(16, self.max_model_len // 4))
-        long = max(short + 1, min(64, self.max_model_len // 2))
+        short = min(16, self.max_model_len // 4)
+        long = min(64, self.max_model_len // 2)
         far = min(2048, self.max_model_len // 2)  # where the continued chunk starts
 
         def seq(slot: int, prompt_len: int) -> Sequence:
@@ -311,11 +314,14 @@ class Engine:
                         torch.cuda.synchronize(self.loaded.device)
                     if r:
                         best[i] = min(best[i], time.perf_counter() - t0)
-            for batch, seconds in zip(batches, best):  # the fastest of the rounds: a neighbour's burst is not the step's cost
-                self.step_pacer.model.observe(batch_features(batch.decode, batch.prefill), seconds * 1000.0)
+        except Exception as exc:  # noqa: BLE001 - the pacer then learns from traffic alone
+            log.warning("the step pacer's first fit was not measured at start (%s); it learns from traffic", exc)
+            return
         finally:
             for slot in {*range(rows), prompt}:
                 self.cache.release(slot)
+        for batch, seconds in zip(batches, best):  # the fastest round: a neighbour's burst is not the step's cost
+            self.step_pacer.model.observe(batch_features(batch.decode, batch.prefill), seconds * 1000.0)
 
     @torch.inference_mode()
     def _verify_cost(self, k: int, rounds: int = 5) -> float:

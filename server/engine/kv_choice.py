@@ -220,4 +220,5 @@ def choose_kv_dtype(request: str, loaded) -> KvChoice:
     return KvChoice(torch.int8, f"int8: within the quality bounds ({numbers}), {speed}")
 
 
-__all__ = ["CHOICES", "CacheQuality", "KvChoice", "cache_path", "choose_kv_dtype", "decode_speedup", "int8_unavailable", "measure_int8", "measured"]
+__all__ = ["CHOICES", "CacheQuality", "KvChoice", "cache_path", "choose_kv_dtype", "decode_speedup", "int8_unavailable",
+           "measure_int8", "measured"]
