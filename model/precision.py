@@ -427,14 +427,21 @@ def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, qu
                 pass  # unreadable: measure again
     plan = choose(model, tokenizer, modes, batch_invariant, device, build_mode)
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**_plan_to_json(plan), "machine": cpu_identity()["cpu"]}, indent=1))
-            tmp.replace(path)
-        except OSError as exc:  # a read-only cache: measure again next time
-            log.warning("kernel choice not cached (%s)", exc)
+        write_cached(path, {**_plan_to_json(plan), "machine": cpu_identity()["cpu"]}, "kernel choice")
     return plan
+
+
+def write_cached(path: Path, data: dict, what: str) -> None:
+    """A measurement's JSON written to the cache at `path` whole or not at all (a concurrent start reads
+    the old file or the new one); a cache that cannot be written (read-only) is logged: measured again
+    next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("%s not cached (%s)", what, exc)
 
 
 def default_cache_dir() -> Path:
@@ -444,6 +451,6 @@ def default_cache_dir() -> Path:
 
 
 __all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
-           "reference_plan", "uses_one_code",
+           "reference_plan", "uses_one_code", "write_cached",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]

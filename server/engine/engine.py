@@ -281,7 +281,7 @@ class Engine:
         sized a server's first prefill chunks from whichever steps came first: a warm-up whose first
         step verified a draft (5 rows) fitted cheap rows and let 16 prompt tokens ride with a wave's
         decode rows where a plain warm-up let 28-56 (speculative-decoding.md). A warm-up round, then the
-        fastest of `rounds`: ~0.25 s for SmolLM2 on 2 cores in the default mode, ~0.6 s in float32. A
+        fastest of `rounds`: ~0.25 s for SmolLM2 on 2 cores in the default mode, ~0.75 s in float32. A
         failure here leaves the pacer to learn from traffic, as before, and is logged."""
         if self.max_model_len < 8:
             return

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,15 +143,11 @@ def _read(path: Path) -> tuple[CacheQuality, float] | None:
 
 
 def _write(path: Path, found: tuple[CacheQuality, float]) -> None:
+    from lmserve.model.precision import write_cached
+
     q, speedup = found
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"model": q.model.as_dict(), "int8": q.int8.as_dict(), "decode_speedup": speedup},
-                                  indent=1))
-        tmp.replace(path)  # atomic: a concurrent start reads the whole file or none
-    except OSError as exc:  # a read-only cache: checked again next start
-        log.warning("int8 KV check not cached (%s)", exc)
+    write_cached(path, {"model": q.model.as_dict(), "int8": q.int8.as_dict(), "decode_speedup": speedup},
+                 "int8 KV check")
 
 
 def decode_speedup(loaded, rows: int = 32, keys: int = 1024, repeats: int = 7) -> float:
