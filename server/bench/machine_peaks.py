@@ -98,18 +98,23 @@ def measure(buffers: list[torch.Tensor], group_bytes: list[int], cache_dir: Path
                           "one_region": round(peaks.read_gb_s(buffers, group_bytes, threads, True), 1)}}
 
 
-def bounds(peaks: dict, weight_bytes: int, products_per_row: int, rows: tuple[int, ...] = (1, 8)) -> dict:
+def bounds(read_gb_s: float, products_per_s: float, weight_bytes: int, products_per_row: int,
+           rows: tuple[int, ...] = (1, 8)) -> dict:
     """The least time a step's linears take at each row count: the bytes at the decode loop's read
     rate, or the products at the product rate, whichever is larger; and M / 1 ratios of those."""
-    read = peaks["read_gb_s"]["region_per_linear"] * 1e9
-    rate = peaks["products_g_per_s"][f"{peaks['threads']}_threads"] * 1e9
-    out = {"read_ms": round(weight_bytes / read * 1e3, 3)}
+    out = {"read_ms": round(weight_bytes / (read_gb_s * 1e9) * 1e3, 3)}
     for m in rows:
-        out[f"products_ms_m{m}"] = round(m * products_per_row / rate * 1e3, 3) if rate else None
+        out[f"products_ms_m{m}"] = round(m * products_per_row / products_per_s * 1e3, 3) if products_per_s else None
         out[f"bound_ms_m{m}"] = round(max(out["read_ms"], out[f"products_ms_m{m}"] or 0.0), 3)
     for m in rows[1:]:
         out[f"m{m}_over_m1_bound"] = round(out[f"bound_ms_m{m}"] / out[f"bound_ms_m{rows[0]}"], 3)
     return out
+
+
+def peak_bounds(peaks: dict, weight_bytes: int, products_per_row: int) -> dict:
+    """bounds(...) at the rates measure() reported: the loop's read rate, all threads' products."""
+    rate = peaks["products_g_per_s"][f"{peaks['threads']}_threads"] * 1e9
+    return bounds(peaks["read_gb_s"]["region_per_linear"], rate, weight_bytes, products_per_row)
 
 
 def step_buffers(shapes: list[tuple[int, int, int]]) -> tuple[list[torch.Tensor], list[int]]:
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     peaks = measure(bufs, gbytes)
     products = sum(n * k for n, k, _ in shapes)  # one activation code: one product per weight and row
     report = {"machine": lscpu(), "torch": torch.__version__, "peaks": peaks,
-              "int4_a8_step_bounds": bounds(peaks, sum(b.numel() for b in bufs), products),
+              "int4_a8_step_bounds": peak_bounds(peaks, sum(b.numel() for b in bufs), products),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_report(args.out, report)
     print(peaks, report["int4_a8_step_bounds"], sep="\n")

@@ -232,14 +232,13 @@ def main(argv=None) -> int:
             if step_read:
                 c["calls"]["m1_fraction_of_step_read_same_round"] = round(statistics.median(
                     nbytes[name] / (r * 1e9) / t for r, t in zip(step_read, calls[name][1])), 3)
-                # the least M=8 can take in each round: reading the weights at that round's step-read rate,
-                # or 8 rows of products at its product rate, whichever is longer; over M=1's own reading
-                products = 8 * sum(m.in_features * m.out_features * (2 if m.precise else 1)
-                                   for ls in sets[name].values() for m in ls)
+                # the least M=8 can take in each round (machine_peaks.bounds at that round's rates) over M=1's
+                per_row = sum(m.in_features * m.out_features * (2 if m.precise else 1)
+                              for ls in sets[name].values() for m in ls)
                 c["calls"]["m8_products_fraction_of_peak_same_round"] = round(statistics.median(
-                    products / rate / t for rate, t in zip(products_rounds, calls[name][8])), 3)
+                    8 * per_row / rate / t for rate, t in zip(products_rounds, calls[name][8])), 3)
                 c["calls"]["m8_over_m1_bound_same_round"] = round(statistics.median(
-                    max(1.0, products / rate / (nbytes[name] / (r * 1e9)))
+                    MP.bounds(r, rate, nbytes[name], per_row)["m8_over_m1_bound"]
                     for rate, r in zip(products_rounds, step_read)), 3)
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:

@@ -90,13 +90,14 @@ def test_native_cache_bounds_are_defaults_an_operator_can_override(monkeypatch):
 
 
 def test_step_bounds_take_the_larger_of_reading_the_bytes_and_doing_the_products():
-    from lmserve.server.bench.machine_peaks import bounds
+    from lmserve.server.bench.machine_peaks import bounds, peak_bounds
 
-    peaks = {"threads": 2, "read_gb_s": {"region_per_linear": 50.0}, "products_g_per_s": {"2_threads": 500.0}}
-    light = bounds(peaks, weight_bytes=100_000_000, products_per_row=100_000_000)
+    light = bounds(50.0, 500e9, weight_bytes=100_000_000, products_per_row=100_000_000)
     assert light["read_ms"] == 2.0 and light["products_ms_m1"] == 0.2 and light["products_ms_m8"] == 1.6
     assert light["bound_ms_m1"] == light["bound_ms_m8"] == 2.0 and light["m8_over_m1_bound"] == 1.0
-    heavy = bounds(peaks, weight_bytes=100_000_000, products_per_row=200_000_000)
+    heavy = bounds(50.0, 500e9, weight_bytes=100_000_000, products_per_row=200_000_000)
+    peaks = {"threads": 2, "read_gb_s": {"region_per_linear": 50.0}, "products_g_per_s": {"2_threads": 500.0}}
+    assert peak_bounds(peaks, weight_bytes=100_000_000, products_per_row=200_000_000) == heavy  # a report's rates
     assert heavy["bound_ms_m8"] == 3.2 and heavy["m8_over_m1_bound"] == 1.6  # 8 rows of products outlast the read
 
 
