@@ -211,17 +211,23 @@ def smol_int4(smollm2_gguf_path, native_kernels_dir):
     return loaded
 
 
-def test_auto_takes_int8_within_its_quality_bounds_and_says_so(smol_int4):
+def test_auto_takes_int8_only_within_its_quality_bounds_and_says_why(smol_int4):
     from lmserve.server.engine import kv_choice as KC
 
     q, speedup = KC.measured(smol_int4)
     # both caches against float32: the int8 one computes differently (its codes reach the logits) and
-    # adds little to the mode's own distance
+    # keeps the mode within quality.py's bounds
     assert q.int8.tokens == q.model.tokens > 400 and q.int8.mean_kl != q.model.mean_kl
-    assert 0 < q.model.mean_kl and q.acceptable() and q.added_kl <= KC.MAX_MEAN_KL
+    assert 0 < q.model.mean_kl and q.int8.within_bounds() and q.added_kl <= KC.MAX_MEAN_KL
     assert q.int8.top1_agreement >= 0.9
+    # whether it also stays within a quarter of them depends on the kernels this machine chose for
+    # the mode (one activation code on an AMX Xeon moved perplexity by +1.3% with the int8 cache); the
+    # choice must follow the measurement and say which bound decided it
     choice = KC.choose_kv_dtype("auto", smol_int4)
-    if speedup >= KC.SPEED_FLOOR:  # the speed check is the machine's; quality is not
+    if not q.acceptable():
+        assert choice.dtype == torch.bfloat16 and "move quality too far" in choice.reason
+        assert f"{q.int8.ppl_ratio:.4f}" in choice.reason
+    elif speedup >= KC.SPEED_FLOOR:  # the speed check is the machine's
         assert choice.dtype == torch.int8 and "mean KL" in choice.reason
     else:
         assert choice.dtype == torch.bfloat16 and "slower" in choice.reason
