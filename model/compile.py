@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,8 +28,7 @@ import torch
 
 from .errors import ModelLoadError
 from .llama import DecoderLayer, LlamaForCausalLM
-
-log = logging.getLogger("lmserve.model")
+from .precision import write_cached
 
 
 @dataclass
@@ -149,11 +147,7 @@ def compile_model(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.dev
     if not faster:
         uninstall(model)
     if decision_file is not None:
-        try:
-            decision_file.parent.mkdir(parents=True, exist_ok=True)
-            decision_file.write_text(json.dumps({"compiled": faster, "timings": timings}))
-        except OSError as exc:
-            log.warning("compile decision not cached (%s)", exc)
+        write_cached(decision_file, {"compiled": faster, "timings": timings}, "compile decision")
     return CompileResult(faster, f"measured {'faster' if faster else 'slower'} than eager here", seconds, timings)
 
 
