@@ -54,6 +54,19 @@ inline bool amx_granted() {  // one answer (one probe) per process, whichever ke
     return granted;
 }
 
+// Tile loads and stores that tell the compiler which memory they read or write. The compiler's own
+// _tile_loadd declares no memory read at all (a store to a buffer just before could in principle be
+// dropped or moved past it), and its _tile_stored clobbers all memory, which kept every accumulator of
+// the float steps after it in memory (a load and a store per fused multiply-add in quant_matmul's tile
+// loop). Here a load reads, and a store writes, the memory from `base` on (its extent unknown to the
+// compiler: whatever it knows lies there is ordered around the tile instruction, nothing else).
+#define TILE_LOAD(t, base, stride)                                                                   \
+    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t : : "m"(*(const char(*)[])(base)),             \
+                     "r"((const void*)(base)), "r"((long)(stride)))
+#define TILE_STORE(t, base, stride)                                                                  \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(char(*)[])(base)) : "r"((void*)(base)), \
+                     "r"((long)(stride)))
+
 // A kernel's tile shapes for the scope of one call on one thread; whatever tile setup the thread
 // held before (another library's) is put back afterwards.
 class AmxScope {

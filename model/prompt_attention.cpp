@@ -348,7 +348,7 @@ static inline void amx_out_tile(int c, int op, float* to) {
 #define OUT_TILE(n)                                                  \
     if (op == 0) _tile_zero(n);                                      \
     else if (op == 1) _tile_dpbf16ps(n, 0, 4);                       \
-    else _tile_stored(n, to, 64);                                    \
+    else TILE_STORE(n, to, 64);                                      \
     return;
     switch (c) {
         case 0: OUT_TILE(5)
@@ -398,16 +398,16 @@ static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t
         for (int t = 0; t < qt; ++t) {
             const uint16_t* src = qg + 32 * t;
             switch (t) {
-                case 0: _tile_loadd(0, src, d * sizeof(uint16_t)); break;
-                case 1: _tile_loadd(1, src, d * sizeof(uint16_t)); break;
-                case 2: _tile_loadd(2, src, d * sizeof(uint16_t)); break;
-                default: _tile_loadd(3, src, d * sizeof(uint16_t)); break;
+                case 0: TILE_LOAD(0, src, d * sizeof(uint16_t)); break;
+                case 1: TILE_LOAD(1, src, d * sizeof(uint16_t)); break;
+                case 2: TILE_LOAD(2, src, d * sizeof(uint16_t)); break;
+                default: TILE_LOAD(3, src, d * sizeof(uint16_t)); break;
             }
         }
         for (int b = 0; b < blocks; ++b) {
             _tile_zero(5);
             for (int t = 0; t < qt; ++t) {
-                _tile_loadd(4, a.kp.data() + (size_t)b * pairs + 16 * t, 64);
+                TILE_LOAD(4, a.kp.data() + (size_t)b * pairs + 16 * t, 64);
                 switch (t) {  // tile numbers are immediates
                     case 0: _tile_dpbf16ps(5, 0, 4); break;
                     case 1: _tile_dpbf16ps(5, 1, 4); break;
@@ -415,7 +415,7 @@ static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t
                     default: _tile_dpbf16ps(5, 3, 4); break;
                 }
             }
-            _tile_stored(5, a.sums.data(), 64);
+            TILE_STORE(5, a.sums.data(), 64);
             for (int i = 0; i < blk.n; ++i) {
                 const v16f x = scaled_scores<T>(F32::load(a.sums.data() + 16 * i), w, b * 16, scale);
                 memcpy(w.scores.data() + ((size_t)g * AMX_TOKENS + i) * stride + b * 16, &x, sizeof x);
@@ -447,9 +447,9 @@ static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t
             const int nc = std::min(6, C - c0);
             for (int c = 0; c < nc; ++c) amx_out_tile(c, 0, 0);
             for (int k = 0; k < chunks; ++k) {
-                _tile_loadd(0, pg + 32 * k, keys * sizeof(uint16_t));
+                TILE_LOAD(0, pg + 32 * k, keys * sizeof(uint16_t));
                 for (int c = 0; c < nc; ++c) {
-                    _tile_loadd(4, a.vp.data() + (size_t)k * 16 * C + c0 + c, C * 64);
+                    TILE_LOAD(4, a.vp.data() + (size_t)k * 16 * C + c0 + c, C * 64);
                     amx_out_tile(c, 1, 0);
                 }
             }

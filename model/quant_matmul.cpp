@@ -185,10 +185,9 @@ struct Acts {  // the quantized rows of one call
     int64_t K, KB;
     bool precise;  // both codes (256 h + l), else h alone
     int64_t M;  // rows (the block-major layout's row count: vnni_group)
-    // AMX only, [rows rounded up to 16, K/32] with the padding rows 0: unit() and offset() of each
-    // row-block, and sx again, so that a tile's 16 rows read them with no bounds to check
+    // AMX only, [rows rounded up to the tile height, K/32] with the padding rows 0: unit() of each
+    // row-block, and sx again, so that a tile's rows read them with no bounds to check
     const float* units;
-    const int32_t* offsets;
     const float* sums;
 };
 
@@ -199,7 +198,6 @@ static inline float unit_of(bool precise, float e) { return precise ? e * (1.0f 
 // unsigned add.
 static inline int32_t offset_of(bool precise, int32_t sh, int32_t sl) { return 128 * (precise ? 256 * sh + sl : sh); }
 static inline float unit(const Acts& a, int64_t rb) { return unit_of(a.precise, a.dx[rb]); }
-static inline int32_t offset(const Acts& a, int64_t rb) { return offset_of(a.precise, a.sh[rb], a.sl[rb]); }
 
 #if QMM_PATH == 3
 typedef int32_t __attribute__((may_alias)) int32_alias;
@@ -292,79 +290,98 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define QMM_AMX 1
-// AMX tiles (Sapphire Rapids and later) for row tiles of 16: the same exact integer sums, taken
-// by tile dot products (tdpbsud: signed activation codes x unsigned weight codes, 16 rows x 16
-// columns x 32 k in one instruction), then the same float steps as vnni_group, element by
-// element in block order. So a row's output is bitwise what the VNNI path gives: which path runs
+// AMX tiles (Sapphire Rapids and later) for row tiles of up to 16: the same exact integer sums, taken
+// by tile dot products (T rows x 16 columns x 32 k in one instruction), then the same float steps as
+// vnni_group, element by element in block order. The weight codes enter the tile signed where the
+// VNNI path corrects for unsigned ones (int8's codes - 128, centred int4's q - 8: tdpbssd), so the
+// tile's sum is already the corrected integer and the float steps subtract no offset. So a row's output is bitwise what the VNNI path gives: which path runs
 // for a call (by its row count) cannot change a row, and batch invariance holds across the switch.
+// A call's rows are split into tiles of one even height of at most 16 (24 rows: 12 + 12; 8 rows: one
+// tile of 8), so that no call pays the float steps of more padding rows than one.
 // Where the OS refuses the tile state (amx_granted, native_common.h) the VNNI path serves every call.
 static const int AMX_ROWS = 16;
 
-// Tiles: 0 / 1 (and 5 / 6) the int32 sums of h / l codes, 2 / 3 the h / l codes (16 rows x 32), 4 the block's
-// weight codes (8 rows of k/4 x 16 columns x 4).
-static AmxTileConfig qmm_tiles() {
+// The tile height for a call of M rows: its rows over as few tiles of <= 16 as hold them, rounded up to even.
+static inline int amx_height(int64_t M) {
+    const int64_t tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
+    return (int)(((M + tiles - 1) / tiles + 1) & ~1);
+}
+
+// Tiles of height T: 0 / 1 (and 5 / 6) the int32 sums of h / l codes, 2 / 3 the h / l codes (T rows x 32),
+// 4 the block's weight codes (8 rows of k/4 x 16 columns x 4).
+static AmxTileConfig qmm_tiles(int T) {
     AmxTileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 4; ++t) c.rows[t] = AMX_ROWS;
+    for (int t = 0; t < 4; ++t) c.rows[t] = (uint8_t)T;
     c.colsb[0] = c.colsb[1] = 64;
     c.colsb[2] = c.colsb[3] = QK;
     c.rows[4] = QK / 4;
     c.colsb[4] = 64;
-    c.rows[5] = c.rows[6] = AMX_ROWS;
+    c.rows[5] = c.rows[6] = (uint8_t)T;
     c.colsb[5] = c.colsb[6] = 64;
     return c;
 }
 
-// The tile sums of block b of rows r0.. (16) into ch / cl: tiles 0 / 1 (even b) or 5 / 6 (odd b),
-// so that the next block's tile work runs while the float steps read the last one's sums.
+// Whether a tile takes the weight codes signed (tdpbssd): int8 (codes - 128) and centred int4 (q - 8);
+// int4 with two codes keeps q in 0..15 (tdpbsud) and adds the minimum term alone.
+template <int BITS>
+static inline bool amx_signed(const Acts& a) { return BITS == 8 || !a.precise; }
+
+// The tile sums of block b of rows r0.. (the tile's height) into ch / cl: tiles 0 / 1 (even b) or
+// 5 / 6 (odd b), so that the next block's tile work runs while the float steps read the last one's sums.
 template <int BITS>
 static inline void amx_block_sums(const uint8_t* g, const Acts& a, int64_t r0, int64_t b, uint8_t (*wq)[64],
                                   int32_t (*ch)[GROUP_COLS], int32_t (*cl)[GROUP_COLS]) {
     if (BITS == 4) {  // chunk j's low nibbles are k = 8j + t (tile row 2j), high ones k = 8j + 4 + t
         const __m512i low = _mm512_set1_epi8(0x0F);
+        const __m512i shift = _mm512_set1_epi8(a.precise ? 0 : 8);
         for (int j = 0; j < 4; ++j) {
             __m512i p = _mm512_loadu_si512(g + 64 * j);
-            _mm512_store_si512(wq[2 * j], _mm512_and_si512(p, low));
-            _mm512_store_si512(wq[2 * j + 1], _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
+            _mm512_store_si512(wq[2 * j], _mm512_sub_epi8(_mm512_and_si512(p, low), shift));
+            _mm512_store_si512(wq[2 * j + 1], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(p, 4), low), shift));
         }
-        _tile_loadd(4, wq, 64);
-    } else {  // the packed int8 chunks are the tile's rows as they are
-        _tile_loadd(4, g, 64);
+    } else {  // the packed chunks are the tile's rows, the codes stored + 128: back to signed
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int j = 0; j < 8; ++j) _mm512_store_si512(wq[j], _mm512_xor_si512(_mm512_loadu_si512(g + 64 * j), flip));
     }
+    TILE_LOAD(4, wq, 64);
     const int64_t off = r0 * a.K + b * QK;
-    _tile_loadd(2, a.xh + off, a.K);
-    if (a.precise) _tile_loadd(3, a.xl + off, a.K);
+    TILE_LOAD(2, a.xh + off, a.K);
+    if (a.precise) TILE_LOAD(3, a.xl + off, a.K);
     // sums of the h codes (tile 2) into tile H, of the l codes (tile 3) into tile L; tile numbers are immediates
-#define SUMS(H, L)                 \
+#define SUMS(H, L, DP)             \
     _tile_zero(H);                 \
-    _tile_dpbsud(H, 2, 4);         \
-    _tile_stored(H, ch, 64);       \
+    DP(H, 2, 4);                   \
+    TILE_STORE(H, ch, 64);         \
     if (a.precise) {               \
         _tile_zero(L);             \
-        _tile_dpbsud(L, 3, 4);     \
-        _tile_stored(L, cl, 64);   \
+        DP(L, 3, 4);               \
+        TILE_STORE(L, cl, 64);     \
     }
+    const bool sgn = amx_signed<BITS>(a);
     if (b & 1) {
-        SUMS(5, 6)
+        if (sgn) { SUMS(5, 6, _tile_dpbssd) } else { SUMS(5, 6, _tile_dpbsud) }
     } else {
-        SUMS(0, 1)
+        if (sgn) { SUMS(0, 1, _tile_dpbssd) } else { SUMS(0, 1, _tile_dpbsud) }
     }
 #undef SUMS
 }
 
-// rows r0 .. r0+R-1 (R <= 16; the codes buffer holds 16 rows past r0) of one column group.
-template <int BITS>
+// rows r0 .. r0+R-1 (R <= T; the codes buffer holds T rows past r0) of one column group, tiles of height T.
+// Per block and row the float steps of vnni_group.
+template <int BITS, int T>
 static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][GROUP_COLS]) {
-    alignas(64) int32_t ch[2][AMX_ROWS][GROUP_COLS], cl[2][AMX_ROWS][GROUP_COLS];
-    alignas(64) uint8_t wq[2][QK / 4][64];  // int4: the block's codes one per byte, in tile order
-    __m512 acc[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    alignas(64) int32_t ch[2][T][GROUP_COLS], cl[2][T][GROUP_COLS];
+    alignas(64) uint8_t wq[2][QK / 4][64];  // the block's codes one per byte, signed where amx_signed, in tile order
+    __m512 acc[T];
+#pragma GCC unroll 16
+    for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    const bool precise = a.precise;
     amx_block_sums<BITS>(g, a, r0, 0, wq[0], ch[0], cl[0]);
     const int64_t KB = a.KB;
     const float* units = a.units + r0 * KB;
-    const int32_t* offsets = a.offsets + r0 * KB;
     const float* sums = a.sums + r0 * KB;
     for (int64_t b = 0; b < KB; ++b, g += group_bytes) {
         const int p = (int)(b & 1);
@@ -373,18 +390,29 @@ static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float 
             amx_block_sums<BITS>(g + group_bytes, a, r0, b + 1, wq[1 - p], ch[1 - p], cl[1 - p]);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
-        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
-        // all 16 rows (the padding ones are thrown away): a fixed count keeps acc[] in registers
+        __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
+        if (BITS == 4 && !precise) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
+        // all T rows (a padding row is thrown away): a fixed count keeps acc[] in registers
 #pragma GCC unroll 16
-        for (int r = 0; r < AMX_ROWS; ++r) {
+        for (int r = 0; r < T; ++r) {
             __m512i s = _mm512_load_si512(ch[p][r]);
-            if (a.precise) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_load_si512(cl[p][r]));
-            if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offsets[r * KB + b]));
+            if (precise) s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), _mm512_load_si512(cl[p][r]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(units[r * KB + b])), acc[r]);
             if (BITS == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * KB + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+typedef void (*AmxFn)(const uint8_t*, const Acts&, int64_t, int, float[][GROUP_COLS]);
+
+template <int BITS>
+static AmxFn amx_of(int T) {  // T even, 2..16
+    switch (T) {
+        case 2: return amx_group<BITS, 2>; case 4: return amx_group<BITS, 4>; case 6: return amx_group<BITS, 6>;
+        case 8: return amx_group<BITS, 8>; case 10: return amx_group<BITS, 10>; case 12: return amx_group<BITS, 12>;
+        case 14: return amx_group<BITS, 14>; default: return amx_group<BITS, 16>;
+    }
 }
 #endif
 #elif QMM_PATH >= 1
@@ -510,9 +538,10 @@ template <int R> struct Q4 { static void fn(const uint8_t* g, const Acts& a, int
 template <int R> struct Q8 { static void fn(const uint8_t* g, const Acts& a, int64_t r0, float o[][GROUP_COLS]) { q8_group<R>(g, a, r0, o); } };
 
 #ifdef QMM_AMX
-// Calls with at least this many rows take the AMX tiles (when granted); 0: never. Rows come out the
-// same either way, so this is a speed setting only (lm_qmm_set_amx_rows).
-static int amx_min_rows = 12;
+// Which calls take the AMX tiles (when granted): 0 none, 1 those the rule in matmul() picks, 2 every
+// call (tests and benchmarks). Rows come out the same either way: a speed setting only (lm_qmm_set_amx).
+static int amx_mode = 1;
+static const int AMX_MIN_ROWS = 12;
 #endif
 
 static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
@@ -521,9 +550,16 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     const int64_t KB = K / QK, groups = N / GROUP_COLS;
     const int64_t group_bytes = KB * (bits == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES);
 #ifdef QMM_AMX
-    // the tiles take the uncentred sums only: int4 with one code stays on the VNNI path
-    const bool amx = amx_min_rows > 0 && M >= amx_min_rows && (bits == 8 || precise) && amx_granted();
-    const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // a tile reads 16 rows of codes
+    // A tile pass over a group has a larger fixed cost than the VNNI path's pass over a row tile and a
+    // smaller one per row. int4 with one code has the fewest products per row, so it gains only where
+    // the tiles make fewer passes than the VNNI row tiles (all linears of a step on the AMX Xeon VM, ms
+    // tiles / VNNI: 16 rows 10.7 / 13.2 (1 pass / 2), 24 rows 17.2 / 15.9 (2 / 2), 32 rows 19.2 / 19.7
+    // (2 / 3)); int8 and two codes gain from 12 rows on.
+    const bool fewer_passes = (M + AMX_ROWS - 1) / AMX_ROWS < (M + ROW_TILE - 1) / ROW_TILE;
+    const bool by_rule = M >= AMX_MIN_ROWS && (bits == 8 || precise || fewer_passes);
+    const bool amx = (amx_mode == 2 || (amx_mode == 1 && by_rule)) && amx_granted();
+    const int T = amx ? amx_height(M) : 0;
+    const int64_t rows = amx ? (M + T - 1) / T * T : M;  // a tile reads T rows of codes
 #else
     const bool amx = false;
     const int64_t rows = M;
@@ -541,19 +577,15 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     float* fl = floats.data();
     int32_t* su = sums.data();
     Acts a{xh, blocked ? xh + 32 : xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, M,
-           nullptr, nullptr, nullptr};
+           nullptr, nullptr};
 #ifdef QMM_AMX
     static thread_local std::vector<float> amx_floats;
-    static thread_local std::vector<int32_t> amx_offsets;
     if (amx) {
         amx_floats.assign((size_t)(2 * rows * KB), 0.0f);
-        amx_offsets.assign((size_t)(rows * KB), 0);
         a.units = amx_floats.data();
         a.sums = amx_floats.data() + rows * KB;
-        a.offsets = amx_offsets.data();
     }
     float* units = amx_floats.data();
-    int32_t* offsets = amx_offsets.data();
 #endif
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
     const int64_t tiles = (M + ROW_TILE - 1) / ROW_TILE;
@@ -576,17 +608,17 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
 #pragma omp for schedule(static)
             for (int64_t rb = 0; rb < M * KB; ++rb) {
                 units[rb] = unit(a, rb);
-                offsets[rb] = offset(a, rb);
                 units[rows * KB + rb] = a.sx[rb];
             }
-            AmxScope tiles(qmm_tiles());
+            AmxScope tiles(qmm_tiles(T));
+            const AmxFn group = bits == 4 ? amx_of<4>(T) : amx_of<8>(T);
 #pragma omp for schedule(static)
             for (int64_t gi = 0; gi < groups; ++gi) {
                 const uint8_t* g = w + gi * group_bytes;
                 float out[AMX_ROWS][GROUP_COLS];
-                for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
-                    int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
-                    (bits == 4 ? amx_group<4> : amx_group<8>)(g, a, r0, R, out);
+                for (int64_t r0 = 0; r0 < M; r0 += T) {
+                    int R = (int)(M - r0 < T ? M - r0 : T);
+                    group(g, a, r0, R, out);
                     store(r0, R, gi, out);
                 }
             }
@@ -624,14 +656,14 @@ int lm_qmm_amx() {
 #endif
 }
 
-// Calls with at least `rows` rows take the AMX tiles (0: none); returns the previous setting.
-int lm_qmm_set_amx_rows(int rows) {
+// Which calls take the AMX tiles: 0 none, 1 by the rule (the default), 2 all; returns the previous setting.
+int lm_qmm_set_amx(int mode) {
 #ifdef QMM_AMX
-    int was = amx_min_rows;
-    amx_min_rows = rows < 0 ? 0 : rows;
+    int was = amx_mode;
+    amx_mode = mode < 0 ? 0 : (mode > 2 ? 2 : mode);
     return was;
 #else
-    (void)rows;
+    (void)mode;
     return 0;
 #endif
 }

@@ -25,6 +25,7 @@ from .quant import GROUP, Q41Blocks, Q80Blocks
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+AMX_NEVER, AMX_BY_RULE, AMX_ALWAYS = 0, 1, 2  # QuantMatmul.set_amx
 
 
 class QuantMatmul:
@@ -34,20 +35,21 @@ class QuantMatmul:
         lib.lm_qmm_path.restype = ctypes.c_int
         self.path = PATHS.get(lib.lm_qmm_path())  # None: built without a path (no AVX2 here)
         lib.lm_qmm_amx.restype = ctypes.c_int
-        lib.lm_qmm_set_amx_rows.restype = ctypes.c_int
-        lib.lm_qmm_set_amx_rows.argtypes = [ctypes.c_int]
+        lib.lm_qmm_set_amx.restype = ctypes.c_int
+        lib.lm_qmm_set_amx.argtypes = [ctypes.c_int]
         self.amx = bool(lib.lm_qmm_amx())  # AMX tiles built and granted by the OS
-        self._set_amx_rows = lib.lm_qmm_set_amx_rows
+        self._set_amx = lib.lm_qmm_set_amx
         fn = lib.lm_qmm
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [i32, i32, p, i32, i64, i64, p, i64, p, i32, i32]
         fn.restype = i32
         self._fn = fn
 
-    def set_amx_rows(self, rows: int) -> int:
-        """Calls with at least `rows` rows take the AMX tiles (0: never); returns the previous value.
-        The rows come out bitwise the same either way: a speed setting, for benchmarks and tests."""
-        return self._set_amx_rows(rows)
+    def set_amx(self, mode: int) -> int:
+        """Which calls take the AMX tiles: AMX_NEVER, AMX_BY_RULE (the default: 12 rows or more, for
+        int4 with one code only where the tiles make fewer passes) or AMX_ALWAYS; returns the previous
+        mode. The rows come out bitwise the same either way: a speed setting, for benchmarks and tests."""
+        return self._set_amx(mode)
 
     @property
     def name(self) -> str:
@@ -122,4 +124,4 @@ def pack_q8(blocks: Q80Blocks) -> Tensor:
     return torch.cat([codes, d], dim=-1).reshape(-1).contiguous()  # [G * B * 544]
 
 
-__all__ = ["QuantMatmul", "kernel", "default_kernel", "use_cache_dir", "pack_q4", "pack_q8", "PATHS", "GROUP_COLS"]
+__all__ = ["AMX_ALWAYS", "AMX_BY_RULE", "AMX_NEVER", "QuantMatmul", "kernel", "default_kernel", "use_cache_dir", "pack_q4", "pack_q8", "PATHS", "GROUP_COLS"]

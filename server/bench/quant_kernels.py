@@ -41,7 +41,7 @@ import torch
 from ...model import kernels as K
 from ...model import quant_matmul as QM
 from ...model.gguf_reader import read_gguf
-from .machine import lscpu
+from .machine import last_level_cache_bytes, lscpu
 
 ROWS = (1, 8, 32)
 CANDIDATES = {  # name -> (layers' kernel, head's kernel, dtype)
@@ -108,18 +108,14 @@ def main(argv=None) -> int:
         sets[name] = {r: [K.build(head_kernel if r == "head" else layer_kernel, s, dtype) for s in srcs]
                       for r, srcs in sources.items()}
     del ck, sources
-    default_amx_rows = qm.set_amx_rows(0) if qm is not None else 0
-    amx_rows = {name: default_amx_rows for name in sets}  # what each candidate's passes run with
-    if qm is not None:
-        qm.set_amx_rows(default_amx_rows)
-        if qm.amx:
-            for name in ("native-int4", "native-int8", "native-int4-a8", "native-int8-a8"):
-                sets[f"{name}-vnni"], amx_rows[f"{name}-vnni"] = sets[name], 0
+    amx_modes = {name: QM.AMX_BY_RULE for name in sets}  # what each candidate's passes run with
+    if qm is not None and qm.amx:
+        for name in ("native-int4", "native-int8", "native-int4-a8", "native-int8-a8"):
+            sets[f"{name}-vnni"], amx_modes[f"{name}-vnni"] = sets[name], QM.AMX_NEVER
     nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
     K_in = {m.in_features for s in sets.values() for ls in s.values() for m in ls}
     xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in K_in}
-    l3 = 2 * 105 << 20
-    flush = torch.ones(l3 // 4)
+    flush = torch.ones(2 * last_level_cache_bytes() // 4)
     samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
     cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
     calls = {n: {r: [] for r in ROWS} for n in sets if n.startswith("native")}  # cold, kernel calls alone
@@ -174,7 +170,7 @@ def main(argv=None) -> int:
                 products_rounds.append(peaks.products_per_second(torch.get_num_threads(), repeats=3))
             for name, s in sets.items():
                 if qm is not None:
-                    qm.set_amx_rows(amx_rows[name])
+                    qm.set_amx(amx_modes[name])
                 for rows in ROWS:
                     for mode in ("cold", "warm"):
                         if mode == "cold":
@@ -191,7 +187,7 @@ def main(argv=None) -> int:
                         calls[name][rows].append(sum(run_calls(s[role], rows) for role in K.ROLES))
             print(f"round {rnd + 1}/{args.rounds}", flush=True)
     if qm is not None:
-        qm.set_amx_rows(default_amx_rows)
+        qm.set_amx(QM.AMX_BY_RULE)
 
     def med(v):
         return round(statistics.median(v) * 1e3, 3)

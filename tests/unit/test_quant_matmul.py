@@ -95,20 +95,20 @@ def test_amx_tiles_give_the_vnni_bits_at_the_real_shapes(gguf, role):
         pytest.skip("this CPU or OS grants no AMX tile state: the VNNI path serves every call")
     blocks = real_shapes(gguf)[role]
     g = torch.Generator().manual_seed(5)
-    was = k.set_amx_rows(0)
+    was = k.set_amx(QM.AMX_NEVER)
     try:
-        for M in (1, 7, 16, 23, 40):
+        for M in (1, 2, 5, 8, 9, 16, 23, 40):  # tiles of heights 2, 2, 6, 8, 10, 16, 12 x 2 (a padding row), 14 x 3
             x = torch.randn(M, blocks.q.shape[1], generator=g) * torch.linspace(0.1, 3, blocks.q.shape[1])
             x[0, 7::97] *= 40
             for dtype in (torch.bfloat16, torch.float32):
                 for precise in (True, False):
-                    k.set_amx_rows(0)
+                    k.set_amx(QM.AMX_NEVER)
                     want = run(k, blocks, x.to(dtype), precise)
-                    k.set_amx_rows(1)
+                    k.set_amx(QM.AMX_ALWAYS)
                     got = run(k, blocks, x.to(dtype), precise)
                     assert torch.equal(got, want), (M, dtype, precise)
     finally:
-        k.set_amx_rows(was)
+        k.set_amx(was)
 
 
 @pytest.mark.parametrize("precise", [True, False], ids=["two-codes", "a8"])
