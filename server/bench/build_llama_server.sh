@@ -8,9 +8,8 @@
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 sh server/bench/build_llama_server.sh
 #
 # GGML_NATIVE is off: on AVX-512 + AMX Xeon VMs the native build dies with SIGILL. The ISA flags
-# are set from what /proc/cpuinfo reports instead, so the peer still gets its AVX-512 kernels; AMX
-# only where this process is granted the tile state (lmserve's own probe, native_common.h), since a
-# VM may list amx_* and refuse it. LLAMA_AMX=ON / OFF overrides the probe.
+# are set from what /proc/cpuinfo reports instead (AMX excepted), so the peer still gets its AVX-512
+# kernels.
 set -eu
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -35,10 +34,8 @@ has() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 isa="-DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c)"
 isa="$isa -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni)"
 isa="$isa -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
-# AMX: a VM may list amx_* in cpuinfo without enabling the tile state (SIGILL at the first use), so
-# it is on only where lmserve's kernels were granted it in this process
-amx="${LLAMA_AMX:-$("$python" -c 'from lmserve.model import quant_matmul as QM; k = QM.default_kernel(); print("ON" if k and k.amx else "OFF")' 2>/dev/null || echo OFF)}"
-isa="$isa -DGGML_AMX_TILE=$amx -DGGML_AMX_INT8=$amx -DGGML_AMX_BF16=$amx"
+# AMX stays off: a VM may list amx_* in cpuinfo without enabling the tile state (SIGILL at the first use)
+isa="$isa -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 echo "llama.cpp build flags: $isa"
 
 # shellcheck disable=SC2086

@@ -34,7 +34,7 @@ from .runner import ModelRunner, RunOutput
 from .scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
-from .ngram import Speculation
+from .ngram import Speculation, word_classes
 
 # auto speculation stays off where drafts would have to be accepted more often than this just to break
 # even: a step verifying k drafts that costs c decode steps and keeps a*k of them yields 1 + a*k
@@ -244,7 +244,8 @@ class Engine:
             if s.speculation == "ngram":
                 raise ValueError("--speculation ngram needs the sequential loop: start with --overlap-steps false")
             return None
-        spec = Speculation(max_draft=s.draft_tokens, max_batch=s.draft_max_batch)
+        spec = Speculation(max_draft=s.draft_tokens, max_batch=s.draft_max_batch,
+                           classes=word_classes(loaded.tokenizer, loaded.config.vocab_size))
         if s.speculation == "auto":
             if not loaded.batch_invariant:
                 return None

@@ -13,6 +13,11 @@ waiting for a new n-gram: a token found among the next `REALIGN` source tokens r
 after it (a dropped or replaced token), and if nothing else matches, one draft assumes the token was
 inserted and resumes where the copy stood. Each costs O(REALIGN) work a step.
 
+Tokens are matched by word class: a word with its leading space and the same word without it (`The`
+at a sentence's start, ` The` inside one) are one class (word_classes, from the tokenizer), so an
+answer that quotes a document's sentence from within its own finds it. Drafts are still the source's
+own tokens.
+
 A request may also name the text it expects to repeat (a `reference`: OpenAI's predicted output,
 e.g. the file an edit rewrites). Its tokens are indexed before the prompt, behind a separator no
 token equals, and the first draft copies its beginning.
@@ -28,7 +33,8 @@ module holds only the rule for how much of a verified draft is kept (`kept`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 REALIGN = 3  # source tokens searched for the output's latest token where the output left its copy
 SEPARATOR = -1  # between a reference and the sequence: never a token, so no n-gram matches across it
@@ -45,6 +51,7 @@ class Speculation:
     # a request's first draft: verifying 4 drafts cost 1.2x a decode step against 1.1x for 2 on the
     # 2-core Zen 5 EPYC (bfloat16+int8), and a whole first draft of 4 saves twice the steps
     first: int = 4
+    classes: Sequence[int] | None = field(default=None, repr=False, compare=False)  # word_classes(tokenizer)
 
     def __post_init__(self):
         if self.max_draft < 1 or self.max_batch < 1 or self.first < 1 or not 1 <= self.min_n <= self.max_n:
@@ -59,7 +66,30 @@ class Speculation:
                 and not params.presence_penalty and not params.frequency_penalty)
 
     def proposer(self, tokens: list[int], reference=()) -> "NgramProposer":
-        return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first, reference=reference)
+        return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first, reference=reference,
+                             classes=self.classes)
+
+
+def word_classes(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
+    """Each token id's class for matching: the id of the same text without its leading space where the
+    vocabulary holds both (` The` -> `The`), else the id itself; None when no token pairs up. Byte-level
+    vocabularies are read from their token bytes, sentencepiece ones from their pieces (`▁The`)."""
+    table = getattr(tokenizer, "token_bytes", None)
+    classes = list(range(vocab_size))
+    if table is not None:
+        ids: dict[bytes, int] = {}
+        for i, b in enumerate(table[:vocab_size]):
+            ids.setdefault(b, i)
+        pairs = ((i, ids.get(b[1:])) for i, b in enumerate(table[:vocab_size]) if len(b) > 1 and b[:1] == b" ")
+    else:
+        pieces = [tokenizer.id_to_token(i) for i in range(vocab_size)]
+        pairs = ((i, tokenizer.token_to_id(p[1:])) for i, p in enumerate(pieces)
+                 if p is not None and len(p) > 1 and p[0] == "\u2581")
+    found = False
+    for i, j in pairs:
+        if j is not None and j < vocab_size:
+            classes[i], found = j, True
+    return tuple(classes) if found else None
 
 
 def kept(tokens: list[int], ok: list[bool], first: int, draft) -> int:
@@ -76,12 +106,14 @@ class NgramProposer:
     """One sequence's n-gram index and draft-length state (Sequence.draft, owned by the scheduler)."""
 
     def __init__(self, tokens: list[int], max_draft: int = 8, min_n: int = 2, max_n: int = 4,
-                 patience: int = 3, cooldown: int = 16, first: int = 2, reference=()):
+                 patience: int = 3, cooldown: int = 16, first: int = 2, reference=(), classes: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n or max_draft < 1:
             raise ValueError("need 1 <= min_n <= max_n and max_draft >= 1")
         self.max_draft, self.min_n, self.max_n = max_draft, min_n, max_n
         self.patience, self.cooldown = patience, cooldown
         self.tokens: list[int] = []
+        self._classes = classes
+        self._keys: list[int] = []  # each token's word class: what n-grams and the copy compare
         # n-gram -> position just after its latest occurrence, for occurrences ending before the last token
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
         self.length = max(1, min(first, max_draft))  # the next draft's length
@@ -101,27 +133,30 @@ class NgramProposer:
 
     def extend(self, tokens) -> None:
         """Tokens appended to the sequence (prompt at first, then each recorded output token)."""
+        classes = self._classes
         for tok in tokens:
             self._index_last()
+            key = classes[tok] if classes is not None and 0 <= tok < len(classes) else tok
             copy = self._copy
-            self._following = copy is not None and copy < len(self.tokens) and self.tokens[copy] == tok
+            self._following = copy is not None and copy < len(self._keys) and self._keys[copy] == key
             if self._following:
                 self._copy, self._inserted_tried = copy + 1, False
             self.tokens.append(tok)
+            self._keys.append(key)
             if self._resting:
                 self._resting -= 1
 
     def _index_last(self) -> None:
         """Index the n-grams ending at the current last token (so a lookup of the suffix finds an
         earlier occurrence, never the suffix itself)."""
-        t, end = self.tokens, len(self.tokens)
+        t, end = self._keys, len(self._keys)
         for n in range(self.min_n, min(self.max_n, end) + 1):
             self._index[n][tuple(t[end - n: end])] = end
 
     def match(self) -> int | None:
         """Where the tokens after the latest earlier occurrence of the longest suffix (max_n down to
         min_n) start, or None when no suffix occurred before."""
-        t, end = self.tokens, len(self.tokens)
+        t, end = self._keys, len(self._keys)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             after = self._index[n].get(tuple(t[end - n:]))
             if after is not None:
@@ -132,7 +167,7 @@ class NgramProposer:
         """Where the next draft is copied from: the copy while the output follows it; else the copy
         realigned past the latest token (found among the next REALIGN source tokens); else the
         longest-suffix match; else, once, the copy as it stands (the latest token was inserted)."""
-        t, end, copy = self.tokens, len(self.tokens), self._copy
+        t, end, copy = self._keys, len(self._keys), self._copy
         live = copy is not None and copy < end - 1  # a copy with a source token left to draft
         if live:
             if self._following:

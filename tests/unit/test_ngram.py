@@ -147,3 +147,37 @@ def test_a_reference_is_a_source_of_n_grams_and_never_matches_across_its_end():
     q = NgramProposer([1, 2], max_draft=4, first=4, reference=[8, 9])
     q.extend([30, 8, 9])  # (8, 9) ends the reference: what follows it there is no text
     assert q.propose(4) == []
+
+
+def test_a_word_with_and_without_its_leading_space_is_one_class_for_matching(smollm2_tokenizer):
+    """A document's sentence starts with `The`; the answer quotes it after a word of its own (` The`):
+    the match finds the sentence through the class, and the draft is the document's own tokens."""
+    from lmserve.server.engine.ngram import word_classes
+
+    tok = smollm2_tokenizer
+    classes = word_classes(tok, len(tok.token_bytes))
+    the, space_the = tok.token_to_id("The"), tok.token_to_id("\u0120The")
+    assert classes[space_the] == classes[the] == the and classes[tok.token_to_id("\u0120cat")] == tok.token_to_id("cat")
+    assert classes[tok.token_to_id("<|im_end|>")] == tok.token_to_id("<|im_end|>")
+    document = tok.encode("Notes.\nThe committee approved the budget on Tuesday after a long debate.")
+    answer = tok.encode("They said The committee")
+    assert answer[-2] == space_the and space_the not in document and the in document
+    plain = NgramProposer(document, max_draft=8, first=8, max_n=3)
+    plain.extend(answer)
+    assert plain.propose(8) == []  # (` The`, ` committee`) never occurred
+    classed = NgramProposer(document, max_draft=8, first=8, max_n=3, classes=classes)
+    classed.extend(answer)
+    at = document.index(the)
+    assert classed.propose(8) == document[at + 2: at + 10]  # ` approved the budget on Tuesday after a long`
+
+
+def test_word_classes_leave_the_brute_force_match_unchanged_where_no_pair_occurs():
+    classes = tuple(range(50))  # no pairs: identity
+    rng = random.Random(3)
+    tokens = [rng.randrange(4) for _ in range(40)]
+    a = NgramProposer(tokens[:10], max_draft=5, classes=classes)
+    b = NgramProposer(tokens[:10], max_draft=5)
+    for t in tokens[10:]:
+        a.extend([t])
+        b.extend([t])
+        assert a.match() == b.match() and a.propose(4) == b.propose(4)
