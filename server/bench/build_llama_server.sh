@@ -34,7 +34,9 @@ has() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 isa="-DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c)"
 isa="$isa -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni)"
 isa="$isa -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
-# AMX stays off: a VM may list amx_* in cpuinfo without enabling the tile state (SIGILL at the first use)
+# AMX stays off: a VM may list amx_* in cpuinfo without enabling the tile state (SIGILL at the first use).
+# On a Xeon VM whose tile state lmserve's kernels are granted (2026-12-02), a build with AMX on still
+# died with SIGILL as its thread pool started.
 isa="$isa -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 echo "llama.cpp build flags: $isa"
 
