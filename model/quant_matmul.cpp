@@ -48,7 +48,10 @@ static const int Q8_GROUP_BYTES = 512 + 32;
 // kept more memory requests in flight than the hardware prefetcher alone (one batch-1 row over
 // SmolLM2's layers on the 2-core Xeon: int8 12.1 -> 14.7-17.8 GB/s, int4 10.0 -> 12.1-14.9 GB/s;
 // 4 KiB was the best of 0.5-8 KiB there).
-static const int PREFETCH_BYTES = 4096;
+#ifndef QMM_PREFETCH_BYTES
+#define QMM_PREFETCH_BYTES 4096  // a build flag for measuring other distances (-DQMM_PREFETCH_BYTES=...)
+#endif
+static const int PREFETCH_BYTES = QMM_PREFETCH_BYTES;
 
 static inline void prefetch_ahead(const uint8_t* g, int bytes) {
     for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)g + PREFETCH_BYTES + c, _MM_HINT_T0);
@@ -557,7 +560,7 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     // (2 / 3)); int8 and two codes gain from 12 rows on.
     const bool fewer_passes = (M + AMX_ROWS - 1) / AMX_ROWS < (M + ROW_TILE - 1) / ROW_TILE;
     const bool by_rule = M >= AMX_MIN_ROWS && (bits == 8 || precise || fewer_passes);
-    const bool amx = (amx_mode == 2 || (amx_mode == 1 && by_rule)) && amx_granted();
+    const bool amx = M > 0 && (amx_mode == 2 || (amx_mode == 1 && by_rule)) && amx_granted();
     const int T = amx ? amx_height(M) : 0;
     const int64_t rows = amx ? (M + T - 1) / T * T : M;  // a tile reads T rows of codes
 #else

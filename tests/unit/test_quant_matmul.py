@@ -107,6 +107,8 @@ def test_amx_tiles_give_the_vnni_bits_at_the_real_shapes(gguf, role):
                     k.set_amx(QM.AMX_ALWAYS)
                     got = run(k, blocks, x.to(dtype), precise)
                     assert torch.equal(got, want), (M, dtype, precise)
+        k.set_amx(QM.AMX_ALWAYS)  # no rows: no tile of height 0
+        assert run(k, blocks, torch.zeros(0, blocks.q.shape[1])).shape == (0, blocks.q.shape[0])
     finally:
         k.set_amx(was)
 
