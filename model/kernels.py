@@ -16,8 +16,8 @@ are measured here, on the model's real shapes, at load:
 - native-int8 / native-int4: the project's kernel (quant_matmul.py) on GGUF Q8_0 / Q4_0-Q4_1
           blocks, activations quantized per row and block of 32 to two int8 codes (~16 bits),
           integer dot products; its cost grows slowly with the rows (weights are unpacked once
-          for up to 8 rows; calls of 12 rows or more take AMX tiles where the CPU and OS offer
-          them, with the same bits). native-int8-a8 takes one int8 code per activation (half the dot
+          for up to 12 rows; calls of 12 rows or more take AMX tiles where the CPU and OS offer
+          them and the measured rule in quant_matmul.cpp says they gain, with the same bits). native-int8-a8 takes one int8 code per activation (half the dot
           products), for the LM head, whose output the int8 step barely moves. Q8_0 blocks (a step
           per 32 weights) are finer than torch int8's step per row: the mode's quality check
           (precision.py) covers the kernels chosen.
