@@ -569,7 +569,7 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     // A tile pass over a group has a larger fixed cost than the VNNI path's pass over a row tile and a
     // smaller one per row. int4 with one code has the fewest products per row, so it gains only where
     // the tiles make fewer passes than the VNNI row tiles (all linears of a step on the AMX Xeon VM, ms
-    // tiles / VNNI: 16 rows 10.7 / 13.2 (1 pass / 2), 24 rows 17.2 / 15.9 (2 / 2), 32 rows 19.2 / 19.7
+    // tiles / VNNI: 16 rows 9.5 / 12.4 (1 pass / 2), 24 rows 15.8 / 15.2 (2 / 2), 32 rows 17.8 / 19.8
     // (2 / 3)); int8 and two codes gain from 12 rows on.
     const bool fewer_passes = (M + AMX_ROWS - 1) / AMX_ROWS < (M + ROW_TILE - 1) / ROW_TILE;
     const bool by_rule = M >= AMX_MIN_ROWS && (bits == 8 || precise || fewer_passes);
