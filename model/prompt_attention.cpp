@@ -16,9 +16,9 @@
 //   - an int8 cache (native_common.h): the codes are exact in bfloat16, so they take the same dot
 //     products; a score is then multiplied by its key's scale (before the softmax scale), and a
 //     probability by its value's scale before the rounding to bfloat16.
-// Where the OS grants AMX tiles, head_dim <= 128 takes them instead (attend_block_amx): the same
-// blocks, softmax and roundings with the two products on tile units, ~3x faster on the 2-core Xeon
-// VM; every prompt token of a process takes the same path. Without AVX-512 BF16 the entry points
+// Where the OS grants AMX tiles, head_dim <= 128 takes them instead (run_amx): the same softmax
+// and roundings with the two products on tile units, the keys and values packed once per call,
+// ~4x faster on the 2-core Xeon VM; every prompt token of a process takes the same path. Without AVX-512 BF16 the entry points
 // answer "not built" and attention stays on SDPA.
 //
 // Built by native.py with the machine's own instruction set (-march=native), wrapped by
@@ -37,7 +37,6 @@ static const int GROUP_ROWS = 8;   // query rows scored together (they share eac
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
 static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
 static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
-static const int MAX_GROUP_ROWS_AMX = SMALL_BLOCK_ROWS * 16;  // query heads per kv head x tokens of an AMX block
 
 // Transposing 16 x 16 32-bit lanes by swapping off-diagonal blocks of 8, 4, 2, 1.
 #define LO_(s, j) (((j) & (s)) ? 16 + (j) - (s) : (j))
@@ -227,19 +226,20 @@ static inline void load_block_scales(const CacheView<T>& c, int64_t slot, int h,
 
 // Block scores (16 keys from j0) scaled as the cache asks: by each key's scale, then `scale`.
 template <class T>
-static inline v16f scaled_scores(v16f raw, const Scratch& w, int j0, float scale) {
-    if constexpr (CacheView<T>::coded) return (raw * F32::load(w.ks.data() + j0)) * scale;
+static inline v16f scaled_scores(v16f raw, const float* ks, int j0, float scale) {
+    if constexpr (CacheView<T>::coded) return (raw * F32::load(ks + j0)) * scale;
+    (void)ks, (void)j0;
     return raw * scale;
 }
 
 // 16 probabilities from p, times the values' scales for an int8 cache, into tmp (returned)
 template <class T>
-static inline const float* weighted_probs(const float* p, const Scratch& w, int j0, float* tmp) {
+static inline const float* weighted_probs(const float* p, const float* vs, int j0, float* tmp) {
     if constexpr (CacheView<T>::coded) {
-        F32::store(tmp, F32::load(p) * F32::load(w.vs.data() + j0));
+        F32::store(tmp, F32::load(p) * F32::load(vs + j0));
         return tmp;
     }
-    (void)w, (void)j0, (void)tmp;
+    (void)vs, (void)j0, (void)tmp;
     return p;
 }
 
@@ -275,7 +275,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
             v16f s[GROUP_ROWS];
             score_group(rows + r0, n, w.kp.data(), pairs, s);
             for (int r = 0; r < n; ++r) {
-                const v16f x = scaled_scores<T>(s[r], w, j0, scale);
+                const v16f x = scaled_scores<T>(s[r], w.ks.data(), j0, scale);
                 memcpy(w.scores.data() + (size_t)(r0 + r) * stride + j0, &x, sizeof x);
             }
         }
@@ -294,7 +294,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         for (int r = 0; r < R; ++r) {
             if (j0 >= len[r]) continue;  // a block this row does not see adds exactly nothing
             acc[n] = w.acc.data() + (size_t)r * d;
-            pp[n++] = prob_pairs(weighted_probs<T>(w.scores.data() + (size_t)r * stride + j0, w, j0, tmp));
+            pp[n++] = prob_pairs(weighted_probs<T>(w.scores.data() + (size_t)r * stride + j0, w.vs.data(), j0, tmp));
             if (n == PV_ROWS) {
                 weigh_rows<PV_ROWS>(acc, pp, w.vp.data(), C);
                 n = 0;
@@ -315,15 +315,18 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PA_AMX 1
-// The same block on AMX tiles (Sapphire Rapids and later, where the OS grants them): each query
-// head's 16 token rows are one tile, so a key block's scores for them are two tile products
-// (tdpbf16ps over the head dimension's pairs, as pack_keys lays them out), and probabilities x
-// values accumulate in up to six output tiles (16 head dims each) over 32 keys at a time. The softmax, the bfloat16
-// rounding of the probabilities and the final scaling are attend_block's. A score or an output
-// sum is the tile unit's fixed sequence of float32 operations over that row's own q, keys and
-// probabilities (exact zeros past its position add nothing), so a token's output still does not
-// depend on its chunk, batch or block; it differs from attend_block's in the last bits (another
-// summation order), and one machine runs one path for every prompt token (amx_granted).
+// The same attention on AMX tiles (Sapphire Rapids and later, where the OS grants them). Each
+// (slot, kv head) run's keys and values are packed once per call, for all the blocks and query heads
+// that read them (pack_chunk); then one task per (block of <= 16 tokens, kv head, query head): the
+// head's token rows are one tile, so a key block's scores for them are two tile products (tdpbf16ps
+// over the head dimension's pairs, as pack_keys lays them out), and probabilities x values accumulate
+// in up to six output tiles (16 head dims each) over 32 keys at a time. The softmax, the bfloat16
+// rounding of the probabilities and the final scaling give attend_block's values (in two passes over
+// a row: softmax_probabilities). A score or an output sum is the tile unit's fixed sequence of float32
+// operations over that row's own q, keys and probabilities (exact zeros past its position add nothing),
+// so a token's output still does not depend on its chunk, batch or block; it differs from
+// attend_block's in the last bits (another summation order), and one machine runs one path for every
+// prompt token (amx_granted).
 // Tiles (all 16 rows x 64 bytes): 0-3 query pairs (0: probabilities), 4 keys or values, 5 scores,
 // 5-7 and 1-3 output sums.
 static const int AMX_TOKENS = 16;
@@ -361,106 +364,214 @@ static inline void amx_out_tile(int c, int op, float* to) {
 #undef OUT_TILE
 }
 
-struct AmxScratch {
-    std::vector<uint16_t> q, p;  // [G, 16, d] query rows (zero past the block), [G, 16, keys] probabilities
-    std::vector<v16u> kp, vp;    // every key block's pack_keys, every key block's pack_values
-    std::vector<float> sums;     // [16, 16] one tile's scores or output sums
+// The keys and values of one run (consecutive tokens of one slot in a call) for one kv head, packed
+// once for every task that reads them: keys 0..valid-1 of the run's last token, zeros on to the next
+// multiple of 32, as pack_keys (kp: [2 * chunks][pairs]) and pack_values (vp: [chunks][16 key pairs][C])
+// lay them out, and an int8 cache's scales (ks, vs: [chunks * 32], zeros past valid). A block of the run
+// reads a prefix: keys past its own last token are the run's later tokens, written before the call,
+// and meet probabilities of exactly zero.
+struct PackedHead {
+    const v16u* kp;
+    const v16u* vp;
+    const float* ks;
+    const float* vs;
 };
 
+// One query head (g of kv head h) over one block of <= 16 tokens: its 16 token rows are one tile.
+struct AmxScratch {
+    std::vector<uint16_t> q, p;  // [16, d] the head's query rows (zero past the block), [16, keys] probabilities
+    std::vector<float> scores;   // [16, blocks * 16]
+    std::vector<float> sums;     // [16, 16] one output tile
+};
+
+// One row's raw scores s (keys 0..n-1) -> the bfloat16 numerators of its probabilities in p (through n
+// rounded up to 16; an int8 cache's value scales applied) and 1 / their sum: the values of
+// scaled_scores, softmax_numerators and weighted_probs in turn, in two passes over the row. The
+// rounding to bfloat16 is the convert instruction's (nearest even; a denormal flushed to zero, which the
+// tile product reads as zero anyway).
 template <class T>
-static void attend_block_amx(const Block& blk, int h, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
-                             uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w,
-                             AmxScratch& a) {
+static inline float softmax_probabilities(float* s, int n, const float* ks, const float* vs, float scale, uint16_t* p) {
+    const int blocks = (n + 15) / 16;
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16i seen = lane < (n - (blocks - 1) * 16);  // the last block's lanes before n
+    const float first = scaled_scores<T>(F32::load(s), ks, 0, scale)[0];
+    v16f m = v16f{} + first;
+    for (int b = 0; b < blocks; ++b) {  // scaled in place; the maximum (lanes past n count as key 0's)
+        v16f x = scaled_scores<T>(F32::load(s + 16 * b), ks, 16 * b, scale);
+        if (b == blocks - 1) x = seen ? x : first;
+        F32::store(s + 16 * b, x);
+        m = x > m ? x : m;
+    }
+    float mx = m[0];
+    for (int l = 1; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
+    v16f sum = v16f{};
+    for (int b = 0; b < blocks; ++b) {
+        v16f e = exp_clamped(F32::load(s + 16 * b) - mx);
+        if (b == blocks - 1) e = seen ? e : 0.0f;
+        sum = sum + e;
+        if constexpr (CacheView<T>::coded) e = e * F32::load(vs + 16 * b);
+        else (void)vs;
+        _mm256_storeu_si256((__m256i*)(p + 16 * b), (__m256i)_mm512_cvtneps_pbh((__m512)e));
+    }
+    return 1.0f / total(sum);
+}
+
+template <class T>
+static void attend_head_amx(const Block& blk, int h, int g, const uint16_t* q, int64_t q_row, const PackedHead& run,
+                            uint16_t* out, int H, int Hkv, int d, float scale, AmxScratch& a) {
     const int G = H / Hkv, pairs = d / 2, C = d / 16, qt = d / 32;
     const int valid = (int)(blk.p0 + blk.n);
     const int blocks = (valid + 15) / 16, chunks = (valid + 31) / 32;  // key blocks of 16, chunks of 32
     const int keys = chunks * 32;
     const size_t stride = (size_t)blocks * 16;
-    const size_t run = ((size_t)blk.slot * Hkv + h) * max_len;
-    const T* K = cache.k + run * d;
-    const T* V = cache.v + run * d;
-    load_block_scales(cache, blk.slot, h, Hkv, max_len, valid, w);
-    w.scores.resize((size_t)G * AMX_TOKENS * stride);
-    a.q.assign((size_t)G * AMX_TOKENS * d, 0);
-    a.p.resize((size_t)G * AMX_TOKENS * keys);
-    a.kp.resize((size_t)blocks * pairs);
-    a.vp.resize((size_t)chunks * 2 * 8 * C);
+    a.scores.resize((size_t)AMX_TOKENS * stride);
+    a.q.assign((size_t)AMX_TOKENS * d, 0);
+    a.p.resize((size_t)AMX_TOKENS * keys);
     a.sums.resize(16 * 16);
-    for (int g = 0; g < G; ++g)
-        for (int i = 0; i < blk.n; ++i)
-            memcpy(a.q.data() + ((size_t)g * AMX_TOKENS + i) * d, q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d,
-                   d * sizeof(uint16_t));
-    for (int b = 0; b < blocks; ++b) pack_keys(K, d, b * 16, valid, a.kp.data() + (size_t)b * pairs);
-    for (int b = 0; b < 2 * chunks; ++b) pack_values(V, d, b * 16, valid, a.vp.data() + (size_t)b * 8 * C);
-
-    for (int g = 0; g < G; ++g) {  // scores, row i * G + g of attend_block as row g * 16 + i here
-        const uint16_t* qg = a.q.data() + (size_t)g * AMX_TOKENS * d;
+    for (int i = 0; i < blk.n; ++i)
+        memcpy(a.q.data() + (size_t)i * d, q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d,
+               d * sizeof(uint16_t));
+    for (int t = 0; t < qt; ++t) {
+        const uint16_t* src = a.q.data() + 32 * t;
+        switch (t) {  // tile numbers are immediates
+            case 0: TILE_LOAD(0, src, d * sizeof(uint16_t)); break;
+            case 1: TILE_LOAD(1, src, d * sizeof(uint16_t)); break;
+            case 2: TILE_LOAD(2, src, d * sizeof(uint16_t)); break;
+            default: TILE_LOAD(3, src, d * sizeof(uint16_t)); break;
+        }
+    }
+    // raw scores, each key block's tile stored straight into the rows (read back only after every
+    // block's store: a vector load right after a tile store of the same bytes waits for it)
+    for (int b = 0; b < blocks; ++b) {
+        _tile_zero(5);
         for (int t = 0; t < qt; ++t) {
-            const uint16_t* src = qg + 32 * t;
+            TILE_LOAD(4, run.kp + (size_t)b * pairs + 16 * t, 64);
             switch (t) {
-                case 0: TILE_LOAD(0, src, d * sizeof(uint16_t)); break;
-                case 1: TILE_LOAD(1, src, d * sizeof(uint16_t)); break;
-                case 2: TILE_LOAD(2, src, d * sizeof(uint16_t)); break;
-                default: TILE_LOAD(3, src, d * sizeof(uint16_t)); break;
+                case 0: _tile_dpbf16ps(5, 0, 4); break;
+                case 1: _tile_dpbf16ps(5, 1, 4); break;
+                case 2: _tile_dpbf16ps(5, 2, 4); break;
+                default: _tile_dpbf16ps(5, 3, 4); break;
             }
         }
-        for (int b = 0; b < blocks; ++b) {
-            _tile_zero(5);
-            for (int t = 0; t < qt; ++t) {
-                TILE_LOAD(4, a.kp.data() + (size_t)b * pairs + 16 * t, 64);
-                switch (t) {  // tile numbers are immediates
-                    case 0: _tile_dpbf16ps(5, 0, 4); break;
-                    case 1: _tile_dpbf16ps(5, 1, 4); break;
-                    case 2: _tile_dpbf16ps(5, 2, 4); break;
-                    default: _tile_dpbf16ps(5, 3, 4); break;
-                }
+        TILE_STORE(5, a.scores.data() + (size_t)b * 16, stride * sizeof(float));
+    }
+
+    float inv[AMX_TOKENS];
+    for (int i = 0; i < AMX_TOKENS; ++i) {
+        uint16_t* pr = a.p.data() + (size_t)i * keys;
+        if (i >= blk.n) {
+            memset(pr, 0, keys * sizeof(uint16_t));
+            continue;
+        }
+        const int len = (int)(blk.p0 + i + 1);
+        const int upto = (len + 15) / 16 * 16;
+        inv[i] = softmax_probabilities<T>(a.scores.data() + (size_t)i * stride, len, run.ks, run.vs, scale, pr);
+        memset(pr + upto, 0, (keys - upto) * sizeof(uint16_t));
+    }
+
+    for (int c0 = 0; c0 < C; c0 += 6) {  // probabilities x values: up to 6 output tiles (96 head dims) a pass
+        const int nc = std::min(6, C - c0);
+        for (int c = 0; c < nc; ++c) amx_out_tile(c, 0, 0);
+        for (int k = 0; k < chunks; ++k) {
+            TILE_LOAD(0, a.p.data() + 32 * k, keys * sizeof(uint16_t));
+            for (int c = 0; c < nc; ++c) {
+                TILE_LOAD(4, run.vp + (size_t)k * 16 * C + c0 + c, C * 64);
+                amx_out_tile(c, 1, 0);
             }
-            TILE_STORE(5, a.sums.data(), 64);
+        }
+        for (int c = 0; c < nc; ++c) {
+            amx_out_tile(c, 2, a.sums.data());
             for (int i = 0; i < blk.n; ++i) {
-                const v16f x = scaled_scores<T>(F32::load(a.sums.data() + 16 * i), w, b * 16, scale);
-                memcpy(w.scores.data() + ((size_t)g * AMX_TOKENS + i) * stride + b * 16, &x, sizeof x);
+                uint16_t* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d + 16 * (c0 + c);
+                BF16::store(o, F32::load(a.sums.data() + 16 * i) * inv[i]);
             }
         }
     }
+}
 
-    float inv[MAX_GROUP_ROWS_AMX];
-    for (int g = 0; g < G; ++g)
-        for (int i = 0; i < AMX_TOKENS; ++i) {
-            const int r = g * AMX_TOKENS + i;
-            uint16_t* pr = a.p.data() + (size_t)r * keys;
-            if (i >= blk.n) {
-                memset(pr, 0, keys * sizeof(uint16_t));
-                continue;
-            }
-            const int len = (int)(blk.p0 + i + 1);
-            float* sr = w.scores.data() + (size_t)r * stride;
-            inv[r] = softmax_numerators(sr, len);  // zeros on to the next multiple of 16
-            const int upto = (len + 15) / 16 * 16;
-            float tmp[16];
-            for (int j = 0; j < upto; j += 16) BF16::store(pr + j, round_bf16(F32::load(weighted_probs<T>(sr + j, w, j, tmp))));
-            memset(pr + upto, 0, (keys - upto) * sizeof(uint16_t));
+// Keys 32k .. 32k+31 of one (slot, kv head) run into its PackedHead buffers (valid: the run's keys).
+template <class T>
+static void pack_chunk(const CacheView<T>& cache, int64_t slot, int h, int Hkv, int d, int64_t max_len, int valid,
+                       int k, v16u* kp, v16u* vp, float* ks, float* vs) {
+    const int pairs = d / 2, C = d / 16;
+    const size_t run = ((size_t)slot * Hkv + h) * max_len;
+    for (int half = 0; half < 2; ++half) {
+        const int b = 2 * k + half;
+        pack_keys(cache.k + run * d, d, b * 16, valid, kp + (size_t)b * pairs);
+        pack_values(cache.v + run * d, d, b * 16, valid, vp + (size_t)b * 8 * C);
+    }
+    if constexpr (CacheView<T>::coded) {
+        const size_t ss = 2 * (size_t)Hkv, at = (size_t)slot * max_len * ss + h;
+        for (int j = 32 * k; j < 32 * k + 32; ++j) {
+            ks[j] = j < valid ? cache.k_scales[at + j * ss] : 0.0f;
+            vs[j] = j < valid ? cache.v_scales[at + j * ss] : 0.0f;
         }
+    } else {
+        (void)ks, (void)vs;
+    }
+}
 
-    for (int g = 0; g < G; ++g) {  // probabilities x values: up to 6 output tiles (96 head dims) a pass
-        const uint16_t* pg = a.p.data() + (size_t)g * AMX_TOKENS * keys;
-        for (int c0 = 0; c0 < C; c0 += 6) {
-            const int nc = std::min(6, C - c0);
-            for (int c = 0; c < nc; ++c) amx_out_tile(c, 0, 0);
-            for (int k = 0; k < chunks; ++k) {
-                TILE_LOAD(0, pg + 32 * k, keys * sizeof(uint16_t));
-                for (int c = 0; c < nc; ++c) {
-                    TILE_LOAD(4, a.vp.data() + (size_t)k * 16 * C + c0 + c, C * 64);
-                    amx_out_tile(c, 1, 0);
-                }
-            }
-            for (int c = 0; c < nc; ++c) {
-                amx_out_tile(c, 2, a.sums.data());
-                for (int i = 0; i < blk.n; ++i) {
-                    const int r = g * AMX_TOKENS + i;
-                    uint16_t* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d + 16 * (c0 + c);
-                    BF16::store(o, F32::load(a.sums.data() + 16 * i) * inv[r]);
-                }
-            }
+// Every token of a call on AMX tiles: the runs' keys and values packed once (a pass over chunks of
+// 32 keys), then one task per (block, kv head, query head), latest blocks first.
+template <class T>
+static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
+                    uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel) {
+    const int G = H / Hkv, pairs = d / 2, C = d / 16;
+    struct Run {
+        int64_t slot;
+        int valid, chunks;
+        size_t at;  // its first head's offset in the packed buffers, in chunks
+    };
+    std::vector<Run> runs;
+    std::vector<int> run_of(blocks.size());
+    size_t total = 0;  // chunks over all runs and heads
+    for (size_t i = 0; i < blocks.size(); ++i) {
+        const Block& b = blocks[i];
+        const bool continues = i > 0 && b.slot == blocks[i - 1].slot && b.p0 == blocks[i - 1].p0 + blocks[i - 1].n;
+        if (!continues) runs.push_back(Run{b.slot, 0, 0, 0});
+        runs.back().valid = (int)(b.p0 + b.n);
+        run_of[i] = (int)runs.size() - 1;
+    }
+    std::vector<size_t> first_unit(runs.size() + 1, 0);  // pack units (head, chunk) before each run
+    for (size_t r = 0; r < runs.size(); ++r) {
+        runs[r].chunks = (runs[r].valid + 31) / 32;
+        runs[r].at = total;
+        total += (size_t)Hkv * runs[r].chunks;
+        first_unit[r + 1] = total;
+    }
+    const size_t kp_chunk = 2 * (size_t)pairs, vp_chunk = 16 * (size_t)C;  // v16u per chunk of 32 keys
+    static thread_local std::vector<v16u> kp_all, vp_all;
+    static thread_local std::vector<float> scales_all;
+    kp_all.resize(total * kp_chunk);
+    vp_all.resize(total * vp_chunk);
+    if (CacheView<T>::coded) scales_all.resize(2 * total * 32);
+    v16u* kp = kp_all.data();
+    v16u* vp = vp_all.data();
+    float* ks = CacheView<T>::coded ? scales_all.data() : nullptr;
+    float* vs = CacheView<T>::coded ? scales_all.data() + total * 32 : nullptr;
+    const int tasks = (int)blocks.size() * Hkv * G;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t u = 0; u < (int64_t)total; ++u) {
+            const int r = (int)(std::upper_bound(first_unit.begin(), first_unit.end(), (size_t)u) - first_unit.begin()) - 1;
+            const Run& run = runs[r];
+            const int h = (int)((u - run.at) / run.chunks), k = (int)((u - run.at) % run.chunks);
+            const size_t head = run.at + (size_t)h * run.chunks;  // the head's first chunk
+            pack_chunk(cache, run.slot, h, Hkv, d, max_len, run.valid, k, kp + head * kp_chunk, vp + head * vp_chunk,
+                       ks ? ks + head * 32 : nullptr, vs ? vs + head * 32 : nullptr);
+        }
+        AmxScratch a;
+        AmxScope tiles(attention_tiles());
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < tasks; ++i) {
+            const int t = tasks - 1 - i;
+            const int bi = t / (Hkv * G), h = t / G % Hkv, g = t % G;
+            const Run& run = runs[run_of[bi]];
+            const size_t head = run.at + (size_t)h * run.chunks;
+            const PackedHead ph{kp + head * kp_chunk, vp + head * vp_chunk, ks ? ks + head * 32 : nullptr,
+                                vs ? vs + head * 32 : nullptr};
+            attend_head_amx<T>(blocks[bi], h, g, q, q_row, ph, out, H, Hkv, d, scale, a);
         }
     }
 }
@@ -507,32 +618,43 @@ extern "C" int lm_prompt_attention_set_amx(int on) {
 // Every task of one call (blocks x kv heads), longest blocks (latest positions) first.
 template <class T>
 static void run_tasks(const std::vector<Block>& blocks, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
-                      uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel,
-                      bool amx) {
+                      uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel) {
     const int tasks = (int)blocks.size() * Hkv;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         Scratch w;
-#ifdef PA_AMX
-        if (amx) {
-            AmxScratch a;
-            AmxScope tiles(attention_tiles());
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < tasks; ++i) {
-                const int t = tasks - 1 - i;
-                attend_block_amx(blocks[t / Hkv], t % Hkv, q, q_row, cache, out, H, Hkv, d, max_len, scale, w, a);
-            }
-        } else
-#endif
-        {
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < tasks; ++i) {
-                const int t = tasks - 1 - i;
-                attend_block(blocks[t / Hkv], t % Hkv, q, q_row, cache, out, H, Hkv, d, max_len, scale, w);
-            }
+        for (int i = 0; i < tasks; ++i) {
+            const int t = tasks - 1 - i;
+            attend_block(blocks[t / Hkv], t % Hkv, q, q_row, cache, out, H, Hkv, d, max_len, scale, w);
         }
-        (void)amx;
     }
+}
+
+// The call on the path this process takes: AMX tiles (blocks of up to 16 tokens) or attend_block.
+template <class T>
+static void run_call(const int64_t* slots, const int64_t* pos, int T_, const uint16_t* q, int64_t q_row,
+                     const CacheView<T>& cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale,
+                     int threads) {
+    const int G = H / Hkv;
+#ifdef PA_AMX
+    const bool amx = amx_attention_applies(d);
+    const int amx_tokens = AMX_TOKENS;  // a block's tokens fill one tile's rows at most
+#else
+    const bool amx = false;
+    const int amx_tokens = 1;
+#endif
+    // attend_block: larger blocks share each packed key block among more rows; smaller ones keep a short
+    // chunk's few blocks spread over the threads (a row's arithmetic is the same in any block)
+    std::vector<Block> blocks = make_blocks(slots, pos, T_, amx ? amx_tokens : std::max(1, BLOCK_ROWS / G));
+    if (!amx && (int)blocks.size() * Hkv < 4 * threads) blocks = make_blocks(slots, pos, T_, std::max(1, SMALL_BLOCK_ROWS / G));
+    int64_t work = 0;
+    for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
+    const bool parallel = threads > 1 && (int)blocks.size() * Hkv * (amx ? G : 1) > 1 && work * H * d >= (1 << 16);
+#ifdef PA_AMX
+    if (amx) return run_amx(blocks, q, q_row, cache, out, H, Hkv, d, max_len, scale, threads, parallel);
+#endif
+    run_tasks(blocks, q, q_row, cache, out, H, Hkv, d, max_len, scale, threads, parallel);
 }
 
 // 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
@@ -546,30 +668,14 @@ extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_c
     if ((k_scales == nullptr) != (v_scales == nullptr)) return 1;
     for (int t = 0; t < T; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
-    // larger blocks share each packed key block among more rows; smaller ones keep a short chunk's few
-    // blocks spread over the threads (a row's arithmetic is the same in any block)
-#ifdef PA_AMX
-    const bool amx = amx_attention_applies(d);
-    const int most = amx ? AMX_TOKENS : T;  // an AMX block's tokens fill one tile's rows at most
-#else
-    const bool amx = false;
-    const int most = T;
-#endif
-    std::vector<Block> blocks = make_blocks(slots, pos, T, std::min(most, std::max(1, BLOCK_ROWS / (H / Hkv))));
-    if ((int)blocks.size() * Hkv < 4 * threads)
-        blocks = make_blocks(slots, pos, T, std::min(most, std::max(1, SMALL_BLOCK_ROWS / (H / Hkv))));
-    const int tasks = (int)blocks.size() * Hkv;
-    int64_t work = 0;
-    for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
-    const bool parallel = threads > 1 && tasks > 1 && work * H * d >= (1 << 16);
     if (k_scales)
-        run_tasks(blocks, (const uint16_t*)q, q_row,
-                  CacheView<int8_t>{(const int8_t*)k_cache, (const int8_t*)v_cache, k_scales, v_scales},
-                  (uint16_t*)out, H, Hkv, d, max_len, scale, threads, parallel, amx);
+        run_call(slots, pos, T, (const uint16_t*)q, q_row,
+                 CacheView<int8_t>{(const int8_t*)k_cache, (const int8_t*)v_cache, k_scales, v_scales},
+                 (uint16_t*)out, H, Hkv, d, max_len, scale, threads);
     else
-        run_tasks(blocks, (const uint16_t*)q, q_row,
-                  CacheView<uint16_t>{(const uint16_t*)k_cache, (const uint16_t*)v_cache, nullptr, nullptr},
-                  (uint16_t*)out, H, Hkv, d, max_len, scale, threads, parallel, amx);
+        run_call(slots, pos, T, (const uint16_t*)q, q_row,
+                 CacheView<uint16_t>{(const uint16_t*)k_cache, (const uint16_t*)v_cache, nullptr, nullptr},
+                 (uint16_t*)out, H, Hkv, d, max_len, scale, threads);
     return 0;
 }
 

@@ -1,0 +1,129 @@
+"""Prompt attention's cost per layer, this build beside another revision's, in one run.
+
+    python -m lmserve.server.bench.attention_kernels --baseline-rev HEAD~1 \\
+        --out reports/attention_kernels.json
+
+A prompt chunk late in a long prompt attends over thousands of cached keys: with 8 streams decoding
+beside it, that attention is most of a mixed step (a 16-token chunk after 2,500 keys: ~10 ms of a
+~30 ms step on the 2-core Xeon VM). This times the native prompt-attention call (one layer of
+SmolLM2's shape: 9 query heads, 3 kv heads, head_dim 64) for chunks of T tokens after `start`
+cached ones, on a bfloat16 and an int8 cache, on the path this machine serves (AMX tiles where the
+OS grants them) and on the vector path. With --baseline-rev, the same calls run on a library built
+from that git revision's kernel sources, the two taking turns in every round, so the ratio is
+measured side by side. Reports GFLOP/s counting 4 flops per query-key pair and head dimension.
+A benchmark, not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ...model import native
+from ...model.prompt_attention import PromptAttention
+from .machine import lscpu, write_report
+
+SHAPES = ((16, 1000), (16, 2500), (32, 2500), (64, 2500), (512, 0), (512, 2000))
+H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache slot of 4,096 positions
+
+
+def library_at(rev: str, into: Path):
+    """The native library built from git revision `rev`'s model/*.cpp and *.h (its own cache folder)."""
+    root = Path(__file__).resolve().parents[2]
+    src = into / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "model/"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    sources = []
+    for name in names:
+        if name.endswith((".cpp", ".h")):
+            path = src / Path(name).name
+            path.write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{rev}:{name}"],
+                                            capture_output=True, check=True).stdout)
+            if name.endswith(".cpp"):
+                sources.append(path)
+    lib, why = native.build(into / "cache", sources=sorted(sources))
+    if lib is None:
+        raise SystemExit(f"building {rev}'s kernels failed: {why}")
+    return lib
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline-rev", default=None, help="a git revision whose kernels run beside this build's")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=10, help="calls timed per shape and round (their median)")
+    ap.add_argument("--out", type=Path, default=Path("reports/attention_kernels.json"))
+    args = ap.parse_args(argv)
+
+    lib, _ = native.load()
+    if lib is None or not PromptAttention.built(lib):
+        raise SystemExit("the prompt-attention kernel is not built on this machine (it needs AVX-512 BF16)")
+    kernels = {"this build": PromptAttention(lib)}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline_rev:
+            kernels[args.baseline_rev] = PromptAttention(library_at(args.baseline_rev, Path(tmp)))
+        paths = ["amx", "vector"] if kernels["this build"].uses_amx(D) else ["vector"]
+        torch.manual_seed(0)
+        caches = {
+            "bfloat16": (torch.randn(2, HKV, LEN, D).bfloat16(), torch.randn(2, HKV, LEN, D).bfloat16(), None, None),
+            "int8": (torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8),
+                     torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8)),
+        }
+        scales = torch.rand(2, LEN, 2, HKV) * 0.01  # KVCache.scale_views' layout: K and V interleaved per position
+        caches["int8"] += (scales[:, :, 0], scales[:, :, 1])
+        samples: dict = {}
+        for rnd in range(args.rounds):
+            for cache_name, (k, v, ks, vs) in caches.items():
+                for path in paths:
+                    for T, start in SHAPES:
+                        q = torch.randn(T, H, D).bfloat16()
+                        slots = torch.ones(T, dtype=torch.long)
+                        pos = torch.arange(start, start + T)
+                        for name, kernel in kernels.items():
+                            was = kernel.allow_amx(path == "amx")
+                            kernel(q, k, v, slots, pos, ks, vs)  # warm-up
+                            times = []
+                            for _ in range(args.calls):
+                                t0 = time.perf_counter()
+                                kernel(q, k, v, slots, pos, ks, vs)
+                                times.append(time.perf_counter() - t0)
+                            kernel.allow_amx(was)
+                            samples.setdefault((cache_name, path, T, start, name), []).append(statistics.median(times))
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+
+    rows = []
+    for (cache_name, path, T, start, name), ts in samples.items():
+        ms = statistics.median(ts) * 1e3
+        flops = 4 * H * D * sum(start + i + 1 for i in range(T))
+        rows.append({"cache": cache_name, "path": path, "tokens": T, "start": start, "kernel": name,
+                     "ms_per_layer": round(ms, 4), "gflop_s": round(flops / ms / 1e6, 1)})
+    if args.baseline_rev:
+        base = {(r["cache"], r["path"], r["tokens"], r["start"]): r["ms_per_layer"] for r in rows
+                if r["kernel"] == args.baseline_rev}
+        for r in rows:
+            if r["kernel"] == "this build":
+                r["speedup_over_baseline"] = round(base[(r["cache"], r["path"], r["tokens"], r["start"])] / r["ms_per_layer"], 3)
+    report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rounds": args.rounds,
+              "shape": {"heads": H, "kv_heads": HKV, "head_dim": D}, "baseline_rev": args.baseline_rev,
+              "note": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
+                      "turns within every round", "rows": rows}
+    write_report(args.out, report)
+    for r in rows:
+        if r["kernel"] == "this build":
+            extra = f"  {r['speedup_over_baseline']:.2f}x the baseline" if "speedup_over_baseline" in r else ""
+            print(f"{r['cache']:8s} {r['path']:6s} T={r['tokens']:4d} after {r['start']:5d}: "
+                  f"{r['ms_per_layer']:.3f} ms ({r['gflop_s']:.0f} GFLOP/s){extra}")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
