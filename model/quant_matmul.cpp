@@ -46,15 +46,24 @@ static const int Q4_GROUP_BYTES = 256 + 64;
 static const int Q8_GROUP_BYTES = 512 + 32;
 // Weights are streamed once a step: asking for the bytes this far ahead of the block being read
 // kept more memory requests in flight than the hardware prefetcher alone (one batch-1 row over
-// SmolLM2's layers on the 2-core Xeon: int8 12.1 -> 14.7-17.8 GB/s, int4 10.0 -> 12.1-14.9 GB/s;
-// 4 KiB was the best of 0.5-8 KiB there).
+// SmolLM2's layers on the 2-core Xeon: int8 12.1 -> 14.7-17.8 GB/s, int4 10.0 -> 12.1-14.9 GB/s).
+// The requests fill the L2 (T1), not the L1: a request for the L1 holds one of the core's few L1
+// fill buffers until its line arrives, and with them all taken the loop stalls on its next request
+// (where the time went by sampling, 2026-12-02). Measured side by side on the AMX Xeon VM, the
+// layers' linears of a step (no head), ms T0 4 KiB / T1 8 KiB: int4 M=1 from memory 4.54 / 4.16, from the cache
+// (a serving loop) 2.79 / 2.26; int8 M=1 5.52 / 5.40 and 4.46 / 3.87; int8 M=8 6.42 / 5.29 from the
+// cache; M=32 the same. 8 KiB was the best of 2-16 KiB with T1; T2 was within the noise of T1.
 #ifndef QMM_PREFETCH_BYTES
-#define QMM_PREFETCH_BYTES 4096  // a build flag for measuring other distances (-DQMM_PREFETCH_BYTES=...)
+#define QMM_PREFETCH_BYTES 8192  // build flags for measuring other distances and hints
+#endif
+#ifndef QMM_PREFETCH_HINT
+#define QMM_PREFETCH_HINT _MM_HINT_T1
 #endif
 static const int PREFETCH_BYTES = QMM_PREFETCH_BYTES;
 
 static inline void prefetch_ahead(const uint8_t* g, int bytes) {
-    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)g + PREFETCH_BYTES + c, _MM_HINT_T0);
+    if (PREFETCH_BYTES <= 0) return;
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)g + PREFETCH_BYTES + c, QMM_PREFETCH_HINT);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
