@@ -35,7 +35,8 @@ H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache sl
 
 
 def library_at(rev: str, into: Path):
-    """The native library built from git revision `rev`'s model/*.cpp and *.h (its own cache folder)."""
+    """The native library built from git revision `rev`'s model/*.cpp and *.h (its own cache folder),
+    and the commit `rev` names."""
     root = Path(__file__).resolve().parents[2]
     src = into / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,9 @@ def library_at(rev: str, into: Path):
     lib, why = native.build(into / "cache", sources=sorted(sources))
     if lib is None:
         raise SystemExit(f"building {rev}'s kernels failed: {why}")
-    return lib
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", rev], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    return lib, commit
 
 
 def main(argv=None) -> None:
@@ -67,9 +70,11 @@ def main(argv=None) -> None:
     if lib is None or not PromptAttention.built(lib):
         raise SystemExit("the prompt-attention kernel is not built on this machine (it needs AVX-512 BF16)")
     kernels = {"this build": PromptAttention(lib)}
+    baseline_commit = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline_rev:
-            kernels[args.baseline_rev] = PromptAttention(library_at(args.baseline_rev, Path(tmp)))
+            base_lib, baseline_commit = library_at(args.baseline_rev, Path(tmp))
+            kernels[args.baseline_rev] = PromptAttention(base_lib)
         paths = ["amx", "vector"] if kernels["this build"].uses_amx(D) else ["vector"]
         torch.manual_seed(0)
         caches = {
@@ -114,6 +119,7 @@ def main(argv=None) -> None:
     report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rounds": args.rounds,
               "shape": {"heads": H, "kv_heads": HKV, "head_dim": D}, "baseline_rev": args.baseline_rev,
+              "baseline_commit": baseline_commit,
               "note": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
                       "turns within every round", "rows": rows}
     write_report(args.out, report)
