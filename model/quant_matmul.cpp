@@ -223,23 +223,9 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 
 // The integer sum of one row's block of 32 codes (h at xh, l at xl) against w (chunk j holding
 // k = 4j .. 4j+3 when ORDER is 0, int4's interleave k = 8(j/2) + 4(j%2) .. when 1): with PRECISE,
-// 256 x the h codes' sum plus the l codes'. Independent chains of four vpdpbusd, or with one code
-// and ONE_CHAIN a single chain of eight: a tile of many rows has chains enough to hide the latency,
-// and the add that joins two chains is one more instruction on the vector ports the products use.
-// The sums are exact integers, so the same either way.
-// Row tiles of at least this many rows take the single chain: all int4 linears of a step at 8 rows
-// on the AMX Xeon VM (VNNI path, one code), ms two chains / one: 4.79 / 4.18 with the weights in the
-// cache, 5.92 / 5.38 from memory; int8 6.74 / 6.18 (2026-12-02).
-static const int ONE_CHAIN_ROWS = 6;
-
-template <int ORDER, bool PRECISE, bool ONE_CHAIN = false>
+// 256 x the h codes' sum plus the l codes'. Four independent chains of four vpdpbusd.
+template <int ORDER, bool PRECISE>
 static inline __m512i row_block_sum(const __m512i w[8], const int8_t* xh, const int8_t* xl) {
-    if (ONE_CHAIN && !PRECISE) {
-        __m512i h = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) h = dpbusd_bcast(h, w[j], xh + (ORDER ? 8 * (j / 2) + 4 * (j % 2) : 4 * j));
-        return h;
-    }
     __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
     __m512i l0 = _mm512_setzero_si512(), l1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -293,7 +279,7 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
         if (BITS == 4 && !PRECISE) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
-            __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE, (R >= ONE_CHAIN_ROWS)>(w, c + r * 64, c + r * 64 + 32);
+            __m512i s = row_block_sum<BITS == 4 ? 1 : 0, PRECISE>(w, c + r * 64, c + r * 64 + 32);
             if (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset_of(PRECISE, sh[r], sl[r])));
             if (BITS == 4 && !PRECISE) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sh[r]));  // sum((q - 8) h)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(unit_of(PRECISE, dx[r]))), acc[r]);
