@@ -9,8 +9,8 @@ beside it, that attention is most of a mixed step (a 16-token chunk after 2,500 
 SmolLM2's shape: 9 query heads, 3 kv heads, head_dim 64) for chunks of T tokens after `start`
 cached ones, on a bfloat16 and an int8 cache, on the path this machine serves (AMX tiles where the
 OS grants them) and on the vector path. With --baseline-rev, the same calls run on a library built
-from that git revision's kernel sources, the two taking turns in every round, so the ratio is
-measured side by side. Reports GFLOP/s counting 4 flops per query-key pair and head dimension.
+from that git revision's kernel sources, the two taking turns in every round (in turn first: on a
+2-core VM a call's run right after another's was ~10% faster), so the ratio is measured side by side. Reports GFLOP/s counting 4 flops per query-key pair and head dimension.
 A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -92,7 +92,8 @@ def main(argv=None) -> None:
                         q = torch.randn(T, H, D).bfloat16()
                         slots = torch.ones(T, dtype=torch.long)
                         pos = torch.arange(start, start + T)
-                        for name, kernel in kernels.items():
+                        order = list(kernels.items())
+                        for name, kernel in order if rnd % 2 == 0 else order[::-1]:  # neither always second
                             was = kernel.allow_amx(path == "amx")
                             kernel(q, k, v, slots, pos, ks, vs)  # warm-up
                             times = []
