@@ -50,9 +50,10 @@ static const int Q8_GROUP_BYTES = 512 + 32;
 // The requests fill the L2 (T1), not the L1: a request for the L1 holds one of the core's few L1
 // fill buffers until its line arrives, and with them all taken the loop stalls on its next request
 // (where the time went by sampling, 2026-12-02). Measured side by side on the AMX Xeon VM, the
-// layers' linears of a step (no head), ms T0 4 KiB / T1 8 KiB: int4 M=1 from memory 4.54 / 4.16, from the cache
-// (a serving loop) 2.79 / 2.26; int8 M=1 5.52 / 5.40 and 4.46 / 3.87; int8 M=8 6.42 / 5.29 from the
-// cache; M=32 the same. 8 KiB was the best of 2-16 KiB with T1; T2 was within the noise of T1.
+// layers' linears of a step (no head), ms T0 4 KiB / T1 8 KiB, in two runs with the builds' order
+// swapped: int4 M=1 from memory 4.54 / 4.16 and 4.06 / 3.79, from the cache (a serving loop) 2.79 /
+// 2.26 and 2.70 / 2.34; int8 M=8 from the cache 6.42 / 5.29 and 7.21 / 5.66; M=32 the same. 8 KiB
+// was the best of 2-16 KiB with T1; T2 was within the noise of T1.
 #ifndef QMM_PREFETCH_BYTES
 #define QMM_PREFETCH_BYTES 8192  // build flags for measuring other distances and hints
 #endif

@@ -168,7 +168,8 @@ def main(argv=None) -> int:
             if peaks is not None:
                 step_read.append(peaks.read_gb_s(read_bufs, read_groups, torch.get_num_threads(), False, repeats=3))
                 products_rounds.append(peaks.products_per_second(torch.get_num_threads(), repeats=3))
-            for name, s in sets.items():
+            turns = list(sets.items())  # in turn forwards and backwards: a pass run right after another
+            for name, s in turns if rnd % 2 == 0 else turns[::-1]:  # ran ~10% faster on the 2-core VM
                 if qm is not None:
                     qm.set_amx(amx_modes[name])
                 for rows in ROWS:
