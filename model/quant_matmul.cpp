@@ -215,6 +215,13 @@ static inline float unit(const Acts& a, int64_t rb) { return unit_of(a.precise, 
 #if QMM_PATH == 3
 typedef int32_t __attribute__((may_alias)) int32_alias;
 
+// One 64-byte chunk of packed int4 codes -> its low nibbles (lo) and its high ones (hi), a code a byte.
+static inline void nibbles(__m512i p, __m512i& lo, __m512i& hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(p, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+}
+
 // acc += w (unsigned bytes) x the 4 signed codes at p, broadcast to every lane from the instruction's
 // memory operand (the intrinsic with _mm512_set1_epi32 costs GCC a separate vpbroadcastd each time)
 static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
@@ -253,7 +260,6 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
     __m512 acc[R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
     // block-major activations: block b of row r at codes (b M + r) 64 (h, then l at + 32), its steps and
     // sums at [b M + r], so every row of the tile is a constant offset from one pointer per block
@@ -267,11 +273,7 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
         prefetch_ahead(g, group_bytes);
         __m512i w[8];
         if (BITS == 4) {
-            for (int j = 0; j < 4; ++j) {
-                __m512i p = _mm512_loadu_si512(g + 64 * j);
-                w[2 * j] = _mm512_and_si512(p, low);
-                w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-            }
+            for (int j = 0; j < 4; ++j) nibbles(_mm512_loadu_si512(g + 64 * j), w[2 * j], w[2 * j + 1]);
         } else {
             for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(g + 64 * j);
         }
@@ -346,12 +348,12 @@ static inline bool amx_signed(const Acts& a) { return BITS == 8 || !a.precise; }
 template <int BITS>
 static inline void amx_unpack(const uint8_t* g, const Acts& a, uint8_t (*wq)[64]) {
     if (BITS == 4) {  // chunk j's low nibbles are k = 8j + t (tile row 2j), high ones k = 8j + 4 + t
-        const __m512i low = _mm512_set1_epi8(0x0F);
         const __m512i shift = _mm512_set1_epi8(a.precise ? 0 : 8);
         for (int j = 0; j < 4; ++j) {
-            __m512i p = _mm512_loadu_si512(g + 64 * j);
-            _mm512_store_si512(wq[2 * j], _mm512_sub_epi8(_mm512_and_si512(p, low), shift));
-            _mm512_store_si512(wq[2 * j + 1], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(p, 4), low), shift));
+            __m512i lo, hi;
+            nibbles(_mm512_loadu_si512(g + 64 * j), lo, hi);
+            _mm512_store_si512(wq[2 * j], _mm512_sub_epi8(lo, shift));
+            _mm512_store_si512(wq[2 * j + 1], _mm512_sub_epi8(hi, shift));
         }
     } else {  // the packed chunks are the tile's rows, the codes stored + 128: back to signed
         const __m512i flip = _mm512_set1_epi8((char)0x80);
