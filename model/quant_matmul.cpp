@@ -390,32 +390,44 @@ static inline void amx_block_sums(const Acts& a, int64_t r0, int64_t b, const ui
 #undef SUMS
 }
 
+// A block's weight codes as amx_unpack lays them out for the tile.
+struct alignas(64) TileCodes {
+    uint8_t rows[QK / 4][64];
+};
+
 // rows r0 .. r0+R-1 (R <= T; the codes buffer holds T rows past r0) of one column group, tiles of height T.
-// Per block and row the float steps of vnni_group.
+// Per block and row the float steps of vnni_group. `codes`: room for the group's blocks unpacked, shared
+// by the call's row tiles over this group (null: a ring of three here); `fill`: this tile unpacks them
+// (the group's first), else they are there already.
 template <int BITS, int T>
-static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][GROUP_COLS]) {
+static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][GROUP_COLS], TileCodes* codes,
+                      bool fill) {
     alignas(64) int32_t ch[2][T][GROUP_COLS], cl[2][T][GROUP_COLS];
     // blocks' codes for the tiles, unpacked two blocks ahead: a tile load of bytes that vector stores
     // have just written waits for them to reach the cache (~27 ns a block on the AMX Xeon VM, against
     // ~10 ns for a block's whole tile work), so the stores get a block's float steps to land
-    alignas(64) uint8_t wq[3][QK / 4][64];
+    TileCodes ring[3];
+    const bool unpack = fill || !codes;
+    auto block_codes = [&](int64_t b) { return codes ? codes[b].rows : ring[b % 3].rows; };
     __m512 acc[T];
 #pragma GCC unroll 16
     for (int r = 0; r < T; ++r) acc[r] = _mm512_setzero_ps();
     const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
     const bool precise = a.precise;
     const int64_t KB = a.KB;
-    amx_unpack<BITS>(g, a, wq[0]);
-    if (KB > 1) amx_unpack<BITS>(g + group_bytes, a, wq[1]);
-    amx_block_sums<BITS>(a, r0, 0, wq[0], ch[0], cl[0]);
+    if (unpack) {
+        amx_unpack<BITS>(g, a, block_codes(0));
+        if (KB > 1) amx_unpack<BITS>(g + group_bytes, a, block_codes(1));
+    }
+    amx_block_sums<BITS>(a, r0, 0, block_codes(0), ch[0], cl[0]);
     const float* units = a.units + r0 * KB;
     const float* sums = a.sums + r0 * KB;
     for (int64_t b = 0; b < KB; ++b, g += group_bytes) {
         const int p = (int)(b & 1);
-        if (b + 1 < KB) amx_block_sums<BITS>(a, r0, b + 1, wq[(b + 1) % 3], ch[1 - p], cl[1 - p]);
-        if (b + 2 < KB) {
+        if (b + 1 < KB) amx_block_sums<BITS>(a, r0, b + 1, block_codes(b + 1), ch[1 - p], cl[1 - p]);
+        if (unpack && b + 2 < KB) {
             prefetch_ahead(g + 2 * group_bytes, group_bytes);
-            amx_unpack<BITS>(g + 2 * group_bytes, a, wq[(b + 2) % 3]);
+            amx_unpack<BITS>(g + 2 * group_bytes, a, block_codes(b + 2));
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + (BITS == 4 ? 256 : 512))));
         __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 288))) : d;
@@ -432,7 +444,7 @@ static void amx_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float 
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
-typedef void (*AmxFn)(const uint8_t*, const Acts&, int64_t, int, float[][GROUP_COLS]);
+typedef void (*AmxFn)(const uint8_t*, const Acts&, int64_t, int, float[][GROUP_COLS], TileCodes*, bool);
 
 template <int BITS>
 static AmxFn amx_of(int T) {  // T even, 2..16
@@ -640,13 +652,15 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
             }
             AmxScope tiles(qmm_tiles(T));
             const AmxFn group = bits == 4 ? amx_of<4>(T) : amx_of<8>(T);
+            // several row tiles: a group's first unpacks its codes for all of them
+            std::vector<TileCodes> codes(M > T ? (size_t)KB : 0);
 #pragma omp for schedule(static)
             for (int64_t gi = 0; gi < groups; ++gi) {
                 const uint8_t* g = w + gi * group_bytes;
                 float out[AMX_ROWS][GROUP_COLS];
                 for (int64_t r0 = 0; r0 < M; r0 += T) {
                     int R = (int)(M - r0 < T ? M - r0 : T);
-                    group(g, a, r0, R, out);
+                    group(g, a, r0, R, out, codes.empty() ? nullptr : codes.data(), r0 == 0);
                     store(r0, R, gi, out);
                 }
             }
