@@ -591,12 +591,12 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     const int64_t group_bytes = KB * (bits == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES);
 #ifdef QMM_AMX
     // A tile pass over a group has a larger fixed cost than the VNNI path's pass over a row tile and a
-    // smaller one per row. int4 with one code has the fewest products per row, so it gains only where
-    // the tiles make fewer passes than the VNNI row tiles (all linears of a step on the AMX Xeon VM, ms
-    // tiles / VNNI: 16 rows 9.5 / 12.4 (1 pass / 2), 24 rows 15.8 / 15.2 (2 / 2), 32 rows 17.8 / 19.8
-    // (2 / 3)); int8 and two codes gain from 12 rows on.
-    const bool fewer_passes = (M + AMX_ROWS - 1) / AMX_ROWS < (M + ROW_TILE - 1) / ROW_TILE;
-    const bool by_rule = M >= AMX_MIN_ROWS && (bits == 8 || precise || fewer_passes);
+    // smaller one per row: the tiles serve calls of 12 rows or more. All int4 linears of a step on the AMX
+    // Xeon VM (one code, ms VNNI / tiles, alternating first, 2026-12-02 after the tiles' shared unpacking):
+    // 10 rows 5.12 / 5.20, 12 rows 6.19 / 5.61, 20 rows 10.40 / 8.85, 24 rows 10.27 / 9.90, 32 rows
+    // 13.02 / 11.85. (Before that, one-code int4 took the tiles only where they made fewer passes than
+    // the VNNI row tiles; int8 and two codes gained from 12 rows on.)
+    const bool by_rule = M >= AMX_MIN_ROWS;
     const bool amx = M > 0 && (amx_mode == 2 || (amx_mode == 1 && by_rule)) && amx_granted();
     const int T = amx ? amx_height(M) : 0;
     const int64_t rows = amx ? (M + T - 1) / T * T : M;  // a tile reads T rows of codes
