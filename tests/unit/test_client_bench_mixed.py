@@ -1,8 +1,11 @@
-"""The mixed workload's statistics: which inter-token gaps fall in a prefill window."""
+"""The mixed workload's statistics: which inter-token gaps fall in a prefill window; when a long prompt
+may be sent."""
+
+import asyncio
 
 import pytest
 
-from lmserve.client.bench_mixed import MixedConfig, MixedResult, split_gaps
+from lmserve.client.bench_mixed import MixedConfig, MixedResult, _streams_midway, split_gaps
 
 
 def test_gaps_split_by_prefill_windows_and_never_across_requests():
@@ -27,3 +30,24 @@ def test_summary_ratios():
 def test_config_is_validated():
     with pytest.raises(ValueError):
         MixedConfig(streams=0)
+
+
+def test_a_long_prompt_waits_for_every_stream_to_be_midway_through_a_request():
+    async def scenario():
+        current = [0, 200, 10]  # one stream restarting, one near its end, one midway (256-token requests)
+        waiter = asyncio.create_task(_streams_midway(current, 256, timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # sent now, the prompt would meet two streams that stop or start
+        current[0], current[1] = 4, 3  # the first got its tokens going, the second restarted
+        await asyncio.wait_for(waiter, 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_the_wait_gives_up_rather_than_hang():
+    async def scenario():
+        t0 = asyncio.get_running_loop().time()
+        await _streams_midway([0], 256, timeout=0.1)  # a stream that never streams
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(scenario()) < 2.0
