@@ -47,8 +47,8 @@ class QuantMatmul:
 
     def set_amx(self, mode: int) -> int:
         """Which calls take the AMX tiles: AMX_NEVER, AMX_BY_RULE (the default: 12 rows or more) or
-        AMX_ALWAYS; returns the previous
-        mode. The rows come out bitwise the same either way: a speed setting, for benchmarks and tests."""
+        AMX_ALWAYS; returns the previous mode. The rows come out bitwise the same either way: a speed
+        setting, for benchmarks and tests."""
         return self._set_amx(mode)
 
     @property

@@ -28,7 +28,7 @@ import torch
 
 from ...model import native
 from ...model.prompt_attention import PromptAttention
-from .machine import lscpu, write_report
+from .machine import lscpu, taking_turns, write_report
 
 SHAPES = ((16, 1000), (16, 2500), (32, 2500), (64, 2500), (512, 0), (512, 2000))
 H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache slot of 4,096 positions
@@ -92,8 +92,7 @@ def main(argv=None) -> None:
                         q = torch.randn(T, H, D).bfloat16()
                         slots = torch.ones(T, dtype=torch.long)
                         pos = torch.arange(start, start + T)
-                        order = list(kernels.items())
-                        for name, kernel in order if rnd % 2 == 0 else order[::-1]:  # neither always second
+                        for name, kernel in taking_turns(kernels.items(), rnd):
                             was = kernel.allow_amx(path == "amx")
                             kernel(q, k, v, slots, pos, ks, vs)  # warm-up
                             times = []

@@ -33,6 +33,13 @@ def last_level_cache_bytes(default: int = 32 << 20) -> int:
     return max(sizes, default=default)
 
 
+def taking_turns(items, round_index: int) -> list:
+    """`items` in the order a benchmark round runs them: as given in even rounds, reversed in odd ones. On
+    the 2-core VMs a pass run right after another ran ~10% faster, so no candidate may always go second."""
+    items = list(items)
+    return items if round_index % 2 == 0 else items[::-1]
+
+
 def model_arguments(ap) -> None:
     """The flags every in-process benchmark takes to load its model: --model, --models-dir, --dtype,
     --quantization (as `lmserve serve` names them)."""
@@ -56,4 +63,4 @@ def write_report(path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-__all__ = ["last_level_cache_bytes", "lscpu", "load_from_arguments", "model_arguments", "write_report"]
+__all__ = ["last_level_cache_bytes", "lscpu", "load_from_arguments", "model_arguments", "taking_turns", "write_report"]
