@@ -155,10 +155,16 @@ static inline v16f exp_clamped(v16f x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     v16f y = p * (r * r) + r + 1.0f;
+#ifdef __AVX512F__
+    // y * 2^n by vscalefps: one instruction where building 2^n's bits takes a convert, an add, a shift
+    // and a multiply; the same bits for every non-NaN float32 x (checked exhaustively, 2026-12-03)
+    return (v16f)_mm512_scalef_ps((__m512)y, (__m512)n);
+#else
     v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
     v16f scale;
     memcpy(&scale, &bits, sizeof scale);
     return y * scale;
+#endif
 }
 
 
