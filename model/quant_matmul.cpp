@@ -182,10 +182,14 @@ static inline void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, 
 }
 #endif
 
+// count outputs of one row from v (float32) into y at column n0: bfloat16 (f32_to_bf16's rounding, 16
+// lanes at a time: BF16::store computes the same bits) or float32
 static inline void store_row(void* y, int bf16, int64_t n0, const float* v, int count) {
     if (bf16) {
         uint16_t* o = (uint16_t*)y + n0;
-        for (int c = 0; c < count; ++c) o[c] = f32_to_bf16(v[c]);
+        int c = 0;
+        for (; c + 16 <= count; c += 16) BF16::store(o + c, F32::load(v + c));
+        for (; c < count; ++c) o[c] = f32_to_bf16(v[c]);
     } else {
         memcpy((float*)y + n0, v, sizeof(float) * count);
     }
