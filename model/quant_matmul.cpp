@@ -98,7 +98,7 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; a NaN s
 
 // One row of x -> per block of 32: int8 codes h and remainder codes l, the step e, the float sum
 // of x (int4's minimum term) and the code sums of h and l (int8's offset of 128). Depends on that
-// row only.
+// row only. xl null: one code (no remainder codes, nor their sums).
 static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx,
                          int32_t* sh, int32_t* sl, int64_t cs = QK, int64_t ss = 1) {
     float v[QK];
@@ -118,17 +118,18 @@ static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, 
             int h = (int)nearbyintf(v[t] * ie);
             h = h > 127 ? 127 : (h < -127 ? -127 : h);
             // the remainder with one rounding (a fused multiply-add), whatever the compiler's contraction
+            xh[b * cs + t] = (int8_t)h;
+            s1 += h;
+            if (!xl) continue;
             int l = (int)nearbyintf(fmaf(-e, (float)h, v[t]) * ie * 256.0f);
             l = l > 127 ? 127 : (l < -127 ? -127 : l);
-            xh[b * cs + t] = (int8_t)h;
             xl[b * cs + t] = (int8_t)l;
-            s1 += h;
             s2 += l;
         }
         dx[b * ss] = e;
         sx[b * ss] = sum;
         sh[b * ss] = s1;
-        sl[b * ss] = s2;
+        if (xl) sl[b * ss] = s2;
     }
 }
 
@@ -186,18 +187,20 @@ static void quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t*
         for (int i = 0; i < 2; ++i) {
             __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v[i], vie), rn);
             h = _mm512_min_ps(_mm512_max_ps(h, nlim), lim);
+            __m512i hi = _mm512_cvtps_epi32(h);
+            _mm_storeu_si128((__m128i*)(xh + b * cs + 16 * i), _mm512_cvtepi32_epi8(hi));
+            s1 = _mm512_add_epi32(s1, hi);
+            if (!xl) continue;
             __m512 r = _mm512_mul_ps(_mm512_mul_ps(_mm512_fnmadd_ps(ve, h, v[i]), vie), v256);
             __m512 l = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(r, rn), nlim), lim);
-            __m512i hi = _mm512_cvtps_epi32(h), li = _mm512_cvtps_epi32(l);
-            _mm_storeu_si128((__m128i*)(xh + b * cs + 16 * i), _mm512_cvtepi32_epi8(hi));
+            __m512i li = _mm512_cvtps_epi32(l);
             _mm_storeu_si128((__m128i*)(xl + b * cs + 16 * i), _mm512_cvtepi32_epi8(li));
-            s1 = _mm512_add_epi32(s1, hi);
             s2 = _mm512_add_epi32(s2, li);
         }
         dx[b * ss] = e;
         sx[b * ss] = sums[b % 16];
         sh[b * ss] = _mm512_reduce_add_epi32(s1);
-        sl[b * ss] = _mm512_reduce_add_epi32(s2);
+        if (xl) sl[b * ss] = _mm512_reduce_add_epi32(s2);
     }
 }
 #else
@@ -659,12 +662,15 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
 #endif
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
     auto quantize = [&](int64_t r, int8_t* codes_at, float* floats_at, int32_t* sums_at) {  // row r, either layout
+        // one code (not precise): no remainder codes (xl null); nothing reads them then
         if (blocked)
-            quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * 64, codes_at + r * 64 + 32, floats_at + r,
-                         floats_at + M * KB + r, sums_at + r, sums_at + M * KB + r, M * 64, M);
+            quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * 64,
+                         precise ? codes_at + r * 64 + 32 : nullptr, floats_at + r, floats_at + M * KB + r, sums_at + r,
+                         sums_at + M * KB + r, M * 64, M);
         else
-            quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * K, codes_at + rows * K + r * K,
-                         floats_at + r * KB, floats_at + M * KB + r * KB, sums_at + r * KB, sums_at + M * KB + r * KB);
+            quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * K,
+                         precise ? codes_at + rows * K + r * K : nullptr, floats_at + r * KB, floats_at + M * KB + r * KB,
+                         sums_at + r * KB, sums_at + M * KB + r * KB);
     };
     // A call of a few rows on the VNNI path (a decode step's): each thread quantizes every row into its
     // own buffers, so that the threads do not wait for each other between the quantizing and the
