@@ -13,7 +13,8 @@ head by the wrapper. "outside" = step - linears - attention is what the issue ca
 cost: norms, RoPE, embedding, residual adds, sampling, scheduling and dispatch (an upper bound: the
 timers' own cost lands there). "plain" rounds time nothing but the step. Then, with the engine
 stopped, torch.profiler lists every torch op of a batch-1 step with its calls and self time, each
-way (op_profile): what Python dispatches beside the native kernels.
+way (op_profile): what Python dispatches beside the native kernels. With --mixed-steps, the cost of
+a stall-free step: 8 decode rows alone and beside a 16- or 32-token prompt chunk (mixed_steps).
 A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -98,6 +99,64 @@ def op_profile(engine, prompt_len: int, steps: int = 20) -> dict:
             "torch_op_calls_per_step": round(sum(o["calls_per_step"] for o in ops), 1), "ops": ops[:30]}
 
 
+def mixed_steps(loaded, rounds: int = 15, streams: int = 8, context: int = 600) -> dict:
+    """What a stall-free step costs beside decoding streams: `streams` decode rows (each after `context`
+    cached tokens) alone, with a prompt chunk of 16 or 32 tokens late (after 2,900 cached ones) or
+    early (after 1,000) in a long prompt, and the late chunk alone. Each batch runs ModelRunner.step
+    on this thread (a fresh engine, stopped: nothing else runs), median wall ms of `rounds`, and the
+    native loop's own phases (mean ms) where the mode has it. The cache holds whatever is there:
+    attention's cost does not depend on the values."""
+    import torch
+
+    from ..engine import Engine, EngineSettings, Request, SamplingParams
+    from ..engine.scheduler import PrefillChunk, ScheduledBatch
+    from ..engine.sequence import SeqStatus, Sequence
+
+    engine = Engine(loaded, EngineSettings(max_batch=streams + 1, max_model_len=4096, prefix_cache=False,
+                                           speculation="off")).start()
+    engine.shutdown()
+    decoding = []
+    for i in range(streams):
+        seq = Sequence(Request([5 + i] * context, SamplingParams(max_new_tokens=64)))
+        seq.slot, seq.status, seq.num_cached = i, SeqStatus.RUNNING, context - 1
+        decoding.append(seq)
+    long = Sequence(Request([7] * 3100, SamplingParams(max_new_tokens=4)))
+    long.slot, long.status = streams, SeqStatus.RUNNING
+
+    def chunk(n: int, start: int) -> PrefillChunk:
+        long.num_cached = start
+        return PrefillChunk(long, start, n)
+
+    batches = {"decode only": lambda: ScheduledBatch(decode=tuple(decoding)),
+               "decode + 16 prompt tokens after 2900": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(16, 2900),)),
+               "decode + 32 prompt tokens after 2900": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(32, 2900),)),
+               "decode + 16 prompt tokens after 1000": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(16, 1000),)),
+               "16 prompt tokens after 2900 alone": lambda: ScheduledBatch(prefill=(chunk(16, 2900),))}
+    step = loaded.model.native_step
+    out = {"streams": streams, "context": context}
+    with torch.inference_mode():
+        for name, make in batches.items():
+            batch = make()
+            for _ in range(3):
+                engine.runner.step(batch)
+            if step is not None:
+                step.time_phases(True)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                engine.runner.step(batch)
+                times.append(time.perf_counter() - t0)
+            row = {"step_ms": round(1e3 * statistics.median(times), 3)}
+            if step is not None:
+                row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in step.phase_seconds().items()}
+                step.time_phases(False)
+            out[name] = row
+            print(json.dumps({name: row}), flush=True)
+    base = out["decode only"]["step_ms"]
+    out["over_decode_only"] = {name: round(out[name]["step_ms"] / base, 3) for name in batches if name != "decode only"}
+    return out
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -112,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=96, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("reports/step_profile.json"))
+    ap.add_argument("--mixed-steps", action="store_true",
+                    help="also time stall-free steps: 8 decode rows with a prompt chunk late or early in a long prompt")
     args = ap.parse_args(argv)
 
     loaded = load_from_arguments(args)
@@ -185,6 +246,8 @@ def main(argv=None) -> int:
               "tokens_per_round": args.tokens, "summary": summary,
               "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
               "op_profile": ops}
+    if args.mixed_steps:
+        report["mixed_steps"] = mixed_steps(loaded)
     write_report(args.out, report)
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out}")
