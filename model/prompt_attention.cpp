@@ -562,7 +562,10 @@ static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t
             pack_chunk(cache, run.slot, h, Hkv, d, max_len, run.valid, k, kp + head * kp_chunk, vp + head * vp_chunk,
                        ks ? ks + head * 32 : nullptr, vs ? vs + head * 32 : nullptr);
         }
-        AmxScratch a;
+        // each thread's buffers kept from call to call (a late chunk's score rows are ~190 KB a thread):
+        // allocated afresh every call they cost ~10% of it, with no page faults either way (16 tokens
+        // after 2,900 keys, 30 layers: 11.6 -> 10.4 ms; 512 tokens after 2,000: 129 -> 117 ms)
+        static thread_local AmxScratch a;
         AmxScope tiles(attention_tiles());
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < tasks; ++i) {
