@@ -551,24 +551,33 @@ static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t
     float* ks = CacheView<T>::coded ? scales_all.data() : nullptr;
     float* vs = CacheView<T>::coded ? scales_all.data() + total * 32 : nullptr;
     const int tasks = (int)blocks.size() * Hkv * G;
+    auto pack = [&](int64_t u) {
+        const int r = (int)(std::upper_bound(first_unit.begin(), first_unit.end(), (size_t)u) - first_unit.begin()) - 1;
+        const Run& run = runs[r];
+        const int h = (int)((u - run.at) / run.chunks), k = (int)((u - run.at) % run.chunks);
+        const size_t head = run.at + (size_t)h * run.chunks;  // the head's first chunk
+        pack_chunk(cache, run.slot, h, Hkv, d, max_len, run.valid, k, kp + head * kp_chunk, vp + head * vp_chunk,
+                   ks ? ks + head * 32 : nullptr, vs ? vs + head * 32 : nullptr);
+    };
+    // One block (a small chunk): its tasks are alike, so both loops split statically, in orders that
+    // give each thread the kv heads its own tasks read (the last heads to the first thread), and the
+    // packed keys and values stay in the cache of the core that packed them.
+    const bool one_block = blocks.size() == 1;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
+        if (one_block) {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < (int64_t)total; ++u) pack((int64_t)total - 1 - u);
+        } else {
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t u = 0; u < (int64_t)total; ++u) {
-            const int r = (int)(std::upper_bound(first_unit.begin(), first_unit.end(), (size_t)u) - first_unit.begin()) - 1;
-            const Run& run = runs[r];
-            const int h = (int)((u - run.at) / run.chunks), k = (int)((u - run.at) % run.chunks);
-            const size_t head = run.at + (size_t)h * run.chunks;  // the head's first chunk
-            pack_chunk(cache, run.slot, h, Hkv, d, max_len, run.valid, k, kp + head * kp_chunk, vp + head * vp_chunk,
-                       ks ? ks + head * 32 : nullptr, vs ? vs + head * 32 : nullptr);
+            for (int64_t u = 0; u < (int64_t)total; ++u) pack(u);
         }
         // each thread's buffers kept from call to call (a late chunk's score rows are ~190 KB a thread):
         // allocated afresh every call they cost ~10% of it, with no page faults either way (16 tokens
         // after 2,900 keys, 30 layers: 11.6 -> 10.4 ms; 512 tokens after 2,000: 129 -> 117 ms)
         static thread_local AmxScratch a;
         AmxScope tiles(attention_tiles());
-#pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < tasks; ++i) {
+        auto task = [&](int i) {
             const int t = tasks - 1 - i;
             const int bi = t / (Hkv * G), h = t / G % Hkv, g = t % G;
             const Run& run = runs[run_of[bi]];
@@ -576,6 +585,13 @@ static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t
             const PackedHead ph{kp + head * kp_chunk, vp + head * vp_chunk, ks ? ks + head * 32 : nullptr,
                                 vs ? vs + head * 32 : nullptr};
             attend_head_amx<T>(blocks[bi], h, g, q, q_row, ph, out, H, Hkv, d, scale, a);
+        };
+        if (one_block) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < tasks; ++i) task(i);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < tasks; ++i) task(i);
         }
     }
 }
