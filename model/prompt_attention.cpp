@@ -25,6 +25,7 @@
 // prompt_attention.py; no torch headers.
 
 #include <algorithm>
+#include <climits>
 #include <vector>
 
 #include "native_common.h"
@@ -559,13 +560,17 @@ static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t
         pack_chunk(cache, run.slot, h, Hkv, d, max_len, run.valid, k, kp + head * kp_chunk, vp + head * vp_chunk,
                    ks ? ks + head * 32 : nullptr, vs ? vs + head * 32 : nullptr);
     };
-    // One block (a small chunk): its tasks are alike, so both loops split statically, in orders that
-    // give each thread the kv heads its own tasks read (the last heads to the first thread), and the
-    // packed keys and values stay in the cache of the core that packed them.
-    const bool one_block = blocks.size() == 1;
+    // One slot's chunk late in its prompt (its blocks' key counts within 25% of each other): its tasks
+    // are about alike, so both loops split statically, head-major, in orders that give each thread the
+    // kv heads its own tasks read (the last heads to the first thread), and the packed keys and values
+    // stay in the cache of the core that packed them.
+    int64_t fewest = INT64_MAX, most = 0;
+    for (const Block& b : blocks) fewest = std::min<int64_t>(fewest, b.p0 + b.n), most = std::max<int64_t>(most, b.p0 + b.n);
+    const bool head_major = runs.size() == 1 && 4 * fewest >= 3 * most;
+    const int nb = (int)blocks.size();
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        if (one_block) {
+        if (head_major) {
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < (int64_t)total; ++u) pack((int64_t)total - 1 - u);
         } else {
@@ -579,14 +584,14 @@ static void run_amx(const std::vector<Block>& blocks, const uint16_t* q, int64_t
         AmxScope tiles(attention_tiles());
         auto task = [&](int i) {
             const int t = tasks - 1 - i;
-            const int bi = t / (Hkv * G), h = t / G % Hkv, g = t % G;
+            const int bi = head_major ? t / G % nb : t / (Hkv * G), h = head_major ? t / (nb * G) : t / G % Hkv, g = t % G;
             const Run& run = runs[run_of[bi]];
             const size_t head = run.at + (size_t)h * run.chunks;
             const PackedHead ph{kp + head * kp_chunk, vp + head * vp_chunk, ks ? ks + head * 32 : nullptr,
                                 vs ? vs + head * 32 : nullptr};
             attend_head_amx<T>(blocks[bi], h, g, q, q_row, ph, out, H, Hkv, d, scale, a);
         };
-        if (one_block) {
+        if (head_major) {
 #pragma omp for schedule(static)
             for (int i = 0; i < tasks; ++i) task(i);
         } else {
