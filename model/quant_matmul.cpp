@@ -236,6 +236,23 @@ struct Acts {  // the quantized rows of one call
     const float* sums;
 };
 
+// One thread's buffers for a call's quantized rows (codes, steps and float sums, code sums), kept
+// from call to call; acts() sizes them for a call and lays them out as its Acts (the header's layouts).
+struct RowBuffers {
+    std::vector<int8_t> codes;
+    std::vector<float> floats;
+    std::vector<int32_t> sums;
+    Acts acts(int64_t rows, int64_t M, int64_t K, int64_t KB, bool blocked, bool precise) {
+        codes.resize((size_t)(2 * rows * K));
+        floats.resize((size_t)(2 * M * KB));
+        sums.resize((size_t)(2 * M * KB));
+        const int8_t* c = codes.data();
+        const float* f = floats.data();
+        const int32_t* u = sums.data();
+        return Acts{c, blocked ? c + 32 : c + rows * K, f, f + M * KB, u, u + M * KB, K, KB, precise, M, nullptr, nullptr};
+    }
+};
+
 // The activation unit of a row-block of step e: e / 256 with the remainder codes, else e. Every path
 // takes it from here, so its rounding is one and the same.
 static inline float unit_of(bool precise, float e) { return precise ? e * (1.0f / 256.0f) : e; }
@@ -638,19 +655,11 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     const int64_t rows = M;
 #endif
     const bool blocked = QMM_PATH == 3 && !amx;  // the header's activation layouts: block-major for vnni_group
-    static thread_local std::vector<int8_t> codes;
-    static thread_local std::vector<float> floats;
-    static thread_local std::vector<int32_t> sums;
-    codes.resize((size_t)(2 * rows * K));
-    floats.resize((size_t)(2 * M * KB));
-    sums.resize((size_t)(2 * M * KB));
-    // the calling thread's buffers, by pointer: inside the parallel region a thread_local name
-    // would be each worker's own (empty) copy
-    int8_t* xh = codes.data();
-    float* fl = floats.data();
-    int32_t* su = sums.data();
-    Acts a{xh, blocked ? xh + 32 : xh + rows * K, fl, fl + M * KB, su, su + M * KB, K, KB, precise != 0, M,
-           nullptr, nullptr};
+    // the calling thread's buffers, by reference: inside the parallel region a thread_local name
+    // would be each worker's own copy
+    static thread_local RowBuffers call_rows;
+    RowBuffers& shared = call_rows;
+    Acts a = shared.acts(rows, M, K, KB, blocked, precise != 0);
 #ifdef QMM_AMX
     static thread_local std::vector<float> amx_floats;
     if (amx) {
@@ -661,7 +670,10 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     float* units = amx_floats.data();
 #endif
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
-    auto quantize = [&](int64_t r, int8_t* codes_at, float* floats_at, int32_t* sums_at) {  // row r, either layout
+    auto quantize = [&](int64_t r, RowBuffers& into) {  // row r, either layout
+        int8_t* codes_at = into.codes.data();
+        float* floats_at = into.floats.data();
+        int32_t* sums_at = into.sums.data();
         // one code (not precise): no remainder codes (xl null); nothing reads them then
         if (blocked)
             quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * 64,
@@ -687,20 +699,12 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     {
         Acts rows_here = a;  // the rows this thread reads: the call's shared ones, or its own copy
         if (own_rows) {
-            static thread_local std::vector<int8_t> own_codes;  // each thread's own (inside the region)
-            static thread_local std::vector<float> own_floats;
-            static thread_local std::vector<int32_t> own_sums;
-            own_codes.resize((size_t)(2 * M * K));
-            own_floats.resize((size_t)(2 * M * KB));
-            own_sums.resize((size_t)(2 * M * KB));
-            int8_t* c = own_codes.data();
-            float* f = own_floats.data();
-            int32_t* u = own_sums.data();
-            for (int64_t r = 0; r < M; ++r) quantize(r, c, f, u);
-            rows_here = Acts{c, c + 32, f, f + M * KB, u, u + M * KB, K, KB, precise != 0, M, nullptr, nullptr};
+            static thread_local RowBuffers own;  // each thread's own (inside the region)
+            rows_here = own.acts(rows, M, K, KB, blocked, precise != 0);
+            for (int64_t r = 0; r < M; ++r) quantize(r, own);
         } else {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; ++r) quantize(r, xh, fl, su);
+            for (int64_t r = 0; r < M; ++r) quantize(r, shared);
         }
 #ifdef QMM_AMX
         if (amx) {
