@@ -115,9 +115,12 @@ def test_sigterm_on_one_replica_loses_no_request(nginx, replicas, prompts_file, 
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def mid_load() -> bool:
+        # decoding with a call waiting behind its batch too: its in-flight calls take at least two
+        # requests' time to end, far longer than the signal takes to land (with only running calls
+        # checked, a run on a loaded machine saw them all end first: "draining: 0 call(s)")
         m = doomed.metrics()
-        return (m.get("lmserve_running_requests") > 0 and m.total("lmserve_requests_total") >= doomed_before + 8) \
-            or bench.poll() is not None
+        return (m.get("lmserve_running_requests") > 0 and m.get("lmserve_waiting_requests") > 0
+                and m.total("lmserve_requests_total") >= doomed_before + 8) or bench.poll() is not None
 
     try:
         server_harness.wait_until(mid_load, timeout=60, interval=0.02, what="the doomed replica to be decoding mid-load")
