@@ -5,7 +5,11 @@
 // pair is computed by the same fixed sequence of operations whatever the batch around it, so a
 // row's output is bitwise the same alone or in any batch (batch invariance by construction):
 //   - a score is a dot product over the head dimension in 16-lane chunks, summed by one fixed
-//     lane tree (16 keys at a time, each key reduced within its own lanes);
+//     lane tree (16 keys at a time, each key reduced within its own lanes); with bfloat16 queries
+//     and cache (and AVX-512 BF16) the chunks are vdpbf16ps on the rows' pairs as stored, 32 dims an
+//     instruction, instead of float32 multiply-adds on rows widened first (2026-12-03, AMX Xeon VM,
+//     30 layers, beside the widening build: 8 rows after 600 keys 6.50 -> 6.00 ms, 32 after 1,000
+//     45.4 -> 43.1, 1 after 600 1.05 -> 0.96);
 //   - the softmax sum runs over blocks of 16 keys from key 0 (the block pattern depends only on
 //     the row's own length), then the same lane tree;
 //   - the output accumulates p_j * v_j in key order, vectorised over the head dimension.
@@ -17,6 +21,7 @@
 // decode_attention.py; no torch headers. OpenMP resolves to the runtime torch has already loaded.
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "native_common.h"
@@ -72,11 +77,33 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
             for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch((const char*)(src + (size_t)(j0 + l) * d) + off);
     };
 
+    // bfloat16 queries and keys: scores by vdpbf16ps on the stored pairs, no widened copy of the keys
+    constexpr bool pairs = std::is_same<A, BF16>::value && std::is_same<KV, BF16>::value && C % 2 == 0;
     for (int blk = 0; blk < PREFETCH_BLOCKS; ++blk) fetch(K, blk * 16);
     for (int blk = 0; blk < blocks; ++blk) {
         const int j0 = blk * 16, m = std::min(16, n - j0);
         fetch(K, j0 + 16 * PREFETCH_BLOCKS);
         fetch(V, j0);  // read after the softmax
+        if constexpr (pairs) {
+#ifdef __AVX512BF16__
+            for (int g = 0; g < G; ++g) {
+                __m512bh qp[C / 2];
+                for (int c = 0; c < C / 2; ++c) qp[c] = (__m512bh)_mm512_loadu_si512((const void*)(q + (size_t)g * d + 32 * c));
+                v16f acc[16];
+                for (int l = 0; l < 16; ++l) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (l < m) {
+                        const uint16_t* k = (const uint16_t*)K + (size_t)(j0 + l) * d;
+                        for (int c = 0; c < C / 2; ++c) a = _mm512_dpbf16_ps(a, qp[c], (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c)));
+                    }
+                    acc[l] = (v16f)a;
+                }
+                const v16f sc = lane_sums(acc) * scale;
+                memcpy(scores + g * stride + j0, &sc, sizeof sc);
+            }
+            continue;
+#endif
+        }
         widen(K, j0, m);
         const v16f kscale = coded ? load_scales(ks + (size_t)j0 * ss, m, ss) : v16f{};
         for (int g = 0; g < G; ++g) {
