@@ -117,10 +117,10 @@ static void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* xh, 
         for (int t = 0; t < QK; ++t) {
             int h = (int)nearbyintf(v[t] * ie);
             h = h > 127 ? 127 : (h < -127 ? -127 : h);
-            // the remainder with one rounding (a fused multiply-add), whatever the compiler's contraction
             xh[b * cs + t] = (int8_t)h;
             s1 += h;
             if (!xl) continue;
+            // the remainder with one rounding (a fused multiply-add), whatever the compiler's contraction
             int l = (int)nearbyintf(fmaf(-e, (float)h, v[t]) * ie * 256.0f);
             l = l > 127 ? 127 : (l < -127 ? -127 : l);
             xl[b * cs + t] = (int8_t)l;
