@@ -14,7 +14,9 @@ cost: norms, RoPE, embedding, residual adds, sampling, scheduling and dispatch (
 timers' own cost lands there). "plain" rounds time nothing but the step. Then, with the engine
 stopped, torch.profiler lists every torch op of a batch-1 step with its calls and self time, each
 way (op_profile): what Python dispatches beside the native kernels. With --mixed-steps, the cost of
-a stall-free step: 8 decode rows alone and beside a 16- or 32-token prompt chunk (mixed_steps).
+a stall-free step: 8 decode rows alone, beside prompt chunks of 8-64 tokens late or early in a long
+prompt, and each chunk alone (mixed_steps): the decode rows' marginal cost and the prompt's cost per
+token beside them, the two numbers that bound the stall-free trade-off.
 A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -99,13 +101,19 @@ def op_profile(engine, prompt_len: int, steps: int = 20) -> dict:
             "torch_op_calls_per_step": round(sum(o["calls_per_step"] for o in ops), 1), "ops": ops[:30]}
 
 
-def mixed_steps(loaded, rounds: int = 15, streams: int = 8, context: int = 600) -> dict:
+def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
+                chunks: tuple[int, ...] = (8, 16, 24, 32, 48, 64), starts: tuple[int, ...] = (2900, 1000)) -> dict:
     """What a stall-free step costs beside decoding streams: `streams` decode rows (each after `context`
-    cached tokens) alone, with a prompt chunk of 16 or 32 tokens late (after 2,900 cached ones) or
-    early (after 1,000) in a long prompt, and the late chunk alone. Each batch runs ModelRunner.step
-    on this thread (a fresh engine, stopped: nothing else runs), median wall ms of `rounds`, and the
-    native loop's own phases (mean ms) where the mode has it. The cache holds whatever is there:
-    attention's cost does not depend on the values."""
+    cached tokens) alone; each prompt chunk of n tokens (n in `chunks`) after s cached ones of a long
+    prompt (s in `starts`: late, early), with the decode rows and alone; and a 512-token chunk alone
+    (the idle prefill's rate). Each batch runs ModelRunner.step on this thread (a fresh engine,
+    stopped: nothing else runs), median wall ms of `rounds` in which the batches take turns (the order
+    reversed every other round), and the native loop's own phases (mean ms) where the mode has it. The
+    cache holds whatever is there: attention's cost does not depend on the values.
+
+    Derived per chunk: the decode rows' marginal cost (with them minus alone: what the streams add to
+    a prefill step) and the prompt's cost per token beside the streams ((with them - decode only) / n),
+    against the idle rate: together they bound the stall-free trade-off (docs/benchmarks.md)."""
     import torch
 
     from ..engine import Engine, EngineSettings, Request, SamplingParams
@@ -120,40 +128,61 @@ def mixed_steps(loaded, rounds: int = 15, streams: int = 8, context: int = 600) 
         seq = Sequence(Request([5 + i] * context, SamplingParams(max_new_tokens=64)))
         seq.slot, seq.status, seq.num_cached = i, SeqStatus.RUNNING, context - 1
         decoding.append(seq)
-    long = Sequence(Request([7] * 3100, SamplingParams(max_new_tokens=4)))
+    long = Sequence(Request([7] * (max(starts) + max(chunks) + 16), SamplingParams(max_new_tokens=4)))
     long.slot, long.status = streams, SeqStatus.RUNNING
 
     def chunk(n: int, start: int) -> PrefillChunk:
         long.num_cached = start
         return PrefillChunk(long, start, n)
 
-    batches = {"decode only": lambda: ScheduledBatch(decode=tuple(decoding)),
-               "decode + 16 prompt tokens after 2900": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(16, 2900),)),
-               "decode + 32 prompt tokens after 2900": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(32, 2900),)),
-               "decode + 16 prompt tokens after 1000": lambda: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(16, 1000),)),
-               "16 prompt tokens after 2900 alone": lambda: ScheduledBatch(prefill=(chunk(16, 2900),))}
+    batches = {"decode only": lambda: ScheduledBatch(decode=tuple(decoding))}
+    for start in starts:
+        for n in chunks:
+            batches[f"decode + {n} prompt tokens after {start}"] = \
+                lambda n=n, start=start: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(n, start),))
+            batches[f"{n} prompt tokens after {start}, alone"] = \
+                lambda n=n, start=start: ScheduledBatch(prefill=(chunk(n, start),))
+    idle = "512 prompt tokens after 1500, alone"
+    batches[idle] = lambda: ScheduledBatch(prefill=(chunk(512, 1500),))
     step = loaded.model.native_step
-    out = {"streams": streams, "context": context}
+    times = {name: [] for name in batches}
+    phases = {name: {} for name in batches}
     with torch.inference_mode():
-        for name, make in batches.items():
-            batch = make()
-            for _ in range(3):
-                engine.runner.step(batch)
-            if step is not None:
-                step.time_phases(True)
-            times = []
-            for _ in range(rounds):
+        for make in batches.values():
+            for _ in range(2):
+                engine.runner.step(make())
+        for rnd in range(rounds):
+            for name, make in (list(batches.items()) if rnd % 2 == 0 else list(batches.items())[::-1]):
+                batch = make()
+                if step is not None:
+                    step.time_phases(True)
                 t0 = time.perf_counter()
                 engine.runner.step(batch)
-                times.append(time.perf_counter() - t0)
-            row = {"step_ms": round(1e3 * statistics.median(times), 3)}
-            if step is not None:
-                row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in step.phase_seconds().items()}
-                step.time_phases(False)
-            out[name] = row
-            print(json.dumps({name: row}), flush=True)
+                times[name].append(time.perf_counter() - t0)
+                if step is not None:
+                    for k, v in step.phase_seconds().items():
+                        phases[name][k] = phases[name].get(k, 0.0) + v
+                    step.time_phases(False)
+    out = {"streams": streams, "context": context, "rounds": rounds}
+    for name in batches:
+        row = {"step_ms": round(1e3 * statistics.median(times[name]), 3)}
+        if step is not None:
+            row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in phases[name].items()}
+        out[name] = row
     base = out["decode only"]["step_ms"]
+    idle_per_token = out[idle]["step_ms"] / 512
     out["over_decode_only"] = {name: round(out[name]["step_ms"] / base, 3) for name in batches if name != "decode only"}
+    out["idle_ms_per_prompt_token"] = round(idle_per_token, 4)
+    out["chunks"] = [{"tokens": n, "after": start,
+                      "with_decode_over_decode_only": round(out[f"decode + {n} prompt tokens after {start}"]["step_ms"] / base, 3),
+                      "decode_rows_marginal_ms": round(out[f"decode + {n} prompt tokens after {start}"]["step_ms"]
+                                                       - out[f"{n} prompt tokens after {start}, alone"]["step_ms"], 3),
+                      "ms_per_prompt_token_beside_decode": round(
+                          (out[f"decode + {n} prompt tokens after {start}"]["step_ms"] - base) / n, 4)}
+                     for start in starts for n in chunks]
+    for row in out["chunks"]:
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"decode_only_ms": base, "idle_ms_per_prompt_token": out["idle_ms_per_prompt_token"]}), flush=True)
     return out
 
 
@@ -172,7 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("reports/step_profile.json"))
     ap.add_argument("--mixed-steps", action="store_true",
-                    help="also time stall-free steps: 8 decode rows with a prompt chunk late or early in a long prompt")
+                    help="also time stall-free steps: 8 decode rows with prompt chunks of 8-64 tokens late or early "
+                         "in a long prompt, and each chunk alone")
     args = ap.parse_args(argv)
 
     loaded = load_from_arguments(args)
