@@ -283,8 +283,8 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
     return acc;
 }
 
-// Chunk j of a block's unpacked weight codes holds k = key(j) .. key(j) + 3: 4j (ORDER 0), or int4's
-// interleave 8(j/2) + 4(j%2) (ORDER 1).
+// The first k of chunk j of a block's unpacked weight codes (the chunk holds k .. k + 3): 4j (ORDER 0),
+// or int4's interleave 8(j/2) + 4(j%2) (ORDER 1).
 template <int ORDER> static inline int chunk_k(int j) { return ORDER ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
 
 // The integer sum of one row's block of 32 codes (h at xh, l at xl) against w: 256 x the h codes' sum
