@@ -135,13 +135,18 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
         long.num_cached = start
         return PrefillChunk(long, start, n)
 
+    def beside(n: int, start: int) -> str:
+        return f"decode + {n} prompt tokens after {start}"
+
+    def alone(n: int, start: int) -> str:
+        return f"{n} prompt tokens after {start}, alone"
+
     batches = {"decode only": lambda: ScheduledBatch(decode=tuple(decoding))}
     for start in starts:
         for n in chunks:
-            batches[f"decode + {n} prompt tokens after {start}"] = \
+            batches[beside(n, start)] = \
                 lambda n=n, start=start: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(n, start),))
-            batches[f"{n} prompt tokens after {start}, alone"] = \
-                lambda n=n, start=start: ScheduledBatch(prefill=(chunk(n, start),))
+            batches[alone(n, start)] = lambda n=n, start=start: ScheduledBatch(prefill=(chunk(n, start),))
     idle = "512 prompt tokens after 1500, alone"
     batches[idle] = lambda: ScheduledBatch(prefill=(chunk(512, 1500),))
     step = loaded.model.native_step
@@ -170,16 +175,16 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
             row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in phases[name].items()}
         out[name] = row
     base = out["decode only"]["step_ms"]
-    idle_per_token = out[idle]["step_ms"] / 512
     out["over_decode_only"] = {name: round(out[name]["step_ms"] / base, 3) for name in batches if name != "decode only"}
-    out["idle_ms_per_prompt_token"] = round(idle_per_token, 4)
-    out["chunks"] = [{"tokens": n, "after": start,
-                      "with_decode_over_decode_only": round(out[f"decode + {n} prompt tokens after {start}"]["step_ms"] / base, 3),
-                      "decode_rows_marginal_ms": round(out[f"decode + {n} prompt tokens after {start}"]["step_ms"]
-                                                       - out[f"{n} prompt tokens after {start}, alone"]["step_ms"], 3),
-                      "ms_per_prompt_token_beside_decode": round(
-                          (out[f"decode + {n} prompt tokens after {start}"]["step_ms"] - base) / n, 4)}
-                     for start in starts for n in chunks]
+    out["idle_ms_per_prompt_token"] = round(out[idle]["step_ms"] / 512, 4)
+    out["chunks"] = []
+    for start in starts:
+        for n in chunks:
+            with_decode, by_itself = out[beside(n, start)]["step_ms"], out[alone(n, start)]["step_ms"]
+            out["chunks"].append({"tokens": n, "after": start,
+                                  "with_decode_over_decode_only": round(with_decode / base, 3),
+                                  "decode_rows_marginal_ms": round(with_decode - by_itself, 3),
+                                  "ms_per_prompt_token_beside_decode": round((with_decode - base) / n, 4)})
     for row in out["chunks"]:
         print(json.dumps(row), flush=True)
     print(json.dumps({"decode_only_ms": base, "idle_ms_per_prompt_token": out["idle_ms_per_prompt_token"]}), flush=True)
