@@ -326,6 +326,7 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const int group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+    constexpr int ORDER = BITS == 4 ? 1 : 0;  // the unpacked codes' k order (chunk_k)
     // block-major activations: block b of row r at codes (b M + r) 64 (h, then l at + 32), its steps and
     // sums at [b M + r], so every row of the tile is a constant offset from one pointer per block
     const int64_t M = a.M, KB = a.KB;
@@ -347,7 +348,6 @@ static void vnni_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][
         if (BITS == 4 && !PRECISE) m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, m);  // centred codes' minimum
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
-            constexpr int ORDER = BITS == 4 ? 1 : 0;
             __m512i s;
             if (PRECISE) {
                 s = row_block_sum<ORDER>(w, c + r * 64, c + r * 64 + 32);
@@ -695,12 +695,13 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
         int8_t* codes_at = into.codes.data();
         float* floats_at = into.floats.data();
         int32_t* sums_at = into.sums.data();
-        // one code (not precise): no remainder codes (xl null); nothing reads them then
+        // one code (not precise): no remainder codes (xl null), and on the block-major layout the chains'
+        // starts where their sums would be
         if (blocked) {
             quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * 64,
                          precise ? codes_at + r * 64 + 32 : nullptr, floats_at + r, floats_at + M * KB + r, sums_at + r,
                          sums_at + M * KB + r, M * 64, M);
-            if (!precise)  // the l sums' place holds the chains' starts (Acts)
+            if (!precise)
                 for (int64_t b = 0; b < KB; ++b) sums_at[M * KB + b * M + r] = chain_start(bits, sums_at[b * M + r]);
         } else
             quantize_row((const char*)x + r * x_row, x_bf16, K, codes_at + r * K,
