@@ -41,7 +41,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
       pip install "torch==${TORCH_VERSION}"; \
     fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proto/ proto/
 COPY model/ model/
 COPY server/ server/

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test bench cuda-check venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0  # the CPU build; must come before anything that depends on torch

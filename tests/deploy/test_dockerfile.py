@@ -6,6 +6,7 @@ by the server's own settings code."""
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shlex
 import shutil
@@ -378,11 +379,20 @@ def test_every_copy_source_is_in_the_build_context(df, ignore_rules):
             assert not dropped, f"COPY {src}: .dockerignore drops {dropped}"
 
 
+def package_roots() -> dict[str, str]:
+    """setup.py's ROOTS (import package -> folder), read without running setup()."""
+    tree = ast.parse((REPO_ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["ROOTS"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no ROOTS")
+
+
 def test_copies_cover_what_pip_install_needs(df):
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     copied = {Path(s).as_posix().rstrip("/") for s in context_copies(df)}
-    needed = {"pyproject.toml", project["project"]["readme"]}
-    needed |= {d.split("/")[0] for d in project["tool"]["setuptools"]["package-dir"].values()}
+    needed = {"pyproject.toml", "setup.py", project["project"]["readme"]}
+    needed |= {d.split("/")[0] for d in package_roots().values()}
     assert needed <= copied, f"missing from the image: {sorted(needed - copied)}"
 
 

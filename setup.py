@@ -1,0 +1,27 @@
+"""Which import packages the wheel holds, found rather than listed.
+
+Each top-level folder is one import package (pyproject.toml has the rest of the metadata):
+proto/lmserve -> lmserve (with lmserve.v1), model/ -> lmserve.model, server/ -> lmserve.server,
+client/ -> lmserve.client. Every folder below them with an __init__.py ships, so a new subpackage
+cannot be left out of the wheel by a forgotten list entry.
+"""
+
+from setuptools import find_packages, setup
+
+ROOTS = {
+    "lmserve": "proto/lmserve",
+    "lmserve.model": "model",
+    "lmserve.server": "server",
+    "lmserve.client": "client",
+}
+
+
+def discovered() -> list[str]:
+    found = []
+    for package, folder in ROOTS.items():
+        found.append(package)
+        found += [f"{package}.{sub}" for sub in find_packages(folder)]
+    return sorted(set(found))
+
+
+setup(packages=discovered(), package_dir=ROOTS)
