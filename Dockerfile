@@ -78,7 +78,7 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 # hadolint ignore=DL3006
 FROM runtime-${VARIANT} AS runtime
 LABEL org.opencontainers.image.title="lmserve" \
-      org.opencontainers.image.description="Text-generation inference over gRPC with Prometheus metrics" \
+      org.opencontainers.image.description="Text-generation inference over gRPC and an OpenAI-compatible HTTP API, with Prometheus metrics" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --gid 10001 lmserve \
     && useradd --uid 10001 --gid 10001 --home-dir /home/lmserve --create-home --shell /usr/sbin/nologin lmserve

@@ -249,6 +249,12 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
     except CliUsageError as e:
         print(f"lmserve: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if (e.name or "lmserve").split(".")[0] == "lmserve":
+            raise  # a module of lmserve itself is missing: a broken install, not a missing extra
+        print(f"lmserve: error: this command needs the server extra, which is not installed here "
+              f"(no module {e.name!r}): pip install 'lmserve[server]'", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. `lmserve generate ... | head`

@@ -10,9 +10,12 @@ def add_subcommands(subparsers) -> None:
     from .config import add_arguments
 
     p = subparsers.add_parser(
-        "serve", help="serve a model over gRPC (default: SmolLM2-135M-Instruct, pulled if missing)",
-        description="Load a model and serve TextGeneration over gRPC, with grpc.health.v1, reflection and "
-                    "Prometheus metrics. Every flag can also be set with the LMSERVE_* variable shown.")
+        "serve", help="serve a model over gRPC and an OpenAI-compatible HTTP API (default: SmolLM2-135M-Instruct, "
+                      "pulled if missing)",
+        description="Load a model and serve it: TextGeneration over gRPC (with grpc.health.v1 and reflection) "
+                    "on --port, the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models) on --http-port, and Prometheus metrics on --metrics-port. Every flag can also "
+                    "be set with the LMSERVE_* variable shown.")
     add_arguments(p)
     p.set_defaults(func=run)
 

@@ -114,8 +114,11 @@ class ServerProcess:
 
     def __init__(self, model: str | os.PathLike, *, credentials: grpc.ChannelCredentials | None = None,
                  log_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0, stop_timeout: float = 30.0):
+                 startup_timeout: float = 120.0, stop_timeout: float = 30.0,
+                 command: list[str] | None = None, cwd: str | os.PathLike | None = None):
         self.model = str(model)
+        self.command = list(command or [sys.executable, "-m", "lmserve.client.cli"])
+        self.cwd = cwd
         self.credentials = credentials
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="lmserve-it-"))
         self.extra_env = dict(env or {})
@@ -164,7 +167,7 @@ class ServerProcess:
             flags.setdefault("dtype", "float32")  # eager (no compiler run at each start)
             flags.setdefault("compile", "false")
         self.metrics_port = free_port() if want_metrics else None
-        args = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", self.model, "--host", HOST,
+        args = [*self.command, "serve", "--model", self.model, "--host", HOST,
                 "--port", "0", "--metrics-port", str(self.metrics_port or 0)]
         for name, value in flags.items():
             if value is not None:
@@ -175,7 +178,7 @@ class ServerProcess:
         self.log_path = Path(path)
         with os.fdopen(fd, "wb") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                                         env=env, cwd=self.cwd, start_new_session=True)
         self.health_history = []
 
     def _reset(self) -> None:
