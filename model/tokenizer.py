@@ -294,6 +294,20 @@ class Tokenizer:
                    add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
                    chat_template=meta.get("tokenizer.chat_template"))
 
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into `path`, so that `from_dir` reads back this
+        tokenizer (byte-level BPE vocabularies; a sentencepiece one raises NotImplementedError)."""
+        if not isinstance(self._backend, _TokenizersBackend):
+            raise NotImplementedError("only a tokenizers-backed vocabulary can be saved as tokenizer.json")
+        root = Path(path)
+        self._backend._tk.save(str(root / "tokenizer.json"))
+        name = self.id_to_token
+        config = {"add_bos_token": self.add_bos_token, "chat_template": self.chat_template,
+                  "bos_token": None if self.bos_id is None else name(self.bos_id),
+                  "eos_token": name(self.eos_ids[0]) if self.eos_ids else None,
+                  "pad_token": None if self.pad_id is None else name(self.pad_id)}
+        (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
     def __repr__(self) -> str:
         return (f"Tokenizer({type(self._backend).__name__}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
                 f"eos_ids={self.eos_ids}, pad_id={self.pad_id})")
