@@ -79,7 +79,7 @@ class Tokenizer:
         self._backend = backend
         self.vocab_size: int = backend.vocab_size
         self.bos_id = bos_id
-        eos = tuple(dict.fromkeys(int(i) for i in eos_ids))
+        self._named_eos = eos = tuple(dict.fromkeys(int(i) for i in eos_ids))
         self.eos_ids: tuple[int, ...] = eos + _template_end_markers(backend, chat_template, eos)
         self.pad_id = pad_id
         self.add_bos_token = bool(add_bos_token and bos_id is not None)
@@ -176,10 +176,9 @@ class Tokenizer:
         template = self._compiled_template
         text, spans = template.render_with_spans(messages, add_generation_prompt=add_generation_prompt, **variables)
         if spans is None:
-            pattern = self._special_pattern
             for i, m in enumerate(messages):
                 content = m.get("content")
-                if pattern is not None and isinstance(content, str) and pattern.search(content):
+                if isinstance(content, str) and self.has_special_text(content):
                     raise ChatTemplateError(f"message {i} holds special-token text, which this model's chat "
                                             "template cannot carry as plain text")
             return self.encode(text, parse_special=True), text
@@ -190,15 +189,31 @@ class Tokenizer:
         segments.append((text[at:], True))
         return self.encode_marked(segments), text
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` instead of the checkpoint's template (`--chat-template`): compiled
+        in the same sandbox now (ChatTemplateError if it does not compile), and the turn-closing markers
+        it writes end generation in place of the old template's."""
+        compiled = ChatTemplate(source, *self._template_tokens())
+        self.chat_template = source
+        self.eos_ids = self._named_eos + _template_end_markers(self._backend, source, self._named_eos)
+        self.__dict__["_compiled_template"] = compiled
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` spells a special token (which a chat template's own markup may turn into one)."""
+        return self._special_pattern is not None and self._special_pattern.search(text) is not None
+
+    def _template_tokens(self) -> tuple[str | None, str | None]:
+        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else None
+        eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+        return bos, eos
+
     @cached_property
     def _special_pattern(self) -> "re.Pattern[str] | None":
         return _alternation(self._backend.special_text)
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
-        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else None
-        eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
-        return ChatTemplate(self.chat_template or DEFAULT_CHAT_TEMPLATE, bos_token=bos, eos_token=eos)
+        return ChatTemplate(self.chat_template or DEFAULT_CHAT_TEMPLATE, *self._template_tokens())
 
     # -- construction ---------------------------------------------------------------------------
 

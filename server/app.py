@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from lmserve.v1 import lmserve_pb2, lmserve_pb2_grpc
 
 from .auth import BearerAuthInterceptor, read_tokens
-from .config import ServerSettings
+from .config import ServerSettings, served_names
 from .frontend import Frontend
 from .service import TextGenerationService
 
@@ -72,6 +72,19 @@ class BoundedHealthServicer(health.aio.HealthServicer):
             self.watchers -= 1
 
 
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file, compiled once in the templates' sandbox to check it; ValueError
+    (a one-line startup error) when it cannot be read or does not compile."""
+    from lmserve.model.chat_template import ChatTemplate, ChatTemplateError
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+        ChatTemplate(source)
+    except (OSError, UnicodeDecodeError, ChatTemplateError) as exc:
+        raise ValueError(f"--chat-template {path}: {exc}") from None
+    return source
+
+
 def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
     if not s.tls_cert:
         return None
@@ -105,13 +118,15 @@ class Server:
         addr = f"{settings.host}:{settings.port}"
         creds = server_credentials(settings)
         self.port = self.grpc.add_secure_port(addr, creds) if creds else self.grpc.add_insecure_port(addr)
+        # read and compiled now, so that a bad file fails the start before the model loads
+        self.chat_template = read_chat_template(settings.chat_template) if settings.chat_template else None
         self.http = None
         if settings.http_port:
             from .http.app import OpenAIEdge
             from .http.server import HttpServer
 
             edge = OpenAIEdge(self.frontend, tokens, max_body_bytes=settings.max_receive_message_bytes,
-                              read_timeout=settings.http_read_timeout)
+                              read_timeout=settings.http_read_timeout, strict_fields=settings.strict_openai_fields)
             self.http = HttpServer(settings, edge.app)
 
     @property
@@ -141,7 +156,8 @@ class Server:
         t0 = time.monotonic()
         self.engine, self.metrics = await asyncio.to_thread(self._load)
         s = self.settings
-        self.service.attach(self.engine, self.engine.loaded.config.name if s.model.endswith((".gguf", "/")) else s.model)
+        default = self.engine.loaded.config.name if s.model.endswith((".gguf", "/")) else s.model
+        self.service.attach(self.engine, *(served_names(s.served_model_name) if s.served_model_name else (default,)))
         self.service.on_stream_idle_timeout = self.metrics.stream_idle_timeouts.inc
         if s.metrics_port:
             self._metrics_http = self.metrics.serve(s.metrics_port, s.metrics_host or s.host)
@@ -174,6 +190,8 @@ class Server:
         loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir,
                             quantization=s.quantization, batch_invariant=s.batch_invariant, cache_dir=s.cache_dir,
                             compile=s.compile)
+        if self.chat_template is not None:
+            loaded.tokenizer.use_chat_template(self.chat_template)
         engine = Engine(loaded, s.engine)
         metrics = Metrics(engine, s.model)
         return engine.start(), metrics

@@ -48,6 +48,9 @@ class ServerSettings:
     max_connection_idle: float = 900.0  # seconds a connection without calls is kept; 0 = forever
     max_health_watchers: int = 64  # concurrent grpc.health.v1 Watch calls
     log_level: str = "INFO"
+    served_model_name: str | None = None  # comma-separated names the HTTP API answers to; None: the --model name
+    chat_template: str | None = None  # a Jinja2 chat template file served instead of the model's own
+    strict_openai_fields: bool = False  # refuse (400) top-level fields the OpenAI edge does not know
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self):
@@ -78,8 +81,15 @@ class ServerSettings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.compile not in ("auto", "true", "false"):
             raise ValueError(f"--compile must be auto, true or false, got {self.compile!r}")
+        if self.served_model_name is not None and not served_names(self.served_model_name):
+            raise ValueError("--served-model-name needs at least one name (comma-separated)")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+
+
+def served_names(value: str) -> tuple[str, ...]:
+    """The names of --served-model-name ("a,b"), in order, without blanks or repeats."""
+    return tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -159,6 +169,12 @@ HELP = {
     "max_connection_idle": "seconds a connection without calls is kept open (0: forever)",
     "max_health_watchers": "concurrent grpc.health.v1 Watch calls; more get RESOURCE_EXHAUSTED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "served_model_name": "the model's name(s) in the HTTP API and GetModelInfo, comma-separated: requests may use "
+                         "any of them, /v1/models lists each, the first is the one reported (default: --model)",
+    "chat_template": "a Jinja2 chat template file to render chat requests with instead of the model's own "
+                     "(sandboxed like the model's; e.g. one that renders tools)",
+    "strict_openai_fields": "refuse HTTP requests carrying top-level fields this server does not know (400 naming "
+                            "the field) instead of ignoring them and logging each name once: true or false",
 }
 
 

@@ -47,12 +47,15 @@ class Frontend:
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(self.settings.input_workers, thread_name_prefix="lmserve-input")
         self.engine = None
-        self.model_name: str | None = None
+        self.model_name: str | None = None  # the name reported; requests may use any of model_names
+        self.model_names: tuple[str, ...] = ()
 
-    def attach(self, engine, model_name: str) -> None:
-        """Start answering with this engine (until then every call is UNAVAILABLE: the model is loading)."""
+    def attach(self, engine, model_name: str, *aliases: str) -> None:
+        """Start answering with this engine (until then every call is UNAVAILABLE: the model is loading).
+        `aliases`: more names requests may give the model (--served-model-name)."""
         self.tokenizer = engine.loaded.tokenizer
         self.model_name = model_name
+        self.model_names = tuple(dict.fromkeys((model_name, *aliases)))
         self.limits = InputLimits.for_context(engine.max_model_len, self.settings.max_input_chars)
         self.inputs = InputConverter(self.tokenizer, engine)
         self.engine = engine

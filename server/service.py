@@ -72,9 +72,9 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     def draining(self, value: bool) -> None:
         self.frontend.draining = value
 
-    def attach(self, engine: Engine, model_name: str) -> None:
+    def attach(self, engine: Engine, model_name: str, *aliases: str) -> None:
         """Start answering with this engine (until then every RPC is UNAVAILABLE: the model is loading)."""
-        self.frontend.attach(engine, model_name)
+        self.frontend.attach(engine, model_name, *aliases)
 
     def close(self) -> None:
         self.frontend.close()

@@ -31,7 +31,7 @@ from ..engine.outputs import GenerationResult
 from ..engine.request import RequestValidationError
 from ..frontend import Frontend, new_request_id
 from .errors import error_body, problem_of, render, renamed
-from .openai_requests import OpenAIRequest, check_model, parse_body, translate
+from .openai_requests import FieldPolicy, OpenAIRequest, check_model, parse_body, translate
 from .openai_responses import DONE, StreamEvents, completion_body, error_event, logprobs_of
 from .sse import EventStream, unless_disconnected
 
@@ -57,8 +57,9 @@ class OpenAIEdge:
     """The handlers; `app` is the ASGI application to serve."""
 
     def __init__(self, frontend: Frontend, tokens: tuple[str, ...] = (), max_body_bytes: int = 4 * 2**20,
-                 read_timeout: float = 30.0):
+                 read_timeout: float = 30.0, strict_fields: bool = False):
         self.frontend = frontend
+        self.fields = FieldPolicy(strict_fields)
         self.tokens = BearerTokens(tokens) if tokens else None
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
@@ -117,8 +118,8 @@ class OpenAIEdge:
 
     def _prepare(self, raw: bytes, chat: bool, rid: str):
         """On a worker thread: body -> OpenAIRequest -> engine Request (the path gRPC requests take)."""
-        req = translate(parse_body(raw), chat)
-        check_model(req, self.frontend.model_name)
+        req = translate(parse_body(raw), chat, self.fields)
+        check_model(req.model, self.frontend.model_names)
         try:
             engine_request = self.frontend.request_for(replace(req.input, request_id=rid), rid, None, "http")
         except RequestValidationError as exc:
@@ -188,28 +189,26 @@ class OpenAIEdge:
         return b"".join(parts)
 
     # ---- models and probes ----------------------------------------------------------------
-    def _model_card(self) -> dict:
-        f = self.frontend
-        return {"id": f.model_name, "object": "model", "created": self.started, "owned_by": "lmserve",
-                "context_length": f.engine.max_model_len}
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "lmserve",
+                "context_length": self.frontend.engine.max_model_len}
 
     async def models(self, request: Request) -> Response:
         try:
             self.frontend.check_ready()
         except EdgeError as exc:
             return error_response(*render(problem_of(exc)))
-        return json_response(json.dumps({"object": "list", "data": [self._model_card()]}).encode())
+        cards = [self._model_card(name) for name in self.frontend.model_names]
+        return json_response(json.dumps({"object": "list", "data": cards}).encode())
 
     async def model(self, request: Request) -> Response:
         try:
             self.frontend.check_ready()
             model_id = request.path_params["model_id"]
-            if model_id != self.frontend.model_name:
-                raise EdgeError(Failure.NOT_FOUND, f"the model {model_id!r} is not served here; this server serves "
-                                                   f"{self.frontend.model_name!r}", param="model")
+            check_model(model_id, self.frontend.model_names)
         except EdgeError as exc:
             return error_response(*render(problem_of(exc)))
-        return json_response(json.dumps(self._model_card()).encode())
+        return json_response(json.dumps(self._model_card(model_id)).encode())
 
     def _state(self) -> tuple[bool, bool, str]:
         """(alive, ready, what to say)."""

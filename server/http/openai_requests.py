@@ -1,16 +1,20 @@
 """OpenAI request bodies -> the edge-neutral GenerateInput of inputs.py (the path gRPC takes too).
 
 `parse_body` and `translate` run on the Frontend's worker threads: parsing JSON, walking messages
-and checking types are work whose size the client chooses. Only types and the translation's own
-constraints are checked here; values are checked by the shared path (inputs.py, the engine). Every parameter is either translated,
-accepted because it cannot change the output (`user`, `metadata`, ...), or refused with a 400 that
-names it: nothing that would change the output is silently ignored.
+and checking types are work whose size the client chooses. Only types, OpenAI's documented ranges and
+the translation's own constraints are checked here; values are checked by the shared path (inputs.py,
+the engine). The compatibility policy (docs/openai-api.md): a known parameter is translated, accepted
+because it cannot change the output (`user`, `metadata`, ...), or refused with a 400 that names it; a
+top-level field this server does not know is ignored and its name logged once (`FieldPolicy`), or
+refused with --strict-openai-fields.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
 from dataclasses import dataclass
 
 from ..edge_errors import EdgeError, Failure
@@ -18,20 +22,53 @@ from ..engine.request import RequestValidationError
 from ..inputs import ChatTurn, GenerateInput, InputParams
 from .errors import OpenAINames
 
+log = logging.getLogger("lmserve.http")
+
 # OpenAI's default for /v1/completions when max_tokens is left out (chat leaves it to the server)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# Accepted as given and not acted on: they cannot change what is generated.
-NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Accepted as given and not acted on: they cannot change what is generated (hints for caching, routing
+# and abuse tracking on OpenAI's side).
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                       "prompt_cache_retention", "safety_identifier"})
 # Known OpenAI parameters this server does not implement; each is a 400 naming it unless null/default.
 UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
-                         "reasoning_effort", "web_search_options", "echo", "suffix", "best_of",
-                         "verbosity", "prompt_cache_key", "safety_identifier"})
+                         "reasoning_effort", "web_search_options", "echo", "suffix", "best_of", "verbosity"})
 _HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "logit_bias": {}, "tools": [], "functions": []}
+_WHY_NOT = {"functions": "is the deprecated form of tools", "function_call": "is the deprecated form of tool_choice",
+            "reasoning_effort": "applies to reasoning models; the model served here does not reason",
+            "verbosity": "applies to reasoning models; the model served here does not reason"}
 # Chat roles the chat template knows; "developer" is OpenAI's newer name for "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
-# lmserve's own sampling parameters, accepted beside OpenAI's (as other servers accept them)
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "speculate")
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal"})
+# message fields OpenAI defines that this server cannot take (unless null)
+_MESSAGE_REFUSED = frozenset({"tool_calls", "function_call", "audio"})
+# OpenAI's documented ranges; lmserve's own (temperature: any finite value >= 0, as over gRPC) with
+# the extension field `lmserve_ranges: true`
+MAX_OPENAI_TEMPERATURE = 2.0
+
+
+class FieldPolicy:
+    """What a top-level field this server does not know gets: refused with a 400 naming it (strict),
+    or ignored, its name logged once (at most `max_logged` names, so a client cannot grow the set)."""
+
+    def __init__(self, strict: bool = False, max_logged: int = 256):
+        self.strict = strict
+        self.max_logged = max_logged
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def unknown(self, names: list[str], where: str) -> None:
+        if not names:
+            return
+        if self.strict:
+            raise BodyError(names[0], f"is not a parameter of {where} (this server refuses unknown fields: "
+                                      "--strict-openai-fields)")
+        with self._lock:
+            new = [n for n in names if n not in self._logged][: max(0, self.max_logged - len(self._logged))]
+            self._logged.update(new)
+        for name in new:
+            log.warning("ignoring the field %r of %s, which this server does not know (logged once per name; "
+                        "--strict-openai-fields refuses such requests)", name[:64], where)
 
 
 class BodyError(RequestValidationError):
@@ -76,18 +113,21 @@ def _refuse_constant(name: str):
     raise BodyError("body", f"is not valid JSON: {name} is not a number JSON allows")
 
 
-def translate(body: dict, chat: bool) -> OpenAIRequest:
+def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> OpenAIRequest:
     """A parsed body of /v1/chat/completions (chat) or /v1/completions -> OpenAIRequest."""
+    fields = fields or FieldPolicy()
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     r = _Reader(body)
     model = r.get("model", str, required=True)
     for name in sorted(UNSUPPORTED & body.keys()):
         value = body[name]
         if value is not None and _HARMLESS_DEFAULTS.get(name, object()) != value:
-            raise BodyError(name, "is not supported by this server")
-    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+            raise BodyError(name, _WHY_NOT.get(name, "is not supported by this server"))
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = r.get(max_name, int, low=1)
-    if chat and max_name == "max_completion_tokens" and body.get("max_tokens") is not None:
+    if max_name == "max_completion_tokens" and body.get("max_tokens") is not None:
         raise BodyError("max_tokens", "set max_tokens or max_completion_tokens, not both")
+    r.seen.update(("max_tokens", "max_completion_tokens"))
     if not chat and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     stop = r.get("stop", (str, list))
@@ -111,10 +151,17 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
         raise BodyError("stream_options", "is only allowed with stream: true")
     include_usage = bool(_Reader(options or {}, "stream_options.").get("include_usage", bool))
     r.get("user", str)
+    wide = bool(r.get("lmserve_ranges", bool))  # lmserve's own ranges instead of OpenAI's documented ones
+    # the lower bounds, and the penalties' range, are the engine's own (one message for both edges)
+    temperature = _or(r.get("temperature", float, high=None if wide else MAX_OPENAI_TEMPERATURE,
+                            beyond="; lmserve_ranges: true accepts more"), 1.0)  # OpenAI's default is 1
+    top_p = r.get("top_p", float)
+    if top_p == 0.0:  # only the most likely token: greedy decoding
+        top_p, temperature = None, 0.0
     params = InputParams(
         max_new_tokens=max_tokens or 0,
-        temperature=_or(r.get("temperature", float), 1.0),  # OpenAI's default temperature is 1
-        top_p=r.get("top_p", float),
+        temperature=temperature,
+        top_p=top_p,
         seed=r.get("seed", int),
         stop=stop,
         presence_penalty=_or(r.get("presence_penalty", float), 0.0),
@@ -130,13 +177,11 @@ def translate(body: dict, chat: bool) -> OpenAIRequest:
         constraint=constraint,
     )
     if chat:
-        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True)), params=params)
+        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params)
     else:
         r.seen.add("prompt")
         inp = _completion_input(body.get("prompt"), params)
-    unknown = sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT)
-    if unknown:
-        raise BodyError(unknown[0], "is not a parameter of this endpoint")
+    fields.unknown(sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT), endpoint)
     return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
                          include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"))
 
@@ -167,7 +212,7 @@ def _prediction(prediction: dict | None) -> str:
     return _content(prediction["content"], "prediction.content", "user")
 
 
-def _messages(raw: list) -> list[ChatTurn]:
+def _messages(raw: list, fields: FieldPolicy) -> list[ChatTurn]:
     turns = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -175,7 +220,10 @@ def _messages(raw: list) -> list[ChatTurn]:
             raise BodyError(where, f"must be an object, got {_json_type(m)}")
         extra = sorted(m.keys() - _MESSAGE_KEYS)
         if extra:
-            raise BodyError(f"{where}.{extra[0]}", "is not supported by this server")
+            refused = [k for k in extra if k in _MESSAGE_REFUSED and m[k] is not None]
+            if refused:
+                raise BodyError(f"{where}.{refused[0]}", "is not supported by this server")
+            fields.unknown([f"{where}.{k}" for k in extra if k not in _MESSAGE_REFUSED], "a chat message")
         role = m.get("role")
         if role not in _ROLES:
             raise BodyError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {str(role)[:32]!r}")
@@ -236,7 +284,7 @@ class _Reader:
     def __init__(self, body: dict, prefix: str = ""):
         self.body, self.prefix, self.seen = body, prefix, set()
 
-    def get(self, name: str, kind, required: bool = False, low=None, high=None):
+    def get(self, name: str, kind, required: bool = False, low=None, high=None, beyond: str = ""):
         self.seen.add(name)
         value = self.body.get(name)
         where = self.prefix + name
@@ -263,7 +311,7 @@ class _Reader:
         if low is not None and value < low:
             raise BodyError(where, f"must be at least {low}, got {value}")
         if high is not None and value > high:
-            raise BodyError(where, f"must be at most {high}, got {value}")
+            raise BodyError(where, f"must be at most {high}, got {value}{beyond}")
         if isinstance(value, str) and kind is str and name == "model" and not value:
             raise BodyError(where, "must not be empty")
         return value
@@ -276,8 +324,9 @@ def _json_type(value) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def check_model(req: OpenAIRequest, served: str) -> None:
+def check_model(model: str, served: tuple[str, ...]) -> None:
     """An unknown model is a 404, as OpenAI answers it."""
-    if req.model != served:
-        raise EdgeError(Failure.NOT_FOUND, f"the model {req.model!r} is not served here; this server serves "
-                                           f"{served!r} (GET /v1/models)", param="model")
+    if model not in served:
+        names = " or ".join(repr(n) for n in served)
+        raise EdgeError(Failure.NOT_FOUND, f"the model {model[:200]!r} is not served here; this server serves "
+                                           f"{names} (GET /v1/models)", param="model")

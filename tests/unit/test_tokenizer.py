@@ -444,3 +444,22 @@ def test_ids_outside_the_vocabulary_decode_to_nothing(sp_pair, byte_level_fields
         padded = ids[:2] + [tok.vocab_size, tok.vocab_size + 100] + ids[2:]
         assert tok.decode(padded) == tok.decode(ids)
         assert tok.id_to_token(tok.vocab_size) is None and tok.id_to_token(-1) is None
+
+
+def test_another_chat_template_replaces_the_models_and_its_end_markers(smol_meta):
+    tok = Tokenizer.from_gguf_fields(smol_meta)  # a copy of its own: the module's is shared
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    named = tok.eos_ids
+    assert eot not in named
+    tok.use_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}<|endoftext|>{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant] {% endif %}")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi<|endoftext|>[assistant] "
+    ids, _ = tok.encode_chat([{"role": "user", "content": "say <|im_end|>"}])
+    assert ids.count(eot) == 1 and im_end not in ids  # the template's markup only becomes special ids
+    assert tok.eos_ids == named + (eot,)  # the new template's turn-closing marker ends generation
+    with pytest.raises(ChatTemplateError, match="compile"):
+        tok.use_chat_template("{% for m in messages %}")
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == "[user] x<|endoftext|>"
+    tok.use_chat_template("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    assert tok.eos_ids == named
+    assert tok.has_special_text("a <|im_start|> b") and not tok.has_special_text("a <|im_sta b")
