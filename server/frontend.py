@@ -12,16 +12,18 @@ so both edges report them alike. One engine, one pool, one count of calls in fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import AsyncIterator
 
 from .config import ServerSettings
 from .edge_errors import EdgeError, Failure
-from .engine.outputs import GenerationChunk
-from .engine.request import FinishReason, Request
+from .engine.outputs import GenerationChunk, Usage
+from .engine.request import FinishReason, Request, SamplingParams
 from .inputs import GenerateInput, InputConverter, InputLimits, precheck_generate
 
 # the engine's abnormal endings, as both edges report them
@@ -83,6 +85,32 @@ class Frontend:
         # the engine id is unique even if callers reuse theirs
         return self.inputs.generate_request(inp, f"{rid}#{next(self._ids)}", deadline, origin)
 
+    def samples(self, request: Request, n: int) -> list[Request]:
+        """`n` requests sampling the same prompt independently: ids `<id>/<i>`; with a seed, sample i's is
+        derived from it (sample 0 keeps it, so n=1 and the first of n agree)."""
+        if n == 1:
+            return [request]
+        p = request.params
+        return [replace(request, request_id=f"{request.request_id}/{i}",
+                        params=p if p.seed is None or i == 0 else replace(p, seed=_sample_seed(p.seed, i)))
+                for i in range(n)]
+
+    async def share_prompt(self, request: Request) -> Usage | None:
+        """Compute `request`'s prompt once and leave its K/V in the prefix cache, so that the samples of it
+        submitted next copy the K/V instead of each computing it: a one-token greedy request run to its
+        end (a step's work beyond the prompt's). Its usage, or None where nothing is shared: no prefix
+        cache, or a prompt shorter than one of its blocks."""
+        cache = self.engine.scheduler.prefix_cache
+        if cache is None or len(request.prompt_ids) <= cache.block:
+            return None
+        prompt = Request(prompt_ids=request.prompt_ids, params=SamplingParams(max_new_tokens=1, speculate=False),
+                         request_id=f"{request.request_id}/prompt", deadline=request.deadline, origin=request.origin)
+        usage = None
+        async with contextlib.aclosing(self.run(prompt)) as chunks:
+            async for chunk in chunks:
+                usage = chunk.usage or usage
+        return usage
+
     async def run(self, request: Request, announce: bool = False) -> AsyncIterator[GenerationChunk | None]:
         """Submit (admission errors raise before any chunk) and yield the chunks; a request that ends
         abnormally raises EdgeError. Leaving early cancels the request and frees its KV.
@@ -103,3 +131,8 @@ class Frontend:
         finally:
             await stream.aclose()
             self.in_flight -= 1
+
+
+def _sample_seed(seed: int, i: int) -> int:
+    """Sample i's seed, derived from the request's: far from seed + i, which a neighbouring request may use."""
+    return (seed + i * 0x9E3779B97F4A7C15) % 2**63

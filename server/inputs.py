@@ -73,6 +73,7 @@ class InputParams:
     # the output constraint as sent: (kind, its text / True / the choice's strings), None for free text;
     # held by reference (O(1)) and built into a Constraint on a worker thread
     constraint: tuple[str, object] | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, value added to its logit)
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams) -> "InputParams":
@@ -255,6 +256,7 @@ class InputConverter:
             # plain text (never control tokens), as the answer would spell it
             prediction=tuple(self.tokenizer.encode(p.prediction, parse_special=False)) if p.prediction else (),
             constraint=build_constraint(p.constraint),
+            logit_bias=tuple(p.logit_bias),
         )
 
     def generate_request(self, req: GenerateInput, engine_id: str, deadline: float | None,

@@ -60,7 +60,7 @@ class ExplicitAttention:
 
 def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                    histories: list[list[int]], prompts: list[list[int]]) -> SampleOutput:
-    """The reference: every row through every stage (validity, logprobs, penalties rebuilt from the
+    """The reference: every row through every stage (validity, logprobs, logit bias, penalties rebuilt from the
     whole history, temperature and filters with a full sort, the exponential race). The engine uses
     `Sampler`; the tests hold it to these tokens."""
     logits = logits.float()
@@ -70,6 +70,8 @@ def general_sample(logits: Tensor, params: list[SamplingParams], generators: lis
     logits = logits.clone()
     V = logits.shape[1]
     for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            logits[i, token] += bias
         if has_penalties(p):
             logits[i] = PenaltyState(prompts[i], histories[i], V, logits.device).apply(logits[i], p)
     tokens = logits.argmax(dim=-1)  # [N]

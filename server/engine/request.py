@@ -28,6 +28,9 @@ MAX_PREDICTION_TOKENS = 4096
 GREEDY_TEMPERATURE = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_ABS_ADDITIVE_PENALTY = 2.0
+# logit_bias: token ids biased per request, and the bias's range (OpenAI's: -100 bans a token, 100 all but forces it)
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
 
 _ids = itertools.count(1)
 
@@ -70,6 +73,7 @@ class SamplingParams:
     speculate: bool = True  # False: never verify drafted tokens for this request (the output is the same)
     prediction: tuple[int, ...] = ()  # tokens the output is expected to repeat: a source of drafts (ngram.py)
     constraint: Constraint | None = None  # the output's shape (constraints/spec.py); None: free text
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), applied like a mask
 
     def __post_init__(self):
         if 0 < self.temperature < GREEDY_TEMPERATURE:
@@ -81,6 +85,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if not isinstance(self.prediction, tuple):
             object.__setattr__(self, "prediction", tuple(self.prediction))
+        if not isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
 
     def violations(self, vocab_size: int | None = None, max_new_tokens_cap: int | None = None) -> list[tuple[str, str]]:
         v: list[tuple[str, str]] = []
@@ -125,12 +131,24 @@ class SamplingParams:
             bad("prediction", f"at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction)}")
         elif any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in self.prediction):
             bad("prediction", f"holds ids outside the vocabulary [0, {vocab_size or 'vocab size'})")
+        v += self._logit_bias_violations(vocab_size)
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.constraint is not None and self.ignore_eos:
             bad("ignore_eos", f"cannot be combined with a constraint ({self.constraint.field}): the output ends "
                               "where the constraint is complete")
         return v
+
+    def _logit_bias_violations(self, vocab_size: int | None) -> list[tuple[str, str]]:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            return [("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")]
+        for token, value in self.logit_bias:
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                return [("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size or 'vocab size'})")]
+            if not (math.isfinite(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+                return [("logit_bias", f"the bias of token {token} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                                       f"{MAX_ABS_LOGIT_BIAS:g}], got {value}")]
+        return []
 
 
 @dataclass

@@ -8,8 +8,9 @@ updated with each new token instead of being rebuilt from the history every step
 
 Constrained rows (a request with a compiled constraint) first have the ids their constraint does
 not allow set to -inf, before any of that, greedy included; their matcher takes the sampled token at
-once and starts computing the next step's mask (constraints/state.py). Their log-probabilities are
-the model's own, from the logits before the mask.
+once and starts computing the next step's mask (constraints/state.py). A request's `logit_bias` is
+added there too. The log-probabilities of those rows are the model's own, from the logits before the
+mask and the bias.
 
 `general_sample` is the straightforward reference (every row through every stage); the fast path
 returns exactly its tokens, which the tests check row type by row type.
@@ -150,6 +151,7 @@ class SamplingState:
 
     generator: torch.Generator | None = None  # made on the first temperature > 0 step
     penalties: PenaltyState | None = None  # made on the first penalised step
+    bias: tuple[Tensor, Tensor] | None = None  # logit_bias as (ids [K], values [K]) on the logits' device
 
 
 def _state(seq) -> SamplingState:
@@ -170,6 +172,18 @@ def _generator(seq, device: torch.device) -> torch.Generator:
     if state.generator is None:
         state.generator = make_generator(seq.request.params.seed, device)
     return state.generator
+
+
+def add_logit_bias(logits: Tensor, seqs, rows: list[int]) -> None:
+    """Add, in place, each row's request `logit_bias` to its logits [N, V] (the tensors made once per sequence)."""
+    with torch.inference_mode():  # the model's logits are inference tensors: updated in place, not copied
+        for i in rows:
+            state = _state(seqs[i])
+            if state.bias is None:
+                ids, values = zip(*seqs[i].request.params.logit_bias)
+                state.bias = (torch.tensor(ids, device=logits.device),
+                              torch.tensor(values, dtype=logits.dtype, device=logits.device))
+            logits[i].index_add_(0, *state.bias)
 
 
 def _constraint_state(seq) -> ConstraintState:
@@ -229,13 +243,16 @@ class Sampler:
         in it), which a constrained row needs: its mask is the constraint's after the draft's first j
         tokens."""
         constrained = [i for i, seq in enumerate(seqs) if seq.request.compiled is not None]
-        unmasked: dict[int, Tensor] = {}
+        biased = [i for i, seq in enumerate(seqs) if seq.request.params.logit_bias]
+        unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask and the bias
+                    for i in {*constrained, *biased} if seqs[i].request.params.logprobs is not None}
+        if biased:
+            add_logit_bias(logits, seqs, biased)
         if constrained:
-            unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask
-                        for i in constrained if seqs[i].request.params.logprobs is not None}
             mask_logits(logits, constrained, _constraint_masks(seqs, constrained, drafts))  # in place
         row_max, tokens = _row_max(logits)  # [N], [N]: greedy tokens; NaN propagates through max
-        if logits.device.type == "cuda" and not constrained and all(_plain_greedy(seq.request.params) for seq in seqs):
+        if (logits.device.type == "cuda" and not constrained and not biased
+                and all(_plain_greedy(seq.request.params) for seq in seqs)):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
         ok = [math.isfinite(m) for m in row_max.tolist()]  # a constrained row with nothing allowed is not finite
         token_list = tokens.tolist()

@@ -27,12 +27,14 @@ from starlette.routing import Route
 
 from ..auth import BearerTokens
 from ..edge_errors import EdgeError, Failure
-from ..engine.outputs import GenerationResult
+from ..engine.outputs import GenerationResult, Usage
 from ..engine.request import RequestValidationError
 from ..frontend import Frontend, new_request_id
 from .errors import error_body, problem_of, render, renamed
-from .openai_requests import FieldPolicy, OpenAIRequest, check_model, parse_body, translate
-from .openai_responses import DONE, StreamEvents, completion_body, error_event, logprobs_of
+from .choices import admit, gather_all, merged
+from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, check_model, parse_body, translate
+from .openai_responses import (DONE, StreamEvents, choice_body, completion_body, error_event, logprobs_of,
+                               total_usage)
 from .sse import EventStream, unless_disconnected
 
 log = logging.getLogger("lmserve.http")
@@ -103,32 +105,37 @@ class OpenAIEdge:
         try:
             self.frontend.check_accepting()
             raw = await self._body(request)
-            req, engine_request = await self.frontend.offload(self._prepare, raw, chat, rid)
+            req, samples = await self.frontend.offload(self._prepare, raw, chat, rid)
             names = req.names
-            chunks = self.frontend.run(engine_request, announce=True)
-            await chunks.__anext__()  # admitted (a full queue, a drain: raised here, before any answer)
+            # n samples of one prompt: the prompt computed once, its K/V copied from the prefix cache
+            shared = await self.frontend.share_prompt(samples[0]) if len(samples) > 1 else None
+            # admitted (a full queue, a drain: raised here, before any answer)
+            runs = await admit([self.frontend.run(s, announce=True) for s in samples])
         except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
             status, body = render(problem_of(exc, names))
             return error_response(status, body, rid if _printable(rid) else None)
         headers = {"x-request-id": rid}
         created = int(time.time())
         if req.stream:
-            return EventStream(self._events(req, rid, created, chunks), headers)
-        return await self._whole(request, req, rid, created, chunks, headers)
+            return EventStream(self._events(req, rid, created, runs, shared), headers)
+        return await self._whole(request, req, rid, created, runs, shared, headers)
 
-    def _prepare(self, raw: bytes, chat: bool, rid: str):
-        """On a worker thread: body -> OpenAIRequest -> engine Request (the path gRPC requests take)."""
+    def _prepare(self, raw: bytes, chat: bool, rid: str) -> tuple[OpenAIRequest, list]:
+        """On a worker thread: body -> OpenAIRequest -> engine Requests, one per choice (the path gRPC
+        requests take)."""
         req = translate(parse_body(raw), chat, self.fields)
         check_model(req.model, self.frontend.model_names)
+        if req.n > self.frontend.engine.max_batch:
+            raise BodyError("n", f"at most {self.frontend.engine.max_batch} choices (--max-batch), got {req.n}")
         try:
             engine_request = self.frontend.request_for(replace(req.input, request_id=rid), rid, None, "http")
         except RequestValidationError as exc:
             raise renamed(exc, req.names) from None
-        return req, engine_request
+        return req, self.frontend.samples(engine_request, req.n)
 
-    async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, chunks,
-                     headers: dict) -> Response:
-        async def collect() -> GenerationResult:
+    async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, runs: list,
+                     shared: Usage | None, headers: dict) -> Response:
+        async def collect(chunks) -> GenerationResult:
             result = GenerationResult(request_id=rid)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
@@ -136,36 +143,43 @@ class OpenAIEdge:
             return result
 
         try:
-            result = await unless_disconnected(request.receive, collect())
-            if result is None:  # the client left: its request was cancelled
+            results = await unless_disconnected(request.receive, gather_all([collect(c) for c in runs]))
+            if results is None:  # the client left: its requests were cancelled
                 return Response(status_code=499)
-            lps = None
-            if req.logprobs:
-                lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, result.logprobs, req.chat)
+            choices = []
+            for i, result in enumerate(results):
+                lps = None
+                if req.logprobs:
+                    lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, result.logprobs, req.chat)
+                choices.append(choice_body(req, i, result.text, result.finish_reason, lps))
         except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
             status, body = render(problem_of(exc, req.names))
             return error_response(status, body, rid)
-        body = completion_body(req, rid, created, result.text, result.finish_reason, result.usage, lps)
-        return json_response(body, headers=headers)
+        usage = total_usage([r.usage for r in results], shared)
+        return json_response(completion_body(req, rid, created, choices, usage), headers=headers)
 
-    async def _events(self, req: OpenAIRequest, rid: str, created: int, chunks):
+    async def _events(self, req: OpenAIRequest, rid: str, created: int, runs: list, shared: Usage | None):
         """The SSE events of a streamed answer; an error after the start is an event, then [DONE]."""
         events = StreamEvents(req, rid, created)
-        offset = 0
+        offsets = [0] * len(runs)
+        usages = [None] * len(runs)
         try:
-            async with contextlib.aclosing(chunks):
-                if req.chat:
-                    yield events.role()
-                async for chunk in chunks:
+            if req.chat:
+                for i in range(len(runs)):
+                    yield events.role(i)
+            async with contextlib.aclosing(merged(runs)) as chunks:
+                async for i, chunk in chunks:
                     lps = None
                     if req.logprobs:
                         lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, chunk.logprobs,
-                                                          req.chat, offset)
-                        offset += len(chunk.text)
+                                                          req.chat, offsets[i])
+                        offsets[i] += len(chunk.text)
                     if chunk.text or chunk.finished or lps:
-                        yield events.piece(chunk.text, lps, chunk.finish_reason)
-                    if chunk.finished and req.include_usage:
-                        yield events.usage(chunk.usage)
+                        yield events.piece(chunk.text, lps, chunk.finish_reason, i)
+                    if chunk.finished:
+                        usages[i] = chunk.usage
+            if req.include_usage:
+                yield events.usage(total_usage(usages, shared))
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error becomes an event
             yield error_event(problem_of(exc, req.names))
         yield DONE

@@ -31,9 +31,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                        "prompt_cache_retention", "safety_identifier"})
 # Known OpenAI parameters this server does not implement; each is a 400 naming it unless null/default.
-UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
+UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "audio", "modalities",
                          "reasoning_effort", "web_search_options", "echo", "suffix", "best_of", "verbosity"})
-_HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "logit_bias": {}, "tools": [], "functions": []}
+_HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "tools": [], "functions": []}
 _WHY_NOT = {"functions": "is the deprecated form of tools", "function_call": "is the deprecated form of tool_choice",
             "reasoning_effort": "applies to reasoning models; the model served here does not reason",
             "verbosity": "applies to reasoning models; the model served here does not reason"}
@@ -45,6 +45,8 @@ _MESSAGE_REFUSED = frozenset({"tool_calls", "function_call", "audio"})
 # OpenAI's documented ranges; lmserve's own (temperature: any finite value >= 0, as over gRPC) with
 # the extension field `lmserve_ranges: true`
 MAX_OPENAI_TEMPERATURE = 2.0
+# choices per request (n) at most, as OpenAI allows; the engine's --max-batch may allow fewer
+MAX_CHOICES = 128
 
 
 class FieldPolicy:
@@ -90,6 +92,7 @@ class OpenAIRequest:
     include_usage: bool = False
     logprobs: bool = False  # return log-probabilities (chat: logprobs true; completions: logprobs set)
     user: str | None = None  # also a conversation key for load balancers (deploy/nginx)
+    n: int = 1  # choices: samples of the same prompt
 
 
 def parse_body(raw: bytes) -> dict:
@@ -141,9 +144,7 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
     else:
         logprobs = r.get("logprobs", int)
         want_logprobs = logprobs is not None
-    n = r.get("n", int, low=1)
-    if n not in (None, 1):
-        raise BodyError("n", "only n=1 is served; send n requests (they share the prompt's prefix cache)")
+    n = _or(r.get("n", int, low=1, high=MAX_CHOICES), 1)
     constraint = _response_format(r.get("response_format", dict))
     stream = bool(r.get("stream", bool))
     options = r.get("stream_options", dict)
@@ -175,6 +176,7 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
         speculate=_or(r.get("speculate", bool), True),
         prediction=_prediction(r.get("prediction", dict)) if chat else "",
         constraint=constraint,
+        logit_bias=_logit_bias(r.get("logit_bias", dict)),
     )
     if chat:
         inp = GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params)
@@ -183,7 +185,7 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
         inp = _completion_input(body.get("prompt"), params)
     fields.unknown(sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT), endpoint)
     return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
-                         include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"))
+                         include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"), n=n)
 
 
 def _response_format(fmt: dict | None) -> tuple[str, object] | None:
@@ -201,6 +203,20 @@ def _response_format(fmt: dict | None) -> tuple[str, object] | None:
             raise BodyError("response_format.json_schema.schema", "must be a JSON schema object")
         return "json_schema", json.dumps(spec["schema"])
     raise BodyError("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} -> ((id, bias), ...); the ids' and values' ranges are the engine's to check."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.lstrip("-").isdigit()):
+            raise BodyError("logit_bias", f"keys must be token ids (integers, as strings), got {key[:32]!r}")
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise BodyError("logit_bias", f"the bias of token {key} must be a number, got {_json_type(value)}")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def _prediction(prediction: dict | None) -> str:

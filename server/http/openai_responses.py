@@ -78,18 +78,30 @@ def logprobs_of(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0)
             "top_logprobs": [{dec([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
-def completion_body(req: OpenAIRequest, rid: str, created: int, text: str, finish: FinishReason,
-                    usage: Usage | None, logprobs: dict | None) -> bytes:
-    """A whole (not streamed) response."""
+def choice_body(req: OpenAIRequest, index: int, text: str, finish: FinishReason, logprobs: dict | None) -> dict:
+    """One choice of a whole response."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": FINISH.get(finish, "stop")}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, "stop")}
-        obj = "text_completion"
-    return _dumps({"id": response_id(req, rid), "object": obj, "created": created, "model": req.model,
-                   "choices": [choice], "usage": usage_of(usage)}).encode()
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": FINISH.get(finish, "stop")}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, "stop")}
+
+
+def completion_body(req: OpenAIRequest, rid: str, created: int, choices: list[dict], usage: Usage | None) -> bytes:
+    """A whole (not streamed) response."""
+    return _dumps({"id": response_id(req, rid), "object": "chat.completion" if req.chat else "text_completion",
+                   "created": created, "model": req.model, "choices": choices, "usage": usage_of(usage)}).encode()
+
+
+def total_usage(usages: list[Usage], prompt: Usage | None = None) -> Usage:
+    """The usage of n samples of one prompt: the prompt counted once (`prompt`: the request that computed
+    it for them to share, when there was one), the completions' tokens and drafts summed."""
+    first = usages[0]
+    if len(usages) == 1:
+        return first
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_prompt_tokens=(prompt or first).cached_prompt_tokens,
+                 draft_tokens=sum(u.draft_tokens for u in usages),
+                 accepted_draft_tokens=sum(u.accepted_draft_tokens for u in usages))
 
 
 def response_id(req: OpenAIRequest, rid: str) -> str:
@@ -108,16 +120,17 @@ class StreamEvents:
         self._text_key = '"delta":{"content":' if req.chat else '"text":'
         self._text_end = '}' if req.chat else ''
 
-    def role(self) -> bytes:
-        """Chat's first event: the assistant's role, no content yet."""
-        return (self._head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-                '"finish_reason":null}' + self._tail).encode()
+    def role(self, index: int = 0) -> bytes:
+        """Chat's first event of a choice: the assistant's role, no content yet."""
+        return (f'{self._head}{{"index":{index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                f'"finish_reason":null}}{self._tail}').encode()
 
-    def piece(self, text: str, logprobs: dict | None = None, finish: FinishReason | None = None) -> bytes:
-        """New text (with its log-probabilities), and the finish reason on the last one."""
+    def piece(self, text: str, logprobs: dict | None = None, finish: FinishReason | None = None,
+              index: int = 0) -> bytes:
+        """New text of a choice (with its log-probabilities), and the finish reason on its last one."""
         fr = "null" if finish is None else f'"{FINISH.get(finish, "stop")}"'
         lp = "null" if logprobs is None else _dumps(logprobs)
-        return (f'{self._head}{{"index":0,{self._text_key}{_dumps(text)}{self._text_end},"logprobs":{lp},'
+        return (f'{self._head}{{"index":{index},{self._text_key}{_dumps(text)}{self._text_end},"logprobs":{lp},'
                 f'"finish_reason":{fr}}}{self._tail}').encode()
 
     def usage(self, usage: Usage | None) -> bytes:

@@ -187,10 +187,10 @@ async def test_async_client_streams_and_answers(server, model_id, training_promp
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=100000), "max_tokens"),
     (dict(stop=["x"] * 17), "stop"),
-    (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias"),
+    (dict(extra_body={"logit_bias": {"5": 200}}), "logit_bias"),
     (dict(extra_body={"echo": True}), "echo"),
     (dict(temperature=2.5), "temperature"),  # OpenAI's documented range (lmserve_ranges: true for more)
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
     (dict(logprobs=21), "logprobs"),
 ])
 def test_a_bad_or_unsupported_parameter_is_a_400_naming_it(client, model_id, kwargs, param):

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lmserve.server.engine.request import (
-    GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    GREEDY_TEMPERATURE, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     REPETITION_PENALTY_RANGE, Request, RequestValidationError, SamplingParams,
 )
 
@@ -66,6 +66,12 @@ BAD_PARAMS = [
     (dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    (dict(logit_bias=((5, 100.5),)), "logit_bias"),
+    (dict(logit_bias=((5, -101.0),)), "logit_bias"),
+    (dict(logit_bias=((5, math.nan),)), "logit_bias"),
+    (dict(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
+    (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+    (dict(logit_bias=tuple((i % VOCAB, 1.0) for i in range(MAX_LOGIT_BIAS_TOKENS + 1))), "logit_bias"),
 ]
 
 
@@ -101,6 +107,7 @@ def test_each_bad_prompt_is_named(prompt, max_new, field):
     dict(stop_token_ids=(0, VOCAB - 1)),
     dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
     dict(ignore_eos=True),
+    dict(logit_bias=((0, -100.0), (VOCAB - 1, 100.0))),
 ])
 def test_boundary_values_are_accepted(params):
     assert fields_of(**params) == []

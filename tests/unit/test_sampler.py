@@ -148,6 +148,38 @@ def test_fast_path_gives_the_general_paths_tokens_and_logprobs_step_after_step(v
     assert len({tuple(h) for h in hist}) > 6  # the rows really differ
 
 
+BIASED = [
+    SamplingParams(logit_bias=((3, -100.0), (17, 6.5))),
+    SamplingParams(logit_bias=((0, 100.0),), logprobs=2),
+    SamplingParams(temperature=0.9, seed=8, logit_bias=tuple((t, -100.0) for t in range(8)), logprobs=1),
+    SamplingParams(repetition_penalty=1.2, logit_bias=((5, 3.0), (6, -2.5))),
+    SamplingParams(),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_is_added_before_every_stage_and_logprobs_stay_the_models(dtype):
+    """Rows with a bias beside rows without, greedy and sampled, with penalties and logprobs, for 8
+    steps: the reference's tokens (the bias added to the logits first) and its log-probabilities
+    (before the bias); -100 keeps a token out, +100 chooses it."""
+    gen = torch.Generator().manual_seed(12)
+    prompts = [[1, 2, 3]] * len(BIASED)
+    fast_seqs = seqs_for(BIASED, prompts=prompts)
+    ref_gens = [make_generator(p.seed, CPU) if p.temperature > 0 else None for p in BIASED]
+    hist = [[] for _ in BIASED]
+    sampler = Sampler()
+    for _ in range(8):
+        logits = (torch.randn(len(BIASED), V, generator=gen) * 3).to(dtype)
+        logits[:, :8] += 5
+        ref = general_sample(logits.clone(), BIASED, ref_gens, hist, prompts)
+        fast = sampler(logits, fast_seqs)
+        assert fast.token_ids == ref.token_ids and fast.logprobs == ref.logprobs
+        assert fast.token_ids[0] != 3 and fast.token_ids[1] == 0 and fast.token_ids[2] >= 8
+        for i, t in enumerate(fast.token_ids):
+            fast_seqs[i].output_ids.append(t)
+            hist[i].append(t)
+
+
 def test_a_nan_row_fails_alone_in_a_mixed_batch_and_the_others_keep_their_tokens():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(len(MIXED), V, generator=gen)
