@@ -24,13 +24,14 @@ test: $(STAMP)
 	sh deploy/ci/install-test-deps.sh  # nginx and prometheus for the deployment tests (apt, once)
 	$(BIN)/pytest -q
 
+# The throughput benchmark; its report goes to reports/engine/<machine>.json (`lmserve bench --help` lists the others).
 bench: $(STAMP)
-	$(BIN)/python -m lmserve.server.bench.engine_bench --out reports/engine_bench.json
+	$(BIN)/lmserve bench engine
 
 # On a CUDA host (a CUDA build of torch in the environment): the GPU tests, then the benchmark in bfloat16.
 cuda-check: $(STAMP)
 	$(BIN)/pytest -q -s tests/unit/test_cuda_model.py tests/integration/test_cuda_metrics.py
-	$(BIN)/python -m lmserve.server.bench.engine_bench --device cuda --out reports/engine_bench_cuda.json
+	$(BIN)/lmserve bench engine --device cuda
 
 clean:
 	rm -rf $(VENV) .cache

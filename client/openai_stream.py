@@ -1,4 +1,4 @@
-"""A small asyncio client for OpenAI-compatible streaming completions, for ``lmserve bench --api openai``.
+"""A small asyncio client for OpenAI-compatible streaming completions, for ``lmserve bench load --api openai``.
 
 It speaks HTTP/1.1 with keep-alive over asyncio streams (no dependency beyond the standard library),
 sends `/v1/chat/completions` for chat prompts and `/v1/completions` for text or token ids, and reads

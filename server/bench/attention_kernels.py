@@ -1,7 +1,6 @@
 """Prompt attention's cost per layer, this build beside another revision's, in one run.
 
-    python -m lmserve.server.bench.attention_kernels --baseline-rev HEAD~1 \\
-        --out reports/attention_kernels.json
+    lmserve bench attention-kernels --baseline-rev HEAD~1
 
 A prompt chunk late in a long prompt attends over thousands of cached keys: with 8 streams decoding
 beside it, that attention is most of a mixed step (a 16-token chunk after 2,500 keys: ~10 ms of a
@@ -16,19 +15,24 @@ A benchmark, not a test: run it on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from ...model import native
 from ...model.prompt_attention import PromptAttention
-from .machine import lscpu, taking_turns, write_report
+from .machine import taking_turns
+
+FLAGS = {"rounds": 7}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--baseline-rev", default=None, help="a git revision whose kernels run beside this build's")
+    p.add_argument("--calls", type=int, default=10, help="calls timed per shape and round (their median)")
 
 SHAPES = ((16, 1000), (16, 2500), (32, 2500), (64, 2500), (512, 0), (512, 2000))
 H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache slot of 4,096 positions
@@ -58,14 +62,7 @@ def library_at(rev: str, into: Path):
     return lib, commit
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline-rev", default=None, help="a git revision whose kernels run beside this build's")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=10, help="calls timed per shape and round (their median)")
-    ap.add_argument("--out", type=Path, default=Path("reports/attention_kernels.json"))
-    args = ap.parse_args(argv)
-
+def run(args) -> dict:
     lib, _ = native.load()
     if lib is None or not PromptAttention.built(lib):
         raise SystemExit("the prompt-attention kernel is not built on this machine (it needs AVX-512 BF16)")
@@ -116,20 +113,13 @@ def main(argv=None) -> None:
         for r in rows:
             if r["kernel"] == "this build":
                 r["speedup_over_baseline"] = round(base[(r["cache"], r["path"], r["tokens"], r["start"])] / r["ms_per_layer"], 3)
-    report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rounds": args.rounds,
-              "shape": {"heads": H, "kv_heads": HKV, "head_dim": D}, "baseline_rev": args.baseline_rev,
+    report = {"threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": HKV, "head_dim": D},
               "baseline_commit": baseline_commit,
-              "note": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
-                      "turns within every round", "rows": rows}
-    write_report(args.out, report)
+              "timing": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
+                        "turns within every round", "rows": rows}
     for r in rows:
         if r["kernel"] == "this build":
             extra = f"  {r['speedup_over_baseline']:.2f}x the baseline" if "speedup_over_baseline" in r else ""
             print(f"{r['cache']:8s} {r['path']:6s} T={r['tokens']:4d} after {r['start']:5d}: "
                   f"{r['ms_per_layer']:.3f} ms ({r['gflop_s']:.0f} GFLOP/s){extra}")
-    print("wrote", args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return report

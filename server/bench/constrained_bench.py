@@ -1,6 +1,6 @@
 """What constrained decoding costs: inter-token latency with and without a JSON schema, side by side.
 
-    python -m lmserve.server.bench.constrained_bench --out reports/constrained_bench.json
+    lmserve bench constrained [--concurrency 1 32] [--rounds 5]
 
 In one process, on one engine, rounds alternate an unconstrained and a constrained run of the same
 chat prompts at each concurrency, so a busy machine slows both alike; the report gives each
@@ -10,15 +10,16 @@ vocabulary index, and the share of constrained outputs the jsonschema library va
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-from .machine import lscpu, write_report
+from lmserve.client.bench.harness import MODEL
+
+from . import engine_wave
+from .machine import load_from_arguments
+
+FLAGS = {**MODEL, "concurrency": [1, 32], "rounds": 5, "max_new_tokens": 96}
 
 SCHEMA = {
     "type": "object",
@@ -41,41 +42,23 @@ def _chat_ids(tok, i: int) -> list[int]:
     return tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"}])[0]
 
 
-async def _wave(engine, tok, c: int, n: int, constrained: bool) -> dict:
+def _wave(engine, tok, c: int, n: int, constrained: bool) -> dict:
     from ..engine.constraints import Constraint
     from ..engine.request import FinishReason, Request, SamplingParams
 
-    gaps: list[float] = []
-    texts: list[str] = []
-    cut = 0  # constrained answers the token limit ended before the object closed
-    tokens = 0
-
-    async def one(i: int):
-        nonlocal tokens, cut
-        # a constrained answer runs to its end (the schema bounds it: ~100 tokens at most); the
-        # unconstrained one decodes n tokens, EOS ignored; ITL is compared per token
-        p = (SamplingParams(max_new_tokens=4 * n, constraint=Constraint.json_schema(SCHEMA)) if constrained
-             else SamplingParams(max_new_tokens=n, ignore_eos=True))
-        last, out = None, []
-        async for ch in engine.generate(Request(_chat_ids(tok, i), p)):
-            now = time.perf_counter()
-            if ch.token_ids:
-                if last is not None:
-                    gaps.append((now - last) / len(ch.token_ids))
-                last = now
-                tokens += len(ch.token_ids)
-            out.append(ch.text)
-        texts.append("".join(out))
-        cut += ch.finish_reason is FinishReason.LENGTH and constrained
-
+    # a constrained answer runs to its end (the schema bounds it: ~100 tokens at most); the
+    # unconstrained one decodes n tokens, EOS ignored; ITL is compared per token
+    p = (SamplingParams(max_new_tokens=4 * n, constraint=Constraint.json_schema(SCHEMA)) if constrained
+         else SamplingParams(max_new_tokens=n, ignore_eos=True))
     before = engine.phase_times.copy()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(c)))
-    seconds = time.perf_counter() - t0
+    w = engine_wave.wave(engine, [Request(_chat_ids(tok, i), p) for i in range(c)])
     phases = engine.phase_times.per_step_ms(before)  # the mask is applied in "sample", advanced in "process"
-    return {"itl_ms_median": statistics.median(gaps) * 1e3, "tokens": tokens, "tok_per_s": tokens / seconds,
+    gaps = [g for s in w.streams for g in s.gaps()]
+    # constrained answers the token limit ended before the object closed
+    cut = sum(s.finish_reason is FinishReason.LENGTH for s in w.streams) if constrained else 0
+    return {"itl_ms_median": statistics.median(gaps) * 1e3, "tokens": w.tokens, "tok_per_s": w.tokens / w.seconds,
             "length_cut": cut, "model_ms_per_step": phases["model"], "sample_ms_per_step": phases["sample"],
-            "process_ms_per_step": phases["process"], "texts": texts}
+            "process_ms_per_step": phases["process"], "texts": [s.text for s in w.streams]}
 
 
 def _valid(text: str) -> bool:
@@ -88,7 +71,7 @@ def _valid(text: str) -> bool:
         return False
 
 
-def run(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
+def measure(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
     from ..engine import Engine, EngineSettings
     from ..engine.constraints import Constraint
     from ..engine.constraints.compiler import ConstraintCompiler
@@ -114,12 +97,12 @@ def run(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
                                            speculation="off")).start()
     rows, valid, total = [], 0, 0
     try:
-        asyncio.run(_wave(engine, tok, 1, 8, True))  # warm: the vocabulary index and the first compile
+        _wave(engine, tok, 1, 8, True)  # warm: the vocabulary index and the first compile
         for c in concurrencies:
             ratios, pairs = [], []
             for r in range(rounds):
-                free = asyncio.run(_wave(engine, tok, c, n, False))
-                held = asyncio.run(_wave(engine, tok, c, n, True))
+                free = _wave(engine, tok, c, n, False)
+                held = _wave(engine, tok, c, n, True)
                 ratios.append(held["itl_ms_median"] / free["itl_ms_median"])
                 pairs.append({"unconstrained": {k: round(v, 3) for k, v in free.items() if k != "texts"},
                               "constrained": {k: round(v, 3) for k, v in held.items() if k != "texts"}})
@@ -145,30 +128,11 @@ def run(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
                     "limit would count as invalid (each round's length_cut)"}
 
 
-def main(argv=None) -> int:
-    from lmserve.model.loader import load_model
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default=None, help="served dtype (default: as the server would choose)")
-    ap.add_argument("--quantization", default=None)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--note", default="", help="what the report should say about the machine (e.g. shared)")
-    ap.add_argument("--out", type=Path, default=Path("reports/constrained_bench.json"))
-    args = ap.parse_args(argv)
-    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
-    report = run(loaded, args.concurrency, args.rounds, args.max_new_tokens)
-    report.update(model=args.model, dtype=str(loaded.dtype).removeprefix("torch."), machine=lscpu(), note=args.note,
-                  date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), max_new_tokens=args.max_new_tokens)
-    write_report(args.out, report)
+def run(args) -> dict:
+    loaded = load_from_arguments(args)
+    report = {"mode": loaded.mode, **measure(loaded, args.concurrency, args.rounds, args.max_new_tokens)}
     for row in report["itl"]:
         print(f"c={row['concurrency']}: constrained/unconstrained ITL {row['itl_ratio_median']} ({row['itl_ratios']}); "
               f"the constraint adds {row['added_host_ms_per_step']} ms of host time to a {row['model_ms_per_step']} ms step")
     print("compile:", report["compile"], "valid:", report["valid_outputs"])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

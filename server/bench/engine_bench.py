@@ -1,47 +1,41 @@
 """Throughput benchmark: the offline engine, Hugging Face `generate`, and the gRPC server, side by side.
 
-    python -m lmserve.server.bench.engine_bench --out reports/engine_bench.json
+    lmserve bench engine [--concurrency 1 8 32 64] [--device cuda]
 
 Every section decodes the same chat prompts for the same number of tokens (EOS ignored), so
-output tokens/s compare directly. Results go to a JSON file; a table is printed. This is a
-benchmark, not a test: run it on a quiet machine.
+output tokens/s compare directly. A table is printed; `--table REPORT` prints an old report's. This
+is a benchmark, not a test: run it on a quiet machine.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import os
-import platform
-import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
-from .machine import lscpu
+from lmserve.client.bench.harness import MODEL
+
+from . import engine_wave, served
+
+FLAGS = {**MODEL, "concurrency": [1, 8, 32, 64], "max_new_tokens": 128,
+         "skip": ("engine", "other-loop", "hf", "grpc", "kernels", "quality", "prefill")}
 
 
-def chat_prompts(n: int) -> list[list[dict]]:
-    from lmserve.client.bench import synthetic_workload
+def add_arguments(p) -> None:
+    p.add_argument("--max-model-len", type=int, default=1024, help="context per request (sizes the KV cache)")
+    p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
+
+
+def chat_messages(n: int) -> list[list[dict]]:
+    from lmserve.client.bench.prompts import synthetic_workload
 
     items = synthetic_workload()
     return [[{"role": m.role, "content": m.content} for m in items[i % len(items)].prompt] for i in range(n)]
 
 
-def prompt_ids(tok, c: int) -> list[list[int]]:
-    return [tok.encode(tok.apply_chat_template(m)) for m in chat_prompts(c)]
-
-
 def bench_engine(loaded, concurrencies, max_new, max_model_len, overlap_steps: bool | None = None) -> list[dict]:
     """Waves of c requests through the engine's async API; `overlap_steps` None: the device's default loop."""
-    from ..engine import Engine, EngineSettings, Request, SamplingParams
+    from ..engine import Engine, EngineSettings
 
     tok = loaded.tokenizer
     # no prefix cache: every wave sends the same prompts, and transformers gets no such reuse either
@@ -49,25 +43,16 @@ def bench_engine(loaded, concurrencies, max_new, max_model_len, overlap_steps: b
                                            prefix_cache=False, overlap_steps=overlap_steps)).start()
     label = "engine" if overlap_steps is None else ("overlapped" if overlap_steps else "sequential")
 
-    async def wave(c: int, n_tokens: int) -> float:
-        prompts = prompt_ids(tok, c)
-        t0 = time.perf_counter()
-
-        async def one(ids):
-            n = 0
-            async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=n_tokens, ignore_eos=True))):
-                n += len(ch.token_ids)
-            return n
-
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        assert all(k == n_tokens for k in counts), counts
-        return time.perf_counter() - t0
+    def wave(c: int, n_tokens: int) -> float:
+        w = engine_wave.greedy(engine, engine_wave.chat_prompts(tok, c), n_tokens)
+        assert all(len(s.token_ids) == n_tokens for s in w.streams), [len(s.token_ids) for s in w.streams]
+        return w.seconds
 
     rows = []
     try:
-        asyncio.run(wave(2, 8))  # warm-up
+        wave(2, 8)  # warm-up
         for c in concurrencies:
-            dt = asyncio.run(wave(c, max_new))
+            dt = wave(c, max_new)
             rows.append({"concurrency": c, "seconds": dt, "output_tokens_per_s": c * max_new / dt})
             print(f"{label:13s} c={c:3d}: {c * max_new / dt:8.1f} tok/s ({dt:.1f} s)", flush=True)
     finally:
@@ -93,7 +78,7 @@ def bench_hf(gguf_path: Path, concurrencies, max_new, device, dtype) -> list[dic
     model = model.to(device).eval()
     rows = []
     for c in concurrencies:
-        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat_prompts(c)]
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat_messages(c)]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -144,43 +129,18 @@ def bench_prefill(loaded, prompt_tokens: int = 1500, repeats: int = 2) -> dict:
     """Prompt tokens/s of one ~1,500-token prompt through the engine (prefill in token-budget chunks)."""
     from lmserve.model import quality as Q
 
-    from ..engine import Engine, EngineSettings, Request, SamplingParams
+    from ..engine import Engine, EngineSettings
 
     ids = Q.text_ids(loaded.tokenizer)
     ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     # no prefix cache: the repeats would find the whole prompt cached and time nothing
     engine = Engine(loaded, EngineSettings(max_batch=2, max_model_len=prompt_tokens + 8, prefix_cache=False)).start()
-    best = float("inf")
-
-    async def one():
-        async for _ in engine.generate(Request(list(ids), SamplingParams(max_new_tokens=1, ignore_eos=True))):
-            pass
-
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            asyncio.run(one())
-            best = min(best, time.perf_counter() - t0)
+        best = min(engine_wave.greedy(engine, [ids], 1).seconds for _ in range(repeats))
     finally:
         engine.shutdown()
     print(f"prefill       {prompt_tokens} tokens: {prompt_tokens / best:8.1f} prompt tok/s", flush=True)
     return {"prompt_tokens": prompt_tokens, "seconds": best, "prompt_tokens_per_s": prompt_tokens / best}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+) ([0-9.e+-]+)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
 
 
 def parameter_bytes(count: int, dtype) -> int:
@@ -192,50 +152,28 @@ def parameter_bytes(count: int, dtype) -> int:
     return count * torch.finfo(dtype).bits // 8
 
 
-def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_model_len,
-               device, dtype: str, quantization: str) -> dict:
+def bench_grpc(args, device) -> dict:
     """Start `lmserve serve`, time it to SERVING, drive each concurrency through gRPC, read memory.
     Runs before anything is loaded in this process, whose threads and memory would otherwise share
     the machine with the server."""
     from lmserve.client import Client
-    from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
-    from lmserve.client.bench_stats import aggregate
+    from lmserve.client.bench.load import wave
 
-    port, mport = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(port),
-           "--metrics-port", str(mport), "--http-port", "0", "--max-batch", str(max(concurrencies)), "--max-model-len", str(max_model_len),
-           "--prefix-cache", "false",
-           "--device", str(device), "--dtype", dtype, "--quantization", quantization]
-    if models_dir:
-        cmd += ["--models-dir", models_dir]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    flags = ["--model", args.model, "--max-batch", str(max(args.concurrency)), "--max-model-len",
+             str(args.max_model_len), "--prefix-cache", "false", "--device", str(device), "--dtype", args.dtype,
+             "--quantization", args.quantization, *(["--models-dir", args.models_dir] if args.models_dir else []),
+             *(["--threads", str(args.threads)] if args.threads else [])]
     result: dict = {"rows": []}
-    try:
-        with Client(f"127.0.0.1:{port}") as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {Path(log.name).read_text()[-2000:]}")
-                try:
-                    if client.health(timeout=1) == "SERVING":
-                        break
-                except Exception:  # noqa: BLE001 - not listening yet
-                    pass
-                time.sleep(0.1)
+    with served.lmserve(flags, http=False, metrics=True) as server:
+        with Client(server.grpc_target) as client:
             info = client.model_info()
-        result["start_to_ready_seconds"] = time.perf_counter() - t0
+        result["start_to_ready_seconds"] = server.ready_seconds
         result["served"] = {"dtype": info.dtype, "quantization": info.quantization, "kernels": info.kernels}
         param_bytes = parameter_bytes(info.num_parameters, info.dtype)
         print(f"server ready in {result['start_to_ready_seconds']:.1f} s", flush=True)
-        items = [it for it in synthetic_workload()]
-        target = f"127.0.0.1:{port}"
-        asyncio.run(run_bench(target, BenchConfig(2, None, 2, None, 0, 8, 0.0, 0, True, None), items, progress=False))
-        for c in concurrencies:
-            cfg = BenchConfig(concurrency=c, rate=None, requests=c, duration=None, warmup=0, max_new_tokens=max_new,
-                              temperature=0.0, seed=0, ignore_eos=True, timeout=None)
-            run = asyncio.run(run_bench(target, cfg, items, progress=False))
-            agg = aggregate(run.records, run.duration)
+        wave(server.grpc_target, 2, 2, 8)  # warm-up
+        for c in args.concurrency:
+            run, agg = wave(server.grpc_target, c, c, args.max_new_tokens)
             row = {"concurrency": c, "seconds": run.duration, "output_tokens_per_s": agg.output_token_throughput,
                    "failed": agg.failed,
                    "ttft_p50_ms": agg.ttft.p50 * 1e3, "ttft_p99_ms": agg.ttft.p99 * 1e3,
@@ -243,13 +181,7 @@ def bench_grpc(model: str, models_dir: str | None, concurrencies, max_new, max_m
             result["rows"].append(row)
             print(f"grpc          c={c:3d}: {row['output_tokens_per_s']:8.1f} tok/s  ttft p50 {row['ttft_p50_ms']:.0f} ms"
                   f"  itl p50 {row['itl_p50_ms']:.0f} ms", flush=True)
-        result["memory"] = memory_report(_scrape(mport), param_bytes)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        result["memory"] = memory_report(server.metrics(), param_bytes)
     return result
 
 
@@ -356,55 +288,30 @@ def precision_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="catalog name, .gguf file or HF directory")
-    p.add_argument("--models-dir", default=None)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=1024, help="context per request (sizes the KV cache)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: measured, as the server does)")
-    p.add_argument("--quantization", default="auto", help="auto, none, int8 or int4")
-    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "other-loop", "hf", "grpc", "kernels", "quality", "prefill"],
-                   help="sections to leave out")
-    p.add_argument("--out", default="reports/engine_bench.json")
-    p.add_argument("--table", metavar="REPORT", help="print the markdown summary of an existing report and exit")
-    args = p.parse_args(argv)
+def run(args) -> dict | None:
     if args.table:
         report = json.loads(Path(args.table).read_text())
         print(markdown_summary(report))
         print()
         print(precision_summary(report))
-        return 0
+        return None
 
     import torch
 
     from lmserve.model.catalog import resolve_model
-    from lmserve.model.loader import load_model, resolve_device_dtype
+    from lmserve.model.loader import resolve_device_dtype
 
     from ..engine import EngineSettings
-    from .bounds import matmul_bounds
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = resolve_model(args.model, models_dir=args.models_dir)
     device, _ = resolve_device_dtype(args.device, None)
-    hf_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # the reference's precision
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "lscpu": lscpu(),
-                    "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-                    "note": "timings are the best of several passes where stated, and candidates were timed "
-                            "taking turns; a load average near the CPU count means other jobs shared the machine"},
-        "model": str(path), "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency,
-        "requested": {"dtype": args.dtype, "quantization": args.quantization}, "device": str(device),
-        "parameter_bytes": None,
-        "cuda_graphs": device.type == "cuda" and EngineSettings().cuda_graphs,
-    }
+    report = {"model": str(path), "concurrency": args.concurrency, "device": str(device),
+              "threads": torch.get_num_threads(), "parameter_bytes": None,
+              "cuda_graphs": device.type == "cuda" and EngineSettings().cuda_graphs}
     if "grpc" not in args.skip:  # first: a server of its own, with nothing loaded in this process yet
-        report["grpc"] = bench_grpc(str(path), args.models_dir, args.concurrency, args.max_new_tokens,
-                                    args.max_model_len, device, args.dtype, args.quantization)
+        report["grpc"] = bench_grpc(args, device)
     if "kernels" not in args.skip and device.type == "cpu" and path.suffix == ".gguf":
         from lmserve.model.gguf_reader import read_gguf
 
@@ -416,59 +323,70 @@ def main(argv=None) -> int:
     if "quality" not in args.skip and path.suffix == ".gguf" and device.type == "cpu":
         report["quality"] = bench_quality(path)
     if "engine" not in args.skip:
-        t0 = time.perf_counter()
-        loaded = load_model(path, dtype=args.dtype, quantization=args.quantization, device=device, compile="auto")
-        report["load_seconds"] = time.perf_counter() - t0
-        report["served"] = {"mode": loaded.mode, "kernels": loaded.kernels,
-                            "compiled": loaded.compiled.compiled if loaded.compiled else False,
-                            "compile_reason": loaded.compiled.reason if loaded.compiled else "",
-                            "choice": loaded.plan.how if loaded.plan else "default"}
-        dtype = loaded.dtype
-        print(f"served mode {loaded.mode}, kernels {loaded.kernels} ({report['served']['choice']})", flush=True)
-        report["parameter_bytes"] = parameter_bytes(loaded.num_parameters, loaded.dtype)
-        if "prefill" not in args.skip:
-            report["prefill"] = bench_prefill(loaded)
-        report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
-        if "other-loop" not in args.skip:  # the loop this device does not default to, side by side
-            other = device.type != "cuda"
-            report["engine_other_loop"] = {"overlap_steps": other, "rows": bench_engine(
-                loaded, args.concurrency, args.max_new_tokens, args.max_model_len, overlap_steps=other)}
-        report["matmul_bounds"] = bounds = matmul_bounds(
-            loaded.model, {c: sum(map(len, prompt_ids(loaded.tokenizer, c))) for c in args.concurrency},
-            args.max_new_tokens, EngineSettings().token_budget, loaded.dtype, loaded.device)
-        print(f"matmul-only bounds: weights stream at {bounds['weight_stream_gb_per_s']:.1f} GB/s (batch 1), "
-              f"prefill GEMMs at {bounds['prefill_gflop_per_s']:.0f} GFLOP/s", flush=True)
-        for c, b in bounds["by_concurrency"].items():
-            print(f"bound         c={int(c):3d}: {b['output_tokens_per_s_bound']:8.1f} tok/s", flush=True)
-        del loaded
+        report.update(in_process(args, path, device))
     if "hf" not in args.skip and path.suffix == ".gguf":
+        hf_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # the reference's precision
         report["transformers"] = bench_hf(path, args.concurrency, args.max_new_tokens, device, hf_dtype)
-        if "engine" in report:
-            report["ratio_engine_over_transformers"] = {
-                str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
-                for e, h in zip(report["engine"], report["transformers"])}
-            report["ratio_bound_over_transformers"] = {
-                str(h["concurrency"]): report["matmul_bounds"]["by_concurrency"][str(h["concurrency"])][
-                    "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
+    report.update(ratios(report))
+    print(markdown_summary(report))
+    print(precision_summary(report))
+    return report
+
+
+def in_process(args, path: Path, device) -> dict:
+    """The engine's sections: load (timed), prefill, waves in the device's default loop and in the other
+    one, and the matmul-only bounds of the same waves."""
+    from lmserve.model.loader import load_model
+
+    from ..engine import EngineSettings
+    from .bounds import matmul_bounds
+
+    t0 = time.perf_counter()
+    loaded = load_model(path, dtype=args.dtype, quantization=args.quantization, device=device, compile="auto")
+    out: dict = {"load_seconds": time.perf_counter() - t0}
+    out["served"] = {"mode": loaded.mode, "kernels": loaded.kernels,
+                     "compiled": loaded.compiled.compiled if loaded.compiled else False,
+                     "compile_reason": loaded.compiled.reason if loaded.compiled else "",
+                     "choice": loaded.plan.how if loaded.plan else "default"}
+    print(f"served mode {loaded.mode}, kernels {loaded.kernels} ({out['served']['choice']})", flush=True)
+    out["parameter_bytes"] = parameter_bytes(loaded.num_parameters, loaded.dtype)
+    if "prefill" not in args.skip:
+        out["prefill"] = bench_prefill(loaded)
+    out["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens, args.max_model_len)
+    if "other-loop" not in args.skip:  # the loop this device does not default to, side by side
+        other = device.type != "cuda"
+        out["engine_other_loop"] = {"overlap_steps": other, "rows": bench_engine(
+            loaded, args.concurrency, args.max_new_tokens, args.max_model_len, overlap_steps=other)}
+    out["matmul_bounds"] = bounds = matmul_bounds(
+        loaded.model, {c: sum(map(len, engine_wave.chat_prompts(loaded.tokenizer, c))) for c in args.concurrency},
+        args.max_new_tokens, EngineSettings().token_budget, loaded.dtype, loaded.device)
+    print(f"matmul-only bounds: weights stream at {bounds['weight_stream_gb_per_s']:.1f} GB/s (batch 1), "
+          f"prefill GEMMs at {bounds['prefill_gflop_per_s']:.0f} GFLOP/s", flush=True)
+    for c, b in bounds["by_concurrency"].items():
+        print(f"bound         c={int(c):3d}: {b['output_tokens_per_s_bound']:8.1f} tok/s", flush=True)
+    return out
+
+
+def ratios(report: dict) -> dict:
+    """Each section's tokens/s over another's, per concurrency, where both ran."""
+    out = {}
+    if "engine" in report and "transformers" in report:
+        out["ratio_engine_over_transformers"] = {
+            str(e["concurrency"]): e["output_tokens_per_s"] / h["output_tokens_per_s"]
+            for e, h in zip(report["engine"], report["transformers"])}
+        out["ratio_bound_over_transformers"] = {
+            str(h["concurrency"]): report["matmul_bounds"]["by_concurrency"][str(h["concurrency"])][
+                "output_tokens_per_s_bound"] / h["output_tokens_per_s"] for h in report["transformers"]}
     if "grpc" in report:
         kb = report.get("kernel_bounds", {}).get("bound_tokens_per_s", {})
         if kb:
-            report["ratio_grpc_over_kernel_bound"] = {
+            out["ratio_grpc_over_kernel_bound"] = {
                 str(g["concurrency"]): g["output_tokens_per_s"] / kb[str(g["concurrency"])]
                 for g in report["grpc"]["rows"] if str(g["concurrency"]) in kb}
             print("gRPC / matmul-only bound of the fastest kernel: " + ", ".join(
-                f"c={c}: {r:.0%}" for c, r in report["ratio_grpc_over_kernel_bound"].items()), flush=True)
+                f"c={c}: {r:.0%}" for c, r in out["ratio_grpc_over_kernel_bound"].items()), flush=True)
         if "engine" in report:
-            report["ratio_grpc_over_engine"] = {
+            out["ratio_grpc_over_engine"] = {
                 str(e["concurrency"]): g["output_tokens_per_s"] / e["output_tokens_per_s"]
                 for e, g in zip(report["engine"], report["grpc"]["rows"])}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(markdown_summary(report))
-    print(precision_summary(report))
-    print(f"report written to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return out

@@ -1,12 +1,12 @@
 """Host-path ceiling: the real engine, tokenizer, sampler and both edges (gRPC, OpenAI HTTP) around a zero-cost model.
 
-    python -m lmserve.server.bench.host_ceiling --out reports/host_ceiling.json
+    lmserve bench host-ceiling [--concurrency 1 8 64] [--rounds 2]
 
 The model's forward is replaced by a stand-in that returns ready-made logits [N, V] (views of a
 bank of rows whose argmax walks through real text, so the detokenizer does real work): what is
 left is everything a GPU does not hide, i.e. scheduling, building the step's inputs, sampling,
 output processing and delivery, then gRPC or HTTP. Reported per concurrency: tokens/s engine-only
-(the asyncio API) and through gRPC and the HTTP API (`lmserve bench`'s clients on this machine, one
+(the asyncio API) and through gRPC and the HTTP API (`lmserve bench load`'s clients on this machine, one
 server, the two edges alternating round by round so that a busy machine weighs on both alike), the
 ITL at c=1, and the engine's host time per step split by phase. A benchmark, not a test: run it on a
 quiet machine.
@@ -17,20 +17,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import mmap
-import os
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import psutil
 import torch
 
-from .machine import lscpu, write_report
+from . import engine_wave, served
 
 BANK_ROWS = 512
-DEFAULT_CONCURRENCY = (1, 8, 64)
+FLAGS = {"model": "smollm2", "models_dir": None, "concurrency": [1, 8, 64], "max_new_tokens": 256, "threads": 1,
+         "rounds": 1, "skip": ("engine", "grpc", "http")}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--waves", type=int, default=2, help="measured requests per concurrency slot through an edge")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the stand-in server (bench_edges)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--http-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
 
 
 class StandInModel:
@@ -85,48 +92,23 @@ def engine_settings(max_batch: int):
     return EngineSettings(max_batch=max_batch, max_model_len=1024)
 
 
-def prompts(tok, n: int) -> list[list[int]]:
-    from lmserve.client.bench import synthetic_workload
-
-    items = synthetic_workload()
-    return [tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content}
-                                                for m in items[i % len(items)].prompt])) for i in range(n)]
-
-
 # ---------------------------------------------------------------- engine alone
 
 
 def bench_engine(loaded, concurrencies, max_new: int) -> list[dict]:
-    from lmserve.server.engine import Engine, Request, SamplingParams
+    from lmserve.server.engine import Engine
 
     rows = []
     engine = Engine(loaded, engine_settings(max(concurrencies))).start()
     try:
         for c in concurrencies:
-            ids = prompts(loaded.tokenizer, c)
-
-            async def wave():
-                gaps: list[float] = []
-
-                async def one(p):
-                    n, last = 0, None
-                    async for ch in engine.generate(Request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True))):
-                        now = time.perf_counter()
-                        if last is not None and ch.token_ids:
-                            gaps.append((now - last) / len(ch.token_ids))
-                        last = now
-                        n += len(ch.token_ids)
-                    return n
-
-                t0 = time.perf_counter()
-                counts = await asyncio.gather(*(one(p) for p in ids))
-                return sum(counts), time.perf_counter() - t0, gaps
-
-            asyncio.run(wave())  # warm-up
+            ids = engine_wave.chat_prompts(loaded.tokenizer, c)
+            engine_wave.greedy(engine, ids, max_new)  # warm-up
             before = engine.phase_times.copy()
-            tokens, seconds, gaps = asyncio.run(wave())
+            w = engine_wave.greedy(engine, ids, max_new)
             per_step = engine.phase_times.per_step_ms(since=before)
-            gaps.sort()
+            tokens, seconds = w.tokens, w.seconds
+            gaps = sorted(g for s in w.streams for g in s.gaps())
             rows.append({"concurrency": c, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
                          "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
                          "steps": engine.phase_times.steps - before.steps, "host_ms_per_step": per_step})
@@ -155,13 +137,13 @@ def serve_stand_in(args) -> int:
             engine = Engine(loaded, self.settings.engine)
             return engine.start(), Metrics(engine, "stand-in")
 
-    logging.basicConfig(level="WARNING")
-    settings = ServerSettings(port=0, metrics_port=0, http_port=args.http_port, engine=engine_settings(args.max_batch))
+    # the startup lines served.lmserve reads the ports from, as `lmserve serve` logs them
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = ServerSettings(port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+                              engine=engine_settings(args.max_batch))
 
     async def main() -> int:
-        server = StandInServer(settings)  # bound to free ports here; the parent reads them from our stdout
-        print(f"port {server.port} http {server.http_port or 0}", flush=True)
-        return await server.run_until_signal()
+        return await StandInServer(settings).run_until_signal()
 
     return asyncio.run(main())
 
@@ -179,47 +161,24 @@ def _median(values: list[float | None]) -> float | None:
 def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
     """`lmserve bench` through each edge of one stand-in server; per concurrency the edges alternate
     for --rounds rounds, and each row holds the median of its rounds."""
-    from lmserve.client import Client, UnavailableError
-    from lmserve.client.bench import BenchConfig, run_bench, synthetic_workload
-    from lmserve.client.bench_stats import aggregate
+    from lmserve.client.bench.load import wave
 
-    cmd = [sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--serve",
-           "--http-port", "-1" if "http" in edges else "0", "--max-batch", str(max(args.concurrency)),
-           "--model", args.model]
-    if args.models_dir:
-        cmd += ["--models-dir", args.models_dir]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    server = psutil.Process(proc.pid)
+    stand_in = (sys.executable, "-m", "lmserve.client.cli", "bench", "host-ceiling", "--serve")
+    flags = ["--max-batch", str(max(args.concurrency)), "--model", args.model,
+             *(["--models-dir", args.models_dir] if args.models_dir else [])]
     rows: dict[str, list[dict]] = {edge: [] for edge in edges}
-    try:
-        line = proc.stdout.readline()  # "port N http M" once bound, before the stand-in model loads
-        if not line.startswith("port "):
-            raise RuntimeError(f"the stand-in server did not start (it printed {line!r})")
-        target, http_port = f"127.0.0.1:{int(line.split()[1])}", int(line.split()[3])
-        with Client(target) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except UnavailableError:  # not listening yet
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the stand-in server did not become ready")
-                time.sleep(0.2)
-        targets = {"grpc": (target, "lmserve"), "http": (f"http://127.0.0.1:{http_port}/v1", "openai")}
+    with served.lmserve(flags, http="http" in edges, command=stand_in, startup_timeout=120) as s:
+        server = psutil.Process(s.pid)
+        targets = {"grpc": (s.grpc_target, "lmserve"), "http": (s.http_url, "openai")}
         for c in args.concurrency:
-            cfg = BenchConfig(concurrency=c, rate=None, requests=c * args.waves, duration=None, warmup=c,
-                              max_new_tokens=args.max_new_tokens, temperature=0.0, seed=None, ignore_eos=True,
-                              timeout=120)
             rounds: dict[str, list] = {edge: [] for edge in edges}
             cpu: dict[str, list] = {edge: [] for edge in edges}  # (server, client) CPU ms per token
             for _ in range(args.rounds):
                 for edge in edges:
                     where, api = targets[edge]
                     server_cpu, client_cpu = _cpu_seconds(server), time.process_time()
-                    run = asyncio.run(run_bench(where, cfg, synthetic_workload(), progress=False, api=api))
-                    agg = aggregate(run.records, run.duration)
+                    _, agg = wave(where, c, c * args.waves, args.max_new_tokens, api=api, warmup=c, seed=None,
+                                  timeout=120)
                     rounds[edge].append(agg)
                     tokens = max(1, agg.output_tokens)
                     cpu[edge].append((1e3 * (_cpu_seconds(server) - server_cpu) / tokens,
@@ -241,10 +200,6 @@ def bench_edges(args, edges: list[str]) -> dict[str, list[dict]]:
                 print(f"{edge} c={c}: {row['tok_per_s']:,.0f} tok/s, TTFT p50 {_ms(row['ttft_p50_ms'])}, "
                       f"ITL p50 {_ms(row['itl_p50_ms'])}, server CPU {row['server_cpu_ms_per_token']:.3f} ms/token, "
                       f"client CPU {row['client_cpu_ms_per_token']:.3f} ms/token", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stdout.close()
     return rows
 
 
@@ -266,28 +221,12 @@ def edge_ratios(report: dict) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="checkpoint whose config and tokenizer are used")
-    ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=list(DEFAULT_CONCURRENCY))
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--waves", type=int, default=2, help="measured requests per concurrency slot through gRPC")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the stand-in does no math)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the edges per concurrency")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "grpc", "http"])
-    ap.add_argument("--out", default=None, help="JSON report path")
-    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--http-port", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+def run(args) -> dict | None:
     torch.set_num_threads(args.threads)
     if args.serve:
-        return serve_stand_in(args)
-
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": lscpu(),
-              "cpus": os.cpu_count(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
-              "concurrency": args.concurrency, "model_stand_in_for": args.model}
+        serve_stand_in(args)
+        return None
+    report = {"model_stand_in_for": args.model}
     if "engine" not in args.skip:
         loaded = stand_in_loaded(args.model, args.models_dir, max(args.concurrency))
         report["engine"] = bench_engine(loaded, args.concurrency, args.max_new_tokens)
@@ -300,10 +239,4 @@ def main(argv=None) -> int:
             print(f"c={r['concurrency']}: HTTP/gRPC throughput {r['http_over_grpc_tok_per_s']:.2f}x, "
                   f"server CPU per token {r['http_over_grpc_server_cpu_per_token']:.2f}x, "
                   f"TTFT p50 HTTP-gRPC {r['http_minus_grpc_ttft_p50_ms']:+.2f} ms", flush=True)
-    if args.out:
-        write_report(args.out, report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

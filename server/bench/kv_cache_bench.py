@@ -1,6 +1,6 @@
 """The int8 KV cache against the model-dtype cache, side by side in one process.
 
-    python -m lmserve.server.bench.kv_cache_bench --models-dir .cache/models --out reports/kv_cache.json
+    lmserve bench kv-cache [--concurrency 1 32] [--rounds 3]
 
 Four parts, each with both caches:
 - quality: perplexity and mean KL of the held-out text against this checkpoint in float32 (as
@@ -18,14 +18,21 @@ This is a benchmark, not a test: run it on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from datetime import datetime, timezone
 from types import SimpleNamespace
 
-from .machine import load_from_arguments, lscpu, model_arguments, write_report
+from lmserve.client.bench.harness import MODEL
+
+from . import engine_wave
+from .machine import load_from_arguments
+
+FLAGS = {**MODEL, "max_new_tokens": 128, "rounds": 3, "concurrency": [1, 32], "skip": ("quality", "kernel", "served")}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--long-prompt", type=int, default=1500, help="tokens of the long served prompt")
 
 
 def quality(loaded, model_name: str, models_dir) -> dict:
@@ -90,37 +97,20 @@ def decode_attention(loaded, rows=(1, 8, 32), keys=(512, 2048), repeats: int = 5
     return out
 
 
-async def _timed_wave(engine, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
-    """Every request at once; returns the tokens and the decode rate while all of them decode: tokens
-    produced after the last request's first token and up to the first request's last one, per second."""
-    import asyncio
-
-    from ..engine import Request, SamplingParams
-
-    stamps: list[list[float]] = [[] for _ in prompts]
-
-    async def one(i, ids):
-        toks = []
-        async for ch in engine.generate(Request(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True))):
-            toks += ch.token_ids
-            stamps[i] += [time.perf_counter()] * len(ch.token_ids)
-        return toks
-
-    out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    t0 = max(s[0] for s in stamps)
-    t1 = min(s[-1] for s in stamps)
-    during = sum(1 for s in stamps for t in s if t0 < t <= t1)
-    return out, during / max(t1 - t0, 1e-9)
+def decode_rate(w: engine_wave.Wave) -> float:
+    """Tokens a second while every request of the wave decodes: those after the last request's first
+    token and up to the first request's last one."""
+    t0 = max(s.arrivals[0][0] for s in w.streams)
+    t1 = min(s.arrivals[-1][0] for s in w.streams)
+    during = sum(1 for s in w.streams for t in s.token_times() if t0 < t <= t1)
+    return during / max(t1 - t0, 1e-9)
 
 
 def served(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int) -> dict:
     """Decode tokens/s while all `concurrency` requests decode, with each cache, alternating rounds. The
     prompt is prefilled once first (a warm-up request), and the requests start from its prefix-cache
     entry, so they all decode together instead of waiting on each other's prefill."""
-    import asyncio
-
     from ..engine import Engine, EngineSettings
-    from .speculation_bench import _wave
 
     rates = {"model": [], "int8": []}
     tokens = {}
@@ -129,8 +119,9 @@ def served(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: in
             engine = Engine(loaded, EngineSettings(max_batch=concurrency, max_model_len=len(prompt) + max_new + 8,
                                                    speculation="off", kv_cache_dtype=kv)).start()
             try:
-                asyncio.run(_wave(engine, [prompt], 8))  # warm-up, and the prompt's prefix-cache entry
-                out, rate = asyncio.run(_timed_wave(engine, [prompt] * concurrency, max_new))
+                engine_wave.greedy(engine, [prompt], 8)  # warm-up, and the prompt's prefix-cache entry
+                w = engine_wave.greedy(engine, [prompt] * concurrency, max_new)
+                out, rate = [s.token_ids for s in w.streams], decode_rate(w)
             finally:
                 engine.shutdown()
             rates[kv].append(rate)
@@ -143,7 +134,7 @@ def served(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: in
                 (i for i, (a, b) in enumerate(zip(tokens["model"], tokens["int8"])) if a != b), len(tokens["model"]))}
 
 
-def main(argv=None) -> int:
+def run(args) -> dict:
     import torch
 
     from lmserve.model.kv_cache import KVCache
@@ -151,21 +142,11 @@ def main(argv=None) -> int:
     from ..engine.kv_choice import choose_kv_dtype, int8_unavailable
     from .speculation_bench import workloads
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    model_arguments(ap)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating model/int8 rounds per concurrency")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--long-prompt", type=int, default=1500, help="tokens of the long served prompt")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["quality", "kernel", "served"])
-    ap.add_argument("--out", default="reports/kv_cache.json")
-    args = ap.parse_args(argv)
     loaded = load_from_arguments(args)
     why = int8_unavailable(loaded)
     if why:
         raise SystemExit(f"an int8 KV cache cannot serve {loaded.mode} here: {why}")
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
-              "model": args.model, "mode": loaded.mode, "kernels": loaded.kernels,
+    report = {"mode": loaded.mode, "kernels": loaded.kernels,
               "attention": loaded.attention.describe(), "auto_choice": choose_kv_dtype("auto", loaded).reason,
               "capacity_tokens_per_gib": {str(dt).removeprefix("torch."): 2**30 // KVCache.bytes_per_token(loaded.config, dt)
                                           for dt in (loaded.dtype, torch.int8)}}
@@ -187,10 +168,4 @@ def main(argv=None) -> int:
                 r = {"workload": name, **served(loaded, prompt, c, args.max_new_tokens, args.rounds)}
                 print(json.dumps(r), flush=True)
                 report["served"].append(r)
-    write_report(args.out, report)
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

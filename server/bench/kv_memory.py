@@ -1,7 +1,7 @@
 """KV memory and prefix-cache benchmark: real `lmserve serve` processes with default settings, driven
-over gRPC, memory read from their /metrics. Writes reports/kv_memory.json and prints a summary.
+over gRPC, memory read from their /metrics; prints a summary.
 
-    python -m lmserve.server.bench.kv_memory [--out reports/kv_memory.json] [--model smollm2]
+    lmserve bench kv-memory [--model smollm2]
 
 What it measures (issue: KV memory that follows use, and prefix caching):
 1. idle resident memory of a default server;
@@ -15,72 +15,27 @@ What it measures (issue: KV memory that follows use, and prefix caching):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
-import json
-import os
-import platform
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from lmserve.client import AsyncClient
-from lmserve.client.bench_prefix import shared_system_prompt
+from lmserve.client.bench.prefix import shared_system_prompt
 from lmserve.client.types import ChatMessage, SamplingParams
 
-from .machine import lscpu
+from . import served
+from .served import Served
 
 GiB = 2**30
+FLAGS = {"model": "smollm2", "models_dir": None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _server(args):
+    """A default server of the model (gRPC and /metrics)."""
+    return served.lmserve(["--model", args.model, *(["--models-dir", args.models_dir] if args.models_dir else [])],
+                          http=False, metrics=True, startup_timeout=300)
 
 
-class Server:
-    def __init__(self, model: str, *flags: str):
-        self.port, self.metrics_port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--model", model, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--http-port", "0", "--log-level", "WARNING", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            try:
-                self.metrics()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
-                time.sleep(0.5)
-        raise RuntimeError("server did not start")
-
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if not s.labels:
-                    out[s.name] = s.value
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-async def wait_idle(srv: Server) -> dict[str, float]:
+async def wait_idle(srv: Served) -> dict[str, float]:
     while True:
         m = srv.metrics()
         if m["lmserve_running_requests"] == 0 and m["lmserve_waiting_requests"] == 0:
@@ -88,7 +43,7 @@ async def wait_idle(srv: Server) -> dict[str, float]:
         await asyncio.sleep(0.2)
 
 
-async def poll_peak(srv: Server, names: tuple[str, ...], stop: asyncio.Event) -> dict[str, float]:
+async def poll_peak(srv: Served, names: tuple[str, ...], stop: asyncio.Event) -> dict[str, float]:
     peak = dict.fromkeys(names, 0.0)
     while not stop.is_set():
         m = await asyncio.to_thread(srv.metrics)
@@ -98,9 +53,9 @@ async def poll_peak(srv: Server, names: tuple[str, ...], stop: asyncio.Event) ->
     return peak
 
 
-async def wave(srv: Server, prompts: list, params: SamplingParams, peaks: tuple[str, ...]) -> tuple[list, dict]:
+async def wave(srv: Served, prompts: list, params: SamplingParams, peaks: tuple[str, ...]) -> tuple[list, dict]:
     stop = asyncio.Event()
-    async with AsyncClient(srv.target, timeout=None, max_retries=0) as client:
+    async with AsyncClient(srv.grpc_target, timeout=None, max_retries=0) as client:
         poller = asyncio.create_task(poll_peak(srv, peaks, stop))
         results = await asyncio.gather(*(client.generate(p, params) for p in prompts), return_exceptions=True)
         stop.set()
@@ -122,86 +77,79 @@ async def ttft_of(client: AsyncClient, prompt, params: SamplingParams) -> tuple[
     return first, usage.prompt_tokens
 
 
-async def run(model: str) -> dict:
+async def measure(args, srv: Served) -> dict:
     report: dict = {}
     rss = "process_resident_memory_bytes"
-    srv = Server(model)
-    try:
-        idle = await wait_idle(srv)
-        report["idle"] = {"resident_bytes": idle[rss], "kv_budget_bytes": idle["lmserve_kv_cache_bytes"],
-                          "max_batch": idle["lmserve_kv_slots_capacity"]}
+    idle = await wait_idle(srv)
+    report["idle"] = {"resident_bytes": idle[rss], "kv_budget_bytes": idle["lmserve_kv_cache_bytes"],
+                      "max_batch": idle["lmserve_kv_slots_capacity"]}
 
-        # 2. 64 concurrent requests holding ~256 tokens each (~190-token prompt + 64 generated)
-        params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-        t0 = time.perf_counter()
-        res, peak = await wave(srv, [topic_prompt(i, 150) for i in range(64)], params,
-                               (rss, "lmserve_kv_cache_committed_bytes", "lmserve_running_requests"))
-        after = await wait_idle(srv)
-        await asyncio.sleep(1.0)
-        after = srv.metrics()
-        report["wave_64x256"] = {
-            "seconds": time.perf_counter() - t0, "failed": sum(isinstance(r, Exception) for r in res),
-            "prompt_tokens_mean": sum(r.usage.prompt_tokens for r in res if not isinstance(r, Exception)) / 64,
-            "peak_resident_bytes": peak[rss], "peak_kv_held_bytes": peak["lmserve_kv_cache_committed_bytes"],
-            "peak_running": peak["lmserve_running_requests"], "resident_after_bytes": after[rss],
-            "prefix_cache_bytes_after": after["lmserve_prefix_cache_bytes"],
-            "after_minus_idle_minus_prefix_bytes": after[rss] - idle[rss] - after["lmserve_prefix_cache_bytes"]}
+    # 2. 64 concurrent requests holding ~256 tokens each (~190-token prompt + 64 generated)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    t0 = time.perf_counter()
+    res, peak = await wave(srv, [topic_prompt(i, 150) for i in range(64)], params,
+                           (rss, "lmserve_kv_cache_committed_bytes", "lmserve_running_requests"))
+    after = await wait_idle(srv)
+    await asyncio.sleep(1.0)
+    after = srv.metrics()
+    report["wave_64x256"] = {
+        "seconds": time.perf_counter() - t0, "failed": sum(isinstance(r, Exception) for r in res),
+        "prompt_tokens_mean": sum(r.usage.prompt_tokens for r in res if not isinstance(r, Exception)) / 64,
+        "peak_resident_bytes": peak[rss], "peak_kv_held_bytes": peak["lmserve_kv_cache_committed_bytes"],
+        "peak_running": peak["lmserve_running_requests"], "resident_after_bytes": after[rss],
+        "prefix_cache_bytes_after": after["lmserve_prefix_cache_bytes"],
+        "after_minus_idle_minus_prefix_bytes": after[rss] - idle[rss] - after["lmserve_prefix_cache_bytes"]}
 
-        # 3. 256 concurrent short requests at the default context length
-        res, peak = await wave(srv, [f"Count from {i} to {i + 3}:" for i in range(256)],
-                               SamplingParams(max_new_tokens=16, ignore_eos=True),
-                               ("lmserve_running_requests", "lmserve_kv_slots_used", "lmserve_waiting_requests"))
-        report["burst_256_short"] = {"failed": sum(isinstance(r, Exception) for r in res),
-                                     "peak_running": peak["lmserve_running_requests"],
-                                     "peak_slots_used": peak["lmserve_kv_slots_used"],
-                                     "peak_waiting": peak["lmserve_waiting_requests"],
-                                     "context_length": 4096}
-        await wait_idle(srv)
+    # 3. 256 concurrent short requests at the default context length
+    res, peak = await wave(srv, [f"Count from {i} to {i + 3}:" for i in range(256)],
+                           SamplingParams(max_new_tokens=16, ignore_eos=True),
+                           ("lmserve_running_requests", "lmserve_kv_slots_used", "lmserve_waiting_requests"))
+    report["burst_256_short"] = {"failed": sum(isinstance(r, Exception) for r in res),
+                                 "peak_running": peak["lmserve_running_requests"],
+                                 "peak_slots_used": peak["lmserve_kv_slots_used"],
+                                 "peak_waiting": peak["lmserve_waiting_requests"],
+                                 "context_length": 4096}
+    await wait_idle(srv)
 
-        # 4. a shared ~1,500-token system prompt
-        system = ChatMessage("system", shared_system_prompt(1500))
-        one = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        async with AsyncClient(srv.target, timeout=None) as client:
-            first, n1 = await ttft_of(client, [system, ChatMessage("user", "What is the first rule?")], one)
-            second, n2 = await ttft_of(client, [system, ChatMessage("user", "Which rule matters most here?")], one)
-            report["shared_system_prompt"] = {"prompt_tokens": [n1, n2], "ttft_first_s": first, "ttft_second_s": second,
-                                              "speedup": first / second}
+    # 4. a shared ~1,500-token system prompt
+    system = ChatMessage("system", shared_system_prompt(1500))
+    one = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    async with AsyncClient(srv.grpc_target, timeout=None) as client:
+        first, n1 = await ttft_of(client, [system, ChatMessage("user", "What is the first rule?")], one)
+        second, n2 = await ttft_of(client, [system, ChatMessage("user", "Which rule matters most here?")], one)
+        report["shared_system_prompt"] = {"prompt_tokens": [n1, n2], "ttft_first_s": first, "ttft_second_s": second,
+                                          "speedup": first / second}
 
-            # 5. a 5-turn conversation: tokens computed per turn = prompt tokens - tokens reused
-            history = [ChatMessage("system", "You are a helpful assistant."),
-                       ChatMessage("user", "Tell me about the history of the printing press.")]
-            turns = []
-            for t in range(5):
-                before = srv.metrics()
-                answer, usage, new_msg = [], None, history[-1].content
-                ttft, start = None, time.perf_counter()
-                async for chunk in client.stream(history, SamplingParams(max_new_tokens=48)):
-                    if ttft is None and chunk.token_ids:
-                        ttft = time.perf_counter() - start
-                    answer.append(chunk.text)
-                    usage = chunk.usage or usage
-                m = srv.metrics()
-                hit = m["lmserve_prefix_cache_hit_tokens_total"] - before["lmserve_prefix_cache_hit_tokens_total"]
-                new_tokens = len((await client.tokenize(new_msg)).token_ids)
-                turns.append({"turn": t + 1, "prompt_tokens": usage.prompt_tokens, "reused": hit,
-                              "computed": usage.prompt_tokens - hit, "new_message_tokens": new_tokens, "ttft_s": ttft})
-                history += [ChatMessage("assistant", "".join(answer)),
-                            ChatMessage("user", ["Go on.", "Who used it first?", "What changed after?",
-                                                 "Give one number."][t % 4])]
-            report["conversation_5_turns"] = turns
+        # 5. a 5-turn conversation: tokens computed per turn = prompt tokens - tokens reused
+        history = [ChatMessage("system", "You are a helpful assistant."),
+                   ChatMessage("user", "Tell me about the history of the printing press.")]
+        turns = []
+        for t in range(5):
+            before = srv.metrics()
+            answer, usage, new_msg = [], None, history[-1].content
+            ttft, start = None, time.perf_counter()
+            async for chunk in client.stream(history, SamplingParams(max_new_tokens=48)):
+                if ttft is None and chunk.token_ids:
+                    ttft = time.perf_counter() - start
+                answer.append(chunk.text)
+                usage = chunk.usage or usage
+            m = srv.metrics()
+            hit = m["lmserve_prefix_cache_hit_tokens_total"] - before["lmserve_prefix_cache_hit_tokens_total"]
+            new_tokens = len((await client.tokenize(new_msg)).token_ids)
+            turns.append({"turn": t + 1, "prompt_tokens": usage.prompt_tokens, "reused": hit,
+                          "computed": usage.prompt_tokens - hit, "new_message_tokens": new_tokens, "ttft_s": ttft})
+            history += [ChatMessage("assistant", "".join(answer)),
+                        ChatMessage("user", ["Go on.", "Who used it first?", "What changed after?",
+                                             "Give one number."][t % 4])]
+        report["conversation_5_turns"] = turns
 
-        # 6. a second default server beside the first
-        second_srv = Server(model)
-        try:
-            async with AsyncClient(second_srv.target, timeout=None) as c2, AsyncClient(srv.target, timeout=None) as c1:
-                r1, r2 = await asyncio.gather(c1.generate("Hello", max_new_tokens=8), c2.generate("Hello", max_new_tokens=8))
-            m1, m2 = srv.metrics(), second_srv.metrics()
-            report["two_servers"] = {"both_served": bool(r1.text) and bool(r2.text),
-                                     "resident_bytes": [m1[rss], m2[rss]]}
-        finally:
-            second_srv.stop()
-    finally:
-        srv.stop()
+    # 6. a second default server beside the first
+    with _server(args) as second_srv:
+        async with AsyncClient(second_srv.grpc_target, timeout=None) as c2, \
+                AsyncClient(srv.grpc_target, timeout=None) as c1:
+            r1, r2 = await asyncio.gather(c1.generate("Hello", max_new_tokens=8), c2.generate("Hello", max_new_tokens=8))
+        m1, m2 = srv.metrics(), second_srv.metrics()
+        report["two_servers"] = {"both_served": bool(r1.text) and bool(r2.text), "resident_bytes": [m1[rss], m2[rss]]}
     return report
 
 
@@ -228,19 +176,11 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--out", default="reports/kv_memory.json")
-    args = ap.parse_args(argv)
-    report = asyncio.run(run(args.model))
-    report["date"] = datetime.date.today().isoformat()
-    report["host"] = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "lscpu": lscpu()}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+def run(args) -> dict:
+    import os
+
+    with _server(args) as srv:
+        report = asyncio.run(measure(args, srv))
+    report["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(summary(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

@@ -1,6 +1,6 @@
 """Two ceilings of this machine for the weight-only linears, and the bounds they set on a step.
 
-    python -m lmserve.server.bench.machine_peaks [--out reports/machine_peaks.json]
+    lmserve bench machine-peaks
 
 - **Products**: int8 dot products a second from the instruction the native quantized kernel uses
   (AVX-512 VNNI vpdpbusd, AVX-VNNI, or AVX2 maddubs + madd), on independent registers, 1 thread and
@@ -18,7 +18,6 @@ bytes over the read rate and the products over the product rate.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+FLAGS: dict = {}
 
 
 class Peaks:
@@ -135,23 +135,11 @@ def smollm2_step(bits: int = 4) -> list[tuple[int, int, int]]:
     return [(960, 576, bits), (576, 576, bits), (3072, 576, bits), (576, 1536, bits)] * 30 + [(49152, 576, 8)]
 
 
-def main(argv=None) -> int:
-    from .machine import lscpu, write_report
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("reports/machine_peaks.json"))
-    args = ap.parse_args(argv)
+def run(args) -> dict:
     shapes = smollm2_step(4)
     bufs, gbytes = step_buffers(shapes)
     peaks = measure(bufs, gbytes)
     products = sum(n * k for n, k, _ in shapes)  # one activation code: one product per weight and row
-    report = {"machine": lscpu(), "torch": torch.__version__, "peaks": peaks,
-              "int4_a8_step_bounds": peak_bounds(peaks, sum(b.numel() for b in bufs), products),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_report(args.out, report)
+    report = {"peaks": peaks, "int4_a8_step_bounds": peak_bounds(peaks, sum(b.numel() for b in bufs), products)}
     print(peaks, report["int4_a8_step_bounds"], sep="\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

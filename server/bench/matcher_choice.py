@@ -6,7 +6,7 @@ JSON schema, a regex and a small grammar, and computing one allowed-token mask p
 same valid token sequence. The candidates alternate round by round in one process, so a busy
 machine slows both alike.
 
-    python -m lmserve.server.bench.matcher_choice --model smollm2 --out reports/matcher_choice.json
+    lmserve bench matcher-choice [--rounds 5]
 
 xgrammar is not a dependency of lmserve: put it on PYTHONPATH to include it (it is skipped, and
 the report says so, when it cannot be imported).
@@ -14,11 +14,9 @@ the report says so, when it cannot be imported).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -40,6 +38,7 @@ REGEX_TEXT = "555-123-4567"
 LARK = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]+/\n'
 EBNF = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'
 GRAMMAR_TEXT = "(12+3)-45+(6-(7+8))"
+FLAGS = {"model": "smollm2", "models_dir": None, "rounds": 5}
 
 
 def _timed(fn):
@@ -120,7 +119,7 @@ class XGrammar:
         return times, matcher.is_terminated() or bool((int(mask[0, self.tok.eos_ids[0] // 32]) >> (self.tok.eos_ids[0] % 32)) & 1)
 
 
-def run(tokenizer, rounds: int) -> dict:
+def compare(tokenizer, rounds: int) -> dict:
     libs = [LLGuidance(tokenizer)]
     skipped = {}
     try:
@@ -154,28 +153,16 @@ def run(tokenizer, rounds: int) -> dict:
     return {"summary": summary, "skipped": skipped, "rounds": rounds}
 
 
-def main(argv=None) -> None:
-    from lmserve.model.catalog import resolve_model
-    from lmserve.model.tokenizer import Tokenizer
-    from lmserve.server.bench.machine import lscpu
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path("reports/matcher_choice.json"))
-    args = ap.parse_args(argv)
+def run(args) -> dict:
     import gguf
 
-    reader = gguf.GGUFReader(str(resolve_model(args.model)))
+    from lmserve.model.catalog import resolve_model
+    from lmserve.model.tokenizer import Tokenizer
+
+    reader = gguf.GGUFReader(str(resolve_model(args.model, models_dir=args.models_dir)))
     tok = Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
     torch.set_num_threads(1)
-    result = run(tok, args.rounds)
-    result.update(model=args.model, vocab_size=tok.vocab_size, machine=lscpu(), torch_threads=1,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = compare(tok, args.rounds)
+    result.update(vocab_size=tok.vocab_size, torch_threads=1)
     print(json.dumps(result["summary"], indent=1), result["skipped"])
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -1,9 +1,9 @@
 """lmserve beside llama.cpp's `llama-server` in one run: the same GGUF, prompts and token counts.
 
     sh server/bench/build_llama_server.sh      # once: builds the peer into .cache/peers (~10 min)
-    python -m lmserve.server.bench.peer_bench --out reports/peer_llama_cpp.json
+    lmserve bench peer [--rounds 3]
 
-One server at a time, each driven by `lmserve bench`'s clients (lmserve through gRPC, the peer through
+One server at a time, each driven by the load generator's clients (lmserve through gRPC, the peer through
 its OpenAI API), streaming:
 - chat: the built-in chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32;
 - repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1, each
@@ -23,38 +23,37 @@ here, never a dependency.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import json
 import os
 import sys
 import time
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
 from . import served
 from .constrained_bench import QUESTIONS, SCHEMA
-from .machine import lscpu, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server"
+FLAGS = {"models_dir": None, "threads": os.cpu_count(), "requests": 8, "max_new_tokens": 128, "rounds": 3,
+         "skip": ("lmserve", "llama.cpp", "chat", "repeat", "json", "profile")}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the peer's binary")
+    p.add_argument("--repeat-max-new-tokens", type=int, default=256, help="most tokens of a repeat answer")
+    p.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
 
 
 def _bench(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
     """chat: EOS ignored, every request decodes max_new tokens; repeat: the answer as a user gets it (to EOS)."""
-    from lmserve.client.bench import BenchConfig, run_bench
-    from lmserve.client.bench_prompts import repeating_workload, synthetic_workload
-    from lmserve.client.bench_stats import aggregate
+    from lmserve.client.bench.load import wave
+    from lmserve.client.bench.prompts import repeating_workload, synthetic_workload
 
     items = repeating_workload() if workload == "repeat" else synthetic_workload()
-    cfg = BenchConfig(concurrency=concurrency, rate=None, requests=requests, duration=None,
-                      warmup=min(2, requests), max_new_tokens=max_new, temperature=0.0, seed=0,
-                      ignore_eos=workload != "repeat",
-                      timeout=600)
-    run = asyncio.run(run_bench(where, cfg, items, progress=False, api=api))
-    agg = aggregate(run.records, run.duration)
+    _, agg = wave(where, concurrency, requests, max_new, api=api, items=items, warmup=min(2, requests),
+                  ignore_eos=workload != "repeat", timeout=600)
     out = {"workload": workload, "concurrency": concurrency, "requests": requests, "completed": agg.completed,
            "failed": agg.failed, "output_tokens": agg.output_tokens,
            "tok_s": round(agg.output_token_throughput, 1),
@@ -139,7 +138,7 @@ def _step_profile(models_dir) -> dict | None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step_profile.json"
-        cmd = [sys.executable, "-m", "lmserve.server.bench.step_profile", "--out", str(out), "--rounds", "3"]
+        cmd = [sys.executable, "-m", "lmserve.client.cli", "bench", "step-profile", "--out", str(out), "--rounds", "3"]
         if models_dir:
             cmd += ["--models-dir", str(models_dir)]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -179,24 +178,11 @@ def _model_id(http_url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def main(argv=None) -> int:
+def run(args) -> dict:
     from lmserve.model.catalog import resolve_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the peer's binary")
-    ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--requests", type=int, default=8, help="measured requests at c=1 (c=32: 2 per slot)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeat-max-new-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the repeat workload")
-    ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["lmserve", "llama.cpp", "chat", "repeat", "json", "profile"])
-    ap.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
-    ap.add_argument("--out", type=Path, default=Path("reports/peer_llama_cpp.json"))
-    args = ap.parse_args(argv)
     if "llama.cpp" not in args.skip and not args.llama_server.exists():
-        ap.error(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
+        raise SystemExit(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
     gguf = resolve_model("smollm2", args.models_dir)
     n1, n32 = args.requests, 64
 
@@ -214,8 +200,8 @@ def main(argv=None) -> int:
     lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
     if "lmserve" not in args.skip:
         with served.lmserve(lm_flags) as s:
-            info = next(line for line in s.log.read_text().splitlines() if "lmserve listening" in line)
-            servers["lmserve"] = {"startup_line": info.split("lmserve listening", 1)[1].strip(),
+            line = next((x for x in s.log.read_text().splitlines() if "lmserve listening" in x), "")
+            servers["lmserve"] = {"startup_line": line.split("lmserve listening", 1)[-1].strip(),
                                   "runs": runs(s.grpc_target, "lmserve")}
             if "json" not in args.skip:
                 servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
@@ -268,16 +254,8 @@ def main(argv=None) -> int:
         nbytes["lmserve"] = profile["linear_weight_bytes"]
     # the higher reading: a bound is the most the machine showed, so a share of it is not flattered
     gb_s = max(memory["read_bandwidth_before"]["median_gb_s"], memory["read_bandwidth_after"]["median_gb_s"])
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
-              "gguf": gguf.name, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-              "repeat_max_new_tokens": args.repeat_max_new_tokens, "ratios": ratios, "memory": memory,
+    report = {"gguf": gguf.name, "ratios": ratios, "memory": memory,
               "bounds_at_gb_s": gb_s, "bounds": _bounds(servers, nbytes, gb_s), "lmserve_step_profile": profile,
               "servers": servers}
-    write_report(args.out, report)
     print(json.dumps(ratios, indent=2))
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

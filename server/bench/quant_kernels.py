@@ -1,7 +1,7 @@
 """Microbenchmark of the weight-only linear kernels on a GGUF's real weights, against the memory's
 read bandwidth: every linear of a decode step (all layers and the LM head) at 1, 8 and 32 rows.
 
-    python -m lmserve.server.bench.quant_kernels [--gguf PATH] [--rounds 7] [--out reports/quant_kernels.json]
+    lmserve bench quant-kernels [--model smollm2] [--rounds 7]
 
 Candidates (each a whole step's linears): torch's int4 (+ int8 head) and int8 kernels, bfloat16
 on oneDNN, and the native kernel (quant_matmul.py) in int4 (+ Q8_0 head) and int8, where the
@@ -29,19 +29,17 @@ may wait for a core, which wall time counts and CPU time does not.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from ...model import kernels as K
 from ...model import quant_matmul as QM
 from ...model.gguf_reader import read_gguf
-from .machine import last_level_cache_bytes, lscpu, taking_turns
+from .machine import last_level_cache_bytes, taking_turns
+
+FLAGS = {"model": "smollm2", "models_dir": None, "rounds": 7}
 
 ROWS = (1, 8, 32)
 CANDIDATES = {  # name -> (layers' kernel, head's kernel, dtype)
@@ -86,19 +84,14 @@ def role_sources(ck) -> dict[str, list[K.WeightSource]]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", type=Path, default=None, help="default: the catalog's smollm2")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=Path("reports/quant_kernels.json"))
-    args = ap.parse_args(argv)
-    if args.gguf is None:
-        from ...model.catalog import pull
-        args.gguf = pull("smollm2", Path(".cache/models"), progress=False)
+def run(args) -> dict:
+    from ...model.catalog import resolve_model
+
+    gguf = resolve_model(args.model, models_dir=args.models_dir)
     torch.manual_seed(0)
     bw = read_bandwidth()
     print("read bandwidth", bw, flush=True)
-    ck = read_gguf(args.gguf, keep_q41=True)
+    ck = read_gguf(gguf, keep_q41=True)
     sources = role_sources(ck)
     qm = QM.default_kernel()
     sets = {}
@@ -135,7 +128,7 @@ def main(argv=None) -> int:
         except RuntimeError as exc:
             print("machine peaks not measured:", exc, flush=True)
 
-    def run(layers, rows):
+    def run_pass(layers, rows):
         t0 = time.perf_counter()
         for m in layers:
             m(xs[m.in_features][:rows])
@@ -162,7 +155,7 @@ def main(argv=None) -> int:
         for s in sets.values():  # warm-up: first calls, page faults of outputs
             for ls in s.values():
                 for r in ROWS:
-                    run(ls, r)
+                    run_pass(ls, r)
         for rnd in range(args.rounds):
             bw_rounds.append(read_bandwidth(repeats=3)["median_gb_s"])
             if peaks is not None:
@@ -177,10 +170,10 @@ def main(argv=None) -> int:
                             flush.sum()
                         else:
                             for ls in s.values():
-                                run(ls, rows)  # the pass before: as a serving loop runs
+                                run_pass(ls, rows)  # the pass before: as a serving loop runs
                         c0 = time.process_time()
                         for role in K.ROLES:
-                            samples[name][mode][rows][role].append(run(s[role], rows))
+                            samples[name][mode][rows][role].append(run_pass(s[role], rows))
                         cpu[name][mode][rows].append(time.process_time() - c0)
                     if name in calls:
                         flush.sum()
@@ -192,12 +185,9 @@ def main(argv=None) -> int:
     def med(v):
         return round(statistics.median(v) * 1e3, 3)
 
-    report = {"machine": lscpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "native_path": qm.name if qm else None, "read_bandwidth": bw, "model": args.gguf.name,
-              "rounds": args.rounds, "note": "timings are medians over rounds in which the candidates take turns; "
-              "per-role ms are summed over all layers",
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "candidates": {}}
+    report = {"threads": torch.get_num_threads(), "native_path": qm.name if qm else None, "read_bandwidth": bw,
+              "gguf": gguf.name, "timing": "medians over rounds in which the candidates take turns; "
+              "per-role ms are summed over all layers", "candidates": {}}
     report["read_bandwidth_rounds_gb_s"] = bw_rounds
     if peaks is not None:
         report["machine_peaks"] = {
@@ -244,8 +234,6 @@ def main(argv=None) -> int:
                 c[mode]["m32_vs_onednn_bf16"] = round(ref[mode]["rows"][32]["step_ms"] / c[mode]["rows"][32]["step_ms"], 3)
             if "calls" in c:
                 c["calls"]["m32_vs_onednn_bf16"] = round(ref["cold"]["rows"][32]["step_ms"] / c["calls"]["step_ms"][32], 3)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
     for name, c in report["candidates"].items():
         print(f"{name:12s} {c['weight_mb']:7.1f} MB  cold ms " +
               " ".join(f"M{r}={c['cold']['rows'][r]['step_ms']:.2f}" for r in ROWS) +
@@ -257,8 +245,4 @@ def main(argv=None) -> int:
                   + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f}"
                   + f" (same round {c['calls']['m1_fraction_of_bandwidth_same_round']:.2f})"
                   + f"  m8/m1 {c['calls']['m8_over_m1']:.2f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

@@ -1,5 +1,5 @@
-"""Servers started as their own processes for a benchmark: lmserve, or a peer such as llama.cpp's
-`llama-server`, each stopped when the `with` block ends."""
+"""Servers started as their own processes for a benchmark: lmserve (or a stand-in that starts the same
+way), or a peer such as llama.cpp's `llama-server`, each stopped when the `with` block ends."""
 
 from __future__ import annotations
 
@@ -15,12 +15,24 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+LMSERVE = (sys.executable, "-m", "lmserve.client.cli", "serve")
+
 
 @dataclass(frozen=True)
 class Served:
     grpc_target: str | None  # host:port of lmserve's gRPC API (None for a peer)
-    http_url: str  # the OpenAI API's base URL, ending in /v1
+    http_url: str | None  # the OpenAI API's base URL, ending in /v1 (None: not served)
+    metrics_url: str | None  # lmserve's /metrics (None: not served)
     log: Path
+    pid: int
+    ready_seconds: float  # from the process's start to serving
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of one /metrics scrape, by name."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -33,60 +45,79 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@contextlib.contextmanager
-def lmserve(flags: list[str], startup_timeout: float = 900):
-    """`lmserve serve` with these flags on free ports; yields a Served once the model is loaded."""
-    log = Path(tempfile.mkstemp(prefix="bench-lmserve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "lmserve.client.cli", "serve", "--port", "0", "--http-port", "-1",
-           "--metrics-port", "0", *flags]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            text = log.read_text(errors="replace")
-            grpc_port = re.search(r"lmserve bound \S+?:(\d+)", text)
-            http = re.search(r"HTTP API listening on (http://\S+?:\d+)", text)
-            if grpc_port and http and "ready in" in text:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"lmserve did not become ready:\n{text[-3000:]}")
-            time.sleep(0.2)
-        yield Served(f"127.0.0.1:{grpc_port.group(1)}", http.group(1) + "/v1", log)
-    finally:
-        _stop(proc)
-
-
 def _free_port() -> int:
-    # a benchmark, not a test: a port picked before the peer binds it is good enough here
+    # a benchmark, not a test: a port picked before the server binds it is good enough here
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _serving(target: str) -> bool:
+    from lmserve.client import Client, LmserveError
+
+    try:
+        with Client(target, timeout=2, max_retries=0) as client:
+            return client.health() == "SERVING"
+    except LmserveError:
+        return False
+
+
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, flags: list[str], startup_timeout: float = 300):
-    """llama.cpp's `llama-server` serving gguf on a free port; yields a Served once /health is 200."""
-    port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="bench-llama-server-", suffix=".log")[1])
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
+def _started(name: str, cmd: list[str], ready, startup_timeout: float):
+    """Process `cmd`, its output in a log file, until the `with` block ends. `ready(log, pid, t0)` is
+    polled until it returns the Served (None: not serving yet); a process that exits first fails."""
+    log = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+    t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + startup_timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+        while (served := ready(log, proc.pid, t0)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not become ready:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.3)
-        yield Served(None, f"http://127.0.0.1:{port}/v1", log)
+                raise RuntimeError(f"{name} did not become ready:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        yield served
     finally:
         _stop(proc)
+        log.unlink(missing_ok=True)
+
+
+def lmserve(flags: list[str], *, http: bool = True, metrics: bool = False, command=LMSERVE,
+            startup_timeout: float = 900):
+    """`lmserve serve` (or `command`, which logs the same startup lines) with these flags, gRPC and the
+    HTTP API on free ports it reports, /metrics when asked; yields a Served once health says SERVING."""
+    metrics_port = _free_port() if metrics else 0  # the server logs no port it picked for /metrics
+    cmd = [*command, "--port", "0", "--http-port", "-1" if http else "0", "--metrics-port", str(metrics_port),
+           *flags]
+
+    def ready(log: Path, pid: int, t0: float) -> Served | None:
+        text = log.read_text(errors="replace")
+        grpc_port = re.search(r"lmserve bound \S+?:(\d+)", text)
+        http_url = re.search(r"HTTP API listening on (http://\S+?:\d+)", text)
+        if not grpc_port or (http and not http_url) or not _serving(f"127.0.0.1:{grpc_port.group(1)}"):
+            return None
+        return Served(f"127.0.0.1:{grpc_port.group(1)}", http_url.group(1) + "/v1" if http else None,
+                      f"http://127.0.0.1:{metrics_port}/metrics" if metrics else None, log, pid,
+                      time.perf_counter() - t0)
+
+    return _started("lmserve", cmd, ready, startup_timeout)
+
+
+def llama_server(binary: Path, gguf: Path, flags: list[str], startup_timeout: float = 300):
+    """llama.cpp's `llama-server` serving gguf on a free port; yields a Served once /health is 200."""
+    port = _free_port()
+
+    def ready(log: Path, pid: int, t0: float) -> Served | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status != 200:
+                    return None
+        except OSError:
+            return None
+        return Served(None, f"http://127.0.0.1:{port}/v1", None, log, pid, time.perf_counter() - t0)
+
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
+    return _started("llama-server", cmd, ready, startup_timeout)
 
 
 __all__ = ["Served", "llama_server", "lmserve"]

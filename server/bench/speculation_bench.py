@@ -1,10 +1,10 @@
 """Speculative decoding (prompt lookup) on and off, side by side in one process.
 
-    python -m lmserve.server.bench.speculation_bench --out reports/speculation.json
+    lmserve bench speculation [--concurrency 1 32] [--rounds 2]
 
 Workloads whose answers repeat their input (editing code, quoting a passage, answering from a
 document by quoting it, restating a record as JSON under a json_object constraint) and ones that do
-not (the chat prompts of `lmserve bench`), greedy, at c=1 and at c=32. Each configuration runs
+not (the chat prompts of `lmserve bench load`), greedy, at c=1 and at c=32. Each configuration runs
 speculation off and on alternately (off, on, off, on) through the engine's async API; the report
 has tokens/s for both, their ratio, drafted and accepted tokens, and whether the tokens were
 identical (they must be); at c=1 also the decode rate, tokens after the first over the time after
@@ -16,14 +16,22 @@ any proposer reach on this machine. This is a benchmark, not a test: run it on a
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import statistics
-import time
-from datetime import datetime, timezone
 
-from .machine import load_from_arguments, lscpu, model_arguments, write_report
+from lmserve.client.bench.harness import MODEL
+
+from . import engine_wave
+from .machine import load_from_arguments
+
+FLAGS = {**MODEL, "max_new_tokens": 128, "rounds": 2, "concurrency": [1, 32]}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--draft-tokens", type=int, default=8, help="most tokens drafted per request and step")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode max-new-tokens every time (default: stop at the answer's end, as a user's request "
+                        "does; the tokens are the same with speculation on and off either way)")
 
 # a constrained workload: JSON (json_object) that restates a record given in the prompt
 RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics", '
@@ -31,8 +39,7 @@ RECORD = ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "ma
 
 
 def workloads(tok) -> dict[str, list[int]]:
-    from lmserve.client.bench import synthetic_workload
-    from lmserve.client.bench_prompts import REPEATING
+    from lmserve.client.bench.prompts import REPEATING, synthetic_workload
 
     def chat(text):
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
@@ -52,32 +59,20 @@ def constraint_of(workload: str):
     return Constraint.json_object() if workload == "json_copy" else None
 
 
-async def _wave(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True, prediction=(),
-                constraint=None, speculate: bool = True):
-    from ..engine import Request, SamplingParams
-
-    async def one(ids):
-        toks, first = [], None
-        params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos and constraint is None,
-                                prediction=prediction, constraint=constraint, speculate=speculate)
-        async for ch in engine.generate(Request(ids, params)):
-            if first is None:
-                first = (time.perf_counter(), len(ch.token_ids))
-            toks += ch.token_ids
-        return toks, first
-
-    t0 = time.perf_counter()
-    done = await asyncio.gather(*(one(p) for p in prompts))
-    end = time.perf_counter()
-    out = [toks for toks, _ in done]
-    # after the first token: what speculation can change (the prompt's prefill is the same either way)
-    t_first = max(first[0] for _, first in done)
-    after_first = sum(len(toks) - first[1] for toks, first in done)
-    return out, end - t0, after_first / max(end - t_first, 1e-9)
+def timed(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = True, prediction=(),
+          constraint=None, speculate: bool = True):
+    """Each stream's tokens, the wave's seconds, and its decode rate: tokens after each stream's first
+    chunk over the time after the last first chunk (what speculation can change: the prompt's prefill is
+    the same either way)."""
+    w = engine_wave.greedy(engine, prompts, max_new, ignore_eos=ignore_eos and constraint is None,
+                           prediction=prediction, constraint=constraint, speculate=speculate)
+    t_first = max(s.arrivals[0][0] for s in w.streams)
+    after_first = sum(len(s.token_ids) - s.arrivals[0][1] for s in w.streams)
+    return [s.token_ids for s in w.streams], w.seconds, after_first / max(w.end - t_first, 1e-9)
 
 
-def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
-        draft_tokens: int = 8, ignore_eos: bool = False, constraint=None) -> dict:
+def compare(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,
+            draft_tokens: int = 8, ignore_eos: bool = False, constraint=None) -> dict:
     """tokens/s with speculation off and on (alternating rounds), acceptance and token identity; at c=1
     also on with the answer itself as the request's prediction ("predicted": every draft right, so
     the gain is what verifying costs allows, the bound of any proposer)."""
@@ -97,10 +92,10 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
                 # steps (no drafts): its first fit decides how much prefill rides with the decode rows at
                 # c=32, and a warm-up with a verifying step had fitted cheaper rows, smaller chunks, ~10%
                 # fewer tokens/s with not one draft in the measured wave
-                asyncio.run(_wave(engine, [prompt], 8, speculate=False))
+                timed(engine, [prompt], 8, speculate=False)
                 before = engine.stats()
-                out, seconds, decode_rate = asyncio.run(_wave(engine, [prompt] * concurrency, max_new, ignore_eos,
-                                                              prediction, constraint))
+                out, seconds, decode_rate = timed(engine, [prompt] * concurrency, max_new, ignore_eos, prediction,
+                                                  constraint)
                 after = engine.stats()
             finally:
                 engine.shutdown()
@@ -128,19 +123,7 @@ def run(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, 
                if "predicted" in rates else {})}
 
 
-def main(argv=None) -> int:
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    model_arguments(ap)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds per configuration")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--draft-tokens", type=int, default=8, help="most tokens drafted per request and step")
-    ap.add_argument("--ignore-eos", action="store_true",
-                    help="decode max-new-tokens every time (default: stop at the answer's end, as a user's request "
-                         "does; the tokens are the same with speculation on and off either way)")
-    ap.add_argument("--out", default="reports/speculation.json")
-    args = ap.parse_args(argv)
+def run(args) -> dict:
     loaded = load_from_arguments(args)
     prompts = workloads(loaded.tokenizer)
     max_model_len = max(map(len, prompts.values())) + args.max_new_tokens + 8
@@ -148,17 +131,8 @@ def main(argv=None) -> int:
     for name, ids in prompts.items():
         for c in args.concurrency:
             r = {"workload": name, "prompt_tokens": len(ids), "draft_tokens": args.draft_tokens,
-                 **run(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens,
-                     args.ignore_eos, constraint_of(name))}
+                 **compare(loaded, ids, c, args.max_new_tokens, args.rounds, max_model_len, args.draft_tokens,
+                           args.ignore_eos, constraint_of(name))}
             print(json.dumps(r), flush=True)
             results.append(r)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
-              "model": args.model, "mode": loaded.mode, "kernels": loaded.kernels,
-              "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "results": results}
-    write_report(args.out, report)
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return {"mode": loaded.mode, "kernels": loaded.kernels, "results": results}

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: the linears, attention, and everything else.
 
-    python -m lmserve.server.bench.step_profile --out reports/step_profile.json
+    lmserve bench step-profile [--rounds 3] [--mixed-steps]
 
 One request decodes alone through the real engine (speculation off) in the mode `auto` serves on
 this machine, or the one asked for, two ways taking turns in every round when the mode has the
@@ -22,17 +22,24 @@ A benchmark, not a test: run it on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import statistics
-import sys
 import time
 from collections import Counter
-from datetime import datetime, timezone
-from pathlib import Path
 
-from .machine import load_from_arguments, lscpu, model_arguments, write_report
+from lmserve.client.bench.harness import MODEL
+
+from . import engine_wave
+from .machine import load_from_arguments
+
+FLAGS = {**MODEL, "rounds": 3}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tokens", type=int, default=96, help="decode steps per round")
+    p.add_argument("--mixed-steps", action="store_true",
+                   help="also time stall-free steps: 8 decode rows with prompt chunks of 8-64 tokens late or early "
+                        "in a long prompt, and each chunk alone")
 
 
 class _Timers:
@@ -58,16 +65,6 @@ class _Timers:
                 timers.calls[kind] += 1
 
         setattr(owner, name, timed)
-
-
-def _decode(engine, prompt: list[int], n: int) -> None:
-    from ..engine import Request, SamplingParams
-
-    async def go():
-        async for _ in engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))):
-            pass
-
-    asyncio.run(go())
 
 
 def op_profile(engine, prompt_len: int, steps: int = 20) -> dict:
@@ -191,48 +188,72 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
     return out
 
 
-def main(argv=None) -> int:
+def run(args) -> dict:
     import torch
 
+    from lmserve.model import kernels as K
+
+    loaded = load_from_arguments(args)
+    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
+    step = loaded.model.native_step  # the native decode loop, when this mode has it
+    ways = {"native": step, "eager": None} if step is not None else {"eager": None}
+    rows, ops = profile_rounds(loaded, prompt, ways, args.tokens, args.rounds)
+
+    def med(rows, key):
+        return round(statistics.median(r[key] for r in rows), 3)
+
+    summary = {}
+    for way in ways:
+        plain, timed = rows[way, False], rows[way, True]
+        summary[way] = {"step_ms_plain": med(plain, "step_ms"), "step_ms_timed": med(timed, "step_ms"),
+                        "linears_ms": med(timed, "linears_ms"), "attention_ms": med(timed, "attention_ms"),
+                        "outside_ms": med(timed, "outside_ms"),
+                        "phases_ms_plain": {p: round(statistics.median(r["phases_ms"][p] for r in plain), 3)
+                                            for p in plain[0]["phases_ms"]}}
+    if step is not None:
+        summary["eager_over_native_step"] = round(summary["eager"]["step_ms_plain"] / summary["native"]["step_ms_plain"], 3)
+    report = {"threads": torch.get_num_threads(), "mode": loaded.mode, "kernels": loaded.kernels,
+              # what a decode step streams from memory: every linear's weights (the head's included; the
+              # embedding table is only gathered from)
+              "linear_weight_bytes": sum(m.nbytes for m in loaded.model.modules() if isinstance(m, K.ServingLinear)),
+              "prompt_tokens": len(prompt), "summary": summary,
+              "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
+              "op_profile": ops}
+    if args.mixed_steps:
+        report["mixed_steps"] = mixed_steps(loaded)
+    print(json.dumps(summary, indent=2))
+    return report
+
+
+def profile_rounds(loaded, prompt: list[int], ways: dict, tokens: int, rounds: int) -> tuple[dict, dict]:
+    """`rounds` rounds in which each way decodes `tokens` tokens plain and timed, taking turns; then each
+    way's op profile. Returns the rows per (way, timed) and the op profiles per way."""
     from lmserve.model import attention_backend as AB
     from lmserve.model import kernels as K
     from lmserve.model.attention import AttentionMetadata
 
     from ..engine import Engine, EngineSettings
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    model_arguments(ap)
-    ap.add_argument("--tokens", type=int, default=96, help="decode steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("reports/step_profile.json"))
-    ap.add_argument("--mixed-steps", action="store_true",
-                    help="also time stall-free steps: 8 decode rows with prompt chunks of 8-64 tokens late or early "
-                         "in a long prompt, and each chunk alone")
-    args = ap.parse_args(argv)
-
-    loaded = load_from_arguments(args)
     timers = _Timers()
     for cls in {type(m) for m in loaded.model.modules() if isinstance(m, K.ServingLinear)}:
         timers.wrap(cls, "forward", "linears")
     for cls in (AB.KernelDecode, AB.KernelPrompt, AttentionMetadata):
         timers.wrap(cls, "attend", "attention")
-    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
-    engine = Engine(loaded, EngineSettings(max_batch=1, max_model_len=len(prompt) + args.tokens + 16,
+    engine = Engine(loaded, EngineSettings(max_batch=1, max_model_len=len(prompt) + tokens + 16,
                                            prefix_cache=False, speculation="off")).start()
-    step = loaded.model.native_step  # the native decode loop, when this mode has it
-    ways = {"native": step, "eager": None} if step is not None else {"eager": None}
+    step = loaded.model.native_step
     rows = {(way, on): [] for way in ways for on in (False, True)}
     ops = {}
     try:
-        _decode(engine, prompt, 8)  # warm-up
-        for _ in range(args.rounds):
+        engine_wave.greedy(engine, [prompt], 8)  # warm-up
+        for _ in range(rounds):
             for way, on in rows:
                 loaded.model.native_step = ways[way]
                 timers.on = on
                 if step is not None:
                     step.time_phases(on and way == "native")
                 before, seconds, calls = engine.phase_times.copy(), Counter(timers.seconds), Counter(timers.calls)
-                _decode(engine, prompt, args.tokens)
+                engine_wave.greedy(engine, [prompt], tokens)
                 phases = engine.phase_times.per_step_ms(before)
                 steps = engine.phase_times.steps - before.steps
                 row = {"step_ms": round(sum(phases.values()), 3),
@@ -257,37 +278,4 @@ def main(argv=None) -> int:
         ops[way] = op_profile(engine, len(prompt) + 8)
         print(json.dumps({"way": way, **{k: v for k, v in ops[way].items() if k != "ops"}}), flush=True)
     loaded.model.native_step = step
-
-    def med(rows, key):
-        return round(statistics.median(r[key] for r in rows), 3)
-
-    summary = {}
-    for way in ways:
-        plain, timed = rows[way, False], rows[way, True]
-        summary[way] = {"step_ms_plain": med(plain, "step_ms"), "step_ms_timed": med(timed, "step_ms"),
-                        "linears_ms": med(timed, "linears_ms"), "attention_ms": med(timed, "attention_ms"),
-                        "outside_ms": med(timed, "outside_ms"),
-                        "phases_ms_plain": {p: round(statistics.median(r["phases_ms"][p] for r in plain), 3)
-                                            for p in plain[0]["phases_ms"]}}
-    if step is not None:
-        summary["eager_over_native_step"] = round(summary["eager"]["step_ms_plain"] / summary["native"]["step_ms_plain"], 3)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": lscpu(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model,
-              "mode": loaded.mode, "kernels": loaded.kernels,
-              # what a decode step streams from memory: every linear's weights (the head's included; the
-              # embedding table is only gathered from)
-              "linear_weight_bytes": sum(m.nbytes for m in loaded.model.modules() if isinstance(m, K.ServingLinear)),
-              "prompt_tokens": len(prompt),
-              "tokens_per_round": args.tokens, "summary": summary,
-              "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
-              "op_profile": ops}
-    if args.mixed_steps:
-        report["mixed_steps"] = mixed_steps(loaded)
-    write_report(args.out, report)
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return rows, ops

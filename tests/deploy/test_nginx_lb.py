@@ -1,6 +1,6 @@
 """Two lmserve replicas behind nginx configured from deploy/nginx/nginx.conf, all on loopback.
 
-The load generator (`lmserve bench`) streams through nginx; the replicas' own /metrics are the
+The load generator (`lmserve bench load`) streams through nginx; the replicas' own /metrics are the
 oracle for where calls ran. Then one replica gets SIGTERM mid-load: every request must still
 finish (in-flight streams drain; new calls get UNAVAILABLE, which the SDK retries onto the
 other replica through nginx).
@@ -62,9 +62,9 @@ def nginx(nginx_bin, replicas, tmp_path):
 
 
 def bench_cmd(target: str, prompts, out, *, requests: int, max_new_tokens: int, max_retries: int) -> list[str]:
-    return [sys.executable, "-m", "lmserve.client.cli", "bench", "--target", target, "--prompts", str(prompts),
+    return [sys.executable, "-m", "lmserve.client.cli", "bench", "load", "--target", target, "--prompts", str(prompts),
             "--concurrency", "8", "--requests", str(requests), "--max-new-tokens", str(max_new_tokens),
-            "--ignore-eos", "--max-retries", str(max_retries), "--no-progress", "--json-out", str(out)]
+            "--ignore-eos", "--max-retries", str(max_retries), "--no-progress", "--out", str(out)]
 
 
 def finished_requests(server) -> float:

@@ -1,4 +1,4 @@
-"""`lmserve bench --mixed` against the shared trained-model server: idle baseline, streams, long
+"""`lmserve bench mixed` against the shared trained-model server: idle baseline, streams, long
 prompts under load; the report and the server's step metrics agree that long prompts were prefilled
 in steps shared with decoding streams."""
 
@@ -10,9 +10,9 @@ import sys
 def test_mixed_workload_reports_itl_during_prefill_and_ttft(server, tmp_path):
     before = server.metrics()
     out = tmp_path / "mixed.json"
-    proc = subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "--target", server.target, "--mixed",
+    proc = subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "mixed", "--target", server.target,
                            "--streams", "3", "--stream-tokens", "100", "--long-tokens", "100", "--long-prompts", "2",
-                           "--idle-runs", "1", "--gap", "0.3", "--json-out", str(out)],
+                           "--idle-runs", "1", "--gap", "0.3", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ITL p99 during prefill / steady p50" in proc.stdout

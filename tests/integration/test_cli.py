@@ -1,7 +1,7 @@
 """The ``lmserve`` command, run as a subprocess against the shared trained server.
 
 Oracles: the training corpus, an independent sentencepiece tokenizer, config.json, the raw gRPC
-stub (chat), and the server's /metrics for what ``lmserve bench`` sent.
+stub (chat), and the server's /metrics for what ``lmserve bench load`` sent.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from lmserve.v1 import lmserve_pb2 as pb
 from lmserve.v1 import lmserve_pb2_grpc as pb_grpc
 
-REPORT_KEYS = {"config", "date", "host", "model", "summary", "requests"}
+REPORT_KEYS = {"benchmark", "date", "revision", "machine", "torch", "settings", "load_average", "effective",
+               "model", "summary", "requests"}
 SUMMARY_KEYS = {"duration", "completed", "failed", "errors", "prompt_tokens", "output_tokens", "request_throughput",
                 "output_token_throughput", "ttft", "tpot", "itl", "e2e"}
 PERCENTILE_KEYS = {"count", "mean", "min", "max", "p50", "p90", "p99"}
@@ -147,8 +148,8 @@ def test_bench_writes_a_report_that_agrees_with_the_server(server, training_prom
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p, _ in training_prompts))
     report_path, plot_path = tmp_path / "report.json", tmp_path / "bench.png"
     before = server.wait_idle()
-    proc = lmserve("bench", "--requests", 8, "--concurrency", 4, "--max-new-tokens", 16, "--ignore-eos",
-                   "--prompts", prompts, "--seed", 1, "--json-out", report_path, "--plot", plot_path,
+    proc = lmserve("bench", "load", "--requests", 8, "--concurrency", 4, "--max-new-tokens", 16, "--ignore-eos",
+                   "--prompts", prompts, "--seed", 1, "--out", report_path, "--plot", plot_path,
                    "--no-progress", "-t", server.target, timeout=300)
     assert proc.returncode == 0, proc.stderr
     after = server.wait_idle()
@@ -169,9 +170,9 @@ def test_bench_writes_a_report_that_agrees_with_the_server(server, training_prom
     assert summary["itl"]["count"] == 8 * 16 - first_message_tokens  # one gap per token after the first
     assert len(report["requests"]) == 8
     assert all(r["error"] is None and sum(n for _, n in r["events"]) == 16 for r in report["requests"])
-    assert report["config"]["concurrency"] == 4 and report["config"]["effective"]["requests"] == 8
-    assert "token" not in report["config"]
-    assert report["model"]["vocab_size"] > 0 and report["host"]["lmserve_version"]
+    assert report["settings"]["concurrency"] == 4 and report["effective"]["requests"] == 8
+    assert "token" not in report["settings"]
+    assert report["model"]["vocab_size"] > 0 and report["revision"]["version"]
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     def delta(sample):
@@ -183,8 +184,8 @@ def test_bench_writes_a_report_that_agrees_with_the_server(server, training_prom
 
 
 @pytest.mark.parametrize("args, start", [
-    (["bench", "--concurrency", "0"], "lmserve: error: --concurrency must be >= 1"),
-    (["bench", "--requests", "0"], "lmserve: error: --requests must be >= 1"),
+    (["bench", "load", "--concurrency", "0"], "lmserve: error: --concurrency must be >= 1"),
+    (["bench", "load", "--requests", "0"], "lmserve: error: --requests must be >= 1"),
     (["generate", "hi", "--client-cert", "c.pem"], "lmserve: error: client_cert and client_key"),
 ], ids=["concurrency", "requests", "half-mtls"])
 def test_bad_value_exits_2_with_one_line(server, args, start):

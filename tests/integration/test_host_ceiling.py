@@ -1,4 +1,4 @@
-"""The host-ceiling benchmark end to end (server/bench/host_ceiling.py): the real engine and both edges
+"""The host-ceiling benchmark end to end (`lmserve bench host-ceiling`, server/bench/host_ceiling.py): the real engine and both edges
 around its zero-cost stand-in model, engine phase, gRPC and HTTP phases, a tiny run. It checks that the tool
 runs and that its report is consistent with what was asked (every request completed, each with its
 tokens), not how fast anything was. Nothing here depends on how a stream's chunks were merged: a fast
@@ -13,7 +13,7 @@ import sys
 
 def test_host_ceiling_reports_every_phase(smollm2_gguf_path, tmp_path):
     out = tmp_path / "host_ceiling.json"
-    proc = subprocess.run([sys.executable, "-m", "lmserve.server.bench.host_ceiling", "--model", str(smollm2_gguf_path),
+    proc = subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "host-ceiling", "--model", str(smollm2_gguf_path),
                            "--concurrency", "1", "4", "--max-new-tokens", "8", "--waves", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,4 +32,4 @@ def test_host_ceiling_reports_every_phase(smollm2_gguf_path, tmp_path):
     assert all(r["tok_per_s"] > 0 and r["ttft_p50_ms"] is not None for r in report["http"])
     assert [r["concurrency"] for r in report["http_vs_grpc"]] == [1, 4]
     assert all(r["http_over_grpc_tok_per_s"] > 0 for r in report["http_vs_grpc"])
-    assert report["cpu"]["Model name"]
+    assert report["benchmark"] == "host-ceiling" and report["machine"]["slug"]

@@ -1,4 +1,4 @@
-"""`lmserve bench --api openai --url ...` drives the HTTP API with the same workloads and report as gRPC."""
+"""`lmserve bench load --api openai --url ...` drives the HTTP API with the same workloads and report as gRPC."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 
 def bench(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "--no-progress", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "load", "--no-progress", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -19,7 +19,7 @@ def test_bench_over_the_openai_api_agrees_with_the_server(server, training_promp
     out = tmp_path / "report.json"
     before = server.wait_idle()
     proc = bench("--api", "openai", "--url", server.http_url, "--requests", 8, "--concurrency", 4,
-                 "--max-new-tokens", 16, "--ignore-eos", "--prompts", prompts, "--json-out", out)
+                 "--max-new-tokens", 16, "--ignore-eos", "--prompts", prompts, "--out", out)
     assert proc.returncode == 0, proc.stderr
     after = server.wait_idle()
     summary = json.loads(out.read_text())["summary"]
@@ -35,7 +35,7 @@ def test_bench_over_the_openai_api_agrees_with_the_server(server, training_promp
 def test_bench_names_http_errors_like_grpc_ones(server, tmp_path):
     out = tmp_path / "report.json"
     proc = bench("--api", "openai", "--url", server.http_url, "--model", "no-such-model", "--requests", 2,
-                 "--max-new-tokens", 4, "--json-out", out)
+                 "--max-new-tokens", 4, "--out", out)
     assert proc.returncode == 1  # nothing completed
     assert json.loads(out.read_text())["summary"]["errors"] == {"NOT_FOUND": 2}
 

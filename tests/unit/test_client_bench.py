@@ -1,4 +1,4 @@
-"""lmserve bench end to end against a loopback servicer (closed and open loop)."""
+"""lmserve bench load end to end against a loopback servicer (closed and open loop)."""
 
 import asyncio
 import json
@@ -8,14 +8,15 @@ import grpc
 import pytest
 from _client_fakes import Failure, LoopbackServer, Script
 
-from lmserve.client import bench, cli
+from lmserve.client import cli
+from lmserve.client.bench import load as bench
 
 
 def test_closed_loop_counts_requests_tokens_and_writes_report(tmp_path, capsys):
     out = tmp_path / "report.json"
     with LoopbackServer() as srv:
-        code = cli.main(["bench", "-t", srv.target, "--requests", "7", "--concurrency", "3", "--warmup", "2",
-                         "--no-progress", "--json-out", str(out), "--max-new-tokens", "3"])
+        code = cli.main(["bench", "load", "-t", srv.target, "--requests", "7", "--concurrency", "3", "--warmup", "2",
+                         "--no-progress", "--out", str(out), "--max-new-tokens", "3"])
         served = srv.servicer.attempts["GenerateStream"]
         max_new = {r.params.max_new_tokens for m, r in srv.servicer.requests if m == "GenerateStream"}
     assert code == 0
@@ -27,8 +28,9 @@ def test_closed_loop_counts_requests_tokens_and_writes_report(tmp_path, capsys):
     assert summary["output_tokens"] == 7 * 3  # the fake streams 3 one-token chunks
     assert summary["ttft"]["count"] == 7 and summary["itl"]["count"] == 7 * 2
     assert len(report["requests"]) == 7
-    assert report["config"]["concurrency"] == 3 and "token" not in report["config"]
-    assert report["model"]["model_name"] == "fake" and report["host"]["cpu_count"] >= 1
+    assert report["settings"]["concurrency"] == 3 and "token" not in report["settings"]
+    assert report["effective"]["requests"] == 7 and report["effective"]["warmup"] == 2
+    assert report["model"]["model_name"] == "fake" and report["benchmark"] == "load"
     assert "TTFT" in capsys.readouterr().out
 
 
@@ -53,7 +55,7 @@ def test_open_loop_with_prompt_file_and_error_counting(tmp_path):
 
 def test_duration_bound_stops_issuing(capsys):
     with LoopbackServer() as srv:
-        assert cli.main(["bench", "-t", srv.target, "--duration", "0.3", "--concurrency", "2", "--no-progress"]) == 0
+        assert cli.main(["bench", "load", "-t", srv.target, "--duration", "0.3", "--concurrency", "2", "--no-progress"]) == 0
     assert "completed" in capsys.readouterr().out
 
 
@@ -66,20 +68,20 @@ def test_synthetic_workload_has_varied_lengths():
 def test_bad_prompt_file_is_a_usage_error(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
-    assert cli.main(["bench", "--prompts", str(bad), "-t", "127.0.0.1:1", "--no-progress"]) == 2
+    assert cli.main(["bench", "load", "--prompts", str(bad), "-t", "127.0.0.1:1", "--no-progress"]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--concurrency", "0"], ["--rate", "-1"], ["--requests", "0"]])
 def test_invalid_load_settings_exit_2(flags):
-    assert cli.main(["bench", *flags, "-t", "127.0.0.1:1", "--no-progress"]) == 2
+    assert cli.main(["bench", "load", *flags, "-t", "127.0.0.1:1", "--no-progress"]) == 2
 
 
 def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     png = tmp_path / "plot.png"
     with LoopbackServer() as srv:
-        assert cli.main(["bench", "-t", srv.target, "--requests", "2", "--no-progress", "--plot", str(png)]) == 0
+        assert cli.main(["bench", "load", "-t", srv.target, "--requests", "2", "--no-progress", "--plot", str(png)]) == 0
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not png.exists()
 
@@ -88,17 +90,17 @@ def test_plot_with_matplotlib_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plot.png"
     with LoopbackServer() as srv:
-        assert cli.main(["bench", "-t", srv.target, "--requests", "4", "--no-progress", "--plot", str(png)]) == 0
+        assert cli.main(["bench", "load", "-t", srv.target, "--requests", "4", "--no-progress", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_repeat_workload_sends_the_prompts_whose_answers_repeat_them(tmp_path):
     """--workload repeat: the built-in code-editing, quoting and document-QA prompts, each carrying the
     text its answer is to repeat."""
-    from lmserve.client.bench_prompts import CODE, DOCUMENT, PASSAGE
+    from lmserve.client.bench.prompts import CODE, DOCUMENT, PASSAGE
 
     with LoopbackServer() as srv:
-        code = cli.main(["bench", "-t", srv.target, "--requests", "3", "--workload", "repeat", "--no-progress",
+        code = cli.main(["bench", "load", "-t", srv.target, "--requests", "3", "--workload", "repeat", "--no-progress",
                          "--max-new-tokens", "2"])
         sent = [r.messages.messages[-1].content for m, r in srv.servicer.requests if m == "GenerateStream"]
     assert code == 0 and len(sent) == 3

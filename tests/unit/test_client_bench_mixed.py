@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from lmserve.client.bench_mixed import MixedConfig, MixedResult, _streams_midway, split_gaps
+from lmserve.client.bench.mixed import MixedConfig, MixedResult, _streams_midway, split_gaps
 
 
 def test_gaps_split_by_prefill_windows_and_never_across_requests():

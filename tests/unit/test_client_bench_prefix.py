@@ -1,9 +1,9 @@
-"""lmserve bench's shared-prefix and multi-turn workloads, against a fake streaming client."""
+"""lmserve bench load's shared-prefix and multi-turn workloads, against a fake streaming client."""
 
 import asyncio
 
-from lmserve.client.bench import BenchConfig, WorkItem, synthetic_workload
-from lmserve.client.bench_prefix import per_turn_table, run_conversations, shared_system_prompt, with_shared_prefix
+from lmserve.client.bench.load import BenchConfig, WorkItem, synthetic_workload
+from lmserve.client.bench.prefix import per_turn_table, run_conversations, shared_system_prompt, with_shared_prefix
 from lmserve.client.types import ChatMessage, StreamChunk, Usage
 
 

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from lmserve.client.bench_stats import RequestRecord, Summary, aggregate, ecdf, percentile, token_timeline
+from lmserve.client.bench.stats import RequestRecord, Summary, aggregate, ecdf, percentile, token_timeline
 
 
 def _samples(rng, n):

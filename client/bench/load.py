@@ -1,41 +1,38 @@
-"""``lmserve bench``: a streaming load generator for a running lmserve server, or (``--api openai
---url ...``) any OpenAI-compatible server (lmserve's HTTP API, llama.cpp's server, vLLM, ...).
+"""Streaming load on a running lmserve server, or (``--api openai --url ...``) on any OpenAI-compatible
+server (lmserve's HTTP API, llama.cpp's server, vLLM, ...).
+
+    lmserve bench load -t localhost:50051 --concurrency 8 --requests 100
 
 Closed loop (``--concurrency N`` workers, each sends its next request when the previous
 one ends) or open loop (``--rate R``: Poisson arrivals at R requests/s, optionally capped
 at ``--concurrency`` in flight). Every request streams through :class:`AsyncClient` (gRPC) or
 :class:`~lmserve.client.openai_stream.OpenAIStreamClient` (HTTP, SSE), with the same workloads
-and report; the statistics are computed by :mod:`lmserve.client.bench_stats`.
+and report; the statistics are computed by :mod:`lmserve.client.bench.stats`. The server's
+own benchmarks send their waves of requests through :func:`wave`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
-import os
-import platform
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from . import bench_mixed
-from . import bench_prefix
-from .aio import AsyncClient
-from .bench_request import timed_request
-from .bench_stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
-from .bench_prompts import WorkItem, flatten_chat, load_prompts, repeating_workload, synthetic_workload
-from .cli_args import CliUsageError, add_connection_args, client_kwargs
-from .errors import LmserveError
-from .types import ModelInfo, SamplingParams
+from ..aio import AsyncClient
+from ..cli_args import CliUsageError, add_connection_args, client_kwargs
+from ..errors import LmserveError
+from ..types import ModelInfo, SamplingParams
+from . import prefix
+from .prompts import WorkItem, flatten_chat, load_prompts, repeating_workload, synthetic_workload
+from .request import timed_request
+from .stats import Aggregate, RequestRecord, aggregate, ecdf, token_timeline
 
-__all__ = ["BenchConfig", "BenchRun", "WorkItem", "run_bench", "synthetic_workload", "load_prompts", "flatten_chat"]
+__all__ = ["BenchConfig", "BenchRun", "WorkItem", "run_bench", "wave", "synthetic_workload", "load_prompts",
+           "flatten_chat"]
 DEFAULT_REQUESTS = 50
-
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,7 @@ class BenchRun:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Validated ``lmserve bench`` settings."""
+    """Validated ``lmserve bench load`` settings."""
 
     concurrency: int | None
     rate: float | None
@@ -142,7 +139,7 @@ def open_client(target: str, client_options: dict[str, Any] | None = None, api: 
     OpenAIStreamClient for a base URL (http://host:port/v1)."""
     opts = dict(client_options or {})
     if api == "openai":
-        from .openai_stream import OpenAIStreamClient
+        from ..openai_stream import OpenAIStreamClient
 
         return OpenAIStreamClient(target, token=opts.get("token"), model=model, ca_file=opts.get("ca_file"),
                                   timeout=opts.get("timeout"))
@@ -164,7 +161,7 @@ async def run_bench(target: str, config: BenchConfig, items: list[WorkItem], *,
         try:
             model = await client.model_info(timeout=config.timeout)
         except LmserveError as e:
-            print(f"lmserve bench: model info unavailable ({e})", file=sys.stderr)
+            print(f"lmserve bench load: model info unavailable ({e})", file=sys.stderr)
         if model is not None and not model.has_chat_template:
             items = [WorkItem(flatten_chat(it.prompt), it.max_new_tokens) for it in items]
 
@@ -195,6 +192,19 @@ async def run_bench(target: str, config: BenchConfig, items: list[WorkItem], *,
     return BenchRun(records=records, duration=duration, model=model)
 
 
+def wave(target: str, concurrency: int, requests: int, max_new_tokens: int, *, api: str = "lmserve",
+         items: list[WorkItem] | None = None, warmup: int = 0, ignore_eos: bool = True, seed: int | None = 0,
+         timeout: float | None = None) -> tuple[BenchRun, Aggregate]:
+    """`requests` greedy requests, `concurrency` in flight (closed loop), through `api` at `target`, with
+    `warmup` unmeasured ones first; the run and its statistics. The chat workload unless `items`."""
+    config = BenchConfig(concurrency=concurrency, rate=None, requests=requests, duration=None, warmup=warmup,
+                         max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, ignore_eos=ignore_eos,
+                         timeout=timeout)
+    result = asyncio.run(run_bench(target, config, synthetic_workload() if items is None else items,
+                                   progress=False, api=api))
+    return result, aggregate(result.records, result.duration)
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -216,25 +226,6 @@ def format_report(agg: Aggregate) -> str:
         else:
             lines.append(f"{name.upper():<12}" + "".join(f"{1000 * v:>10.1f}" for v in (s.mean, s.p50, s.p90, s.p99)))
     return "\n".join(lines)
-
-
-def host_info() -> dict[str, Any]:
-    from lmserve import __version__
-
-    return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "lmserve_version": __version__}
-
-
-def build_report(run: BenchRun, agg: Aggregate, config: dict[str, Any]) -> dict[str, Any]:
-    """The full JSON report: config, date, host, server model, summary and every request."""
-    return {
-        "config": config,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "host": host_info(),
-        "model": run.model.to_dict() if run.model is not None else None,
-        "summary": agg.to_dict(),
-        "requests": [asdict(r) for r in run.records],
-    }
 
 
 def plot_run(run: BenchRun, path: str) -> bool:
@@ -267,10 +258,11 @@ def plot_run(run: BenchRun, path: str) -> bool:
 
 # ---------------------------------------------------------------- command
 
+FLAGS = {"max_new_tokens": 128}
 
-def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Registers ``lmserve bench``."""
-    p = subparsers.add_parser("bench", help="load-test a running server with streaming requests")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The load's own flags (the shared --max-new-tokens caps a request unless its prompt says)."""
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", type=int, default=None,
                       help="closed loop: requests in flight (default 1); with --rate: cap on requests in flight")
@@ -284,7 +276,6 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
                       help="built-in prompts when --prompts is not given: chat (short, medium and long questions) "
                            "or repeat (code editing, quoting, document QA: answers that repeat the prompt, where "
                            "speculative decoding pays)")
-    load.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request unless the prompt says")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     load.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens every time")
     load.add_argument("--seed", type=int, default=None,
@@ -302,12 +293,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     api.add_argument("--url", help="with --api openai: the API's base URL, e.g. http://127.0.0.1:8000/v1")
     api.add_argument("--model", help="with --api openai: the model to ask for (default: the first of /models)")
     out = p.add_argument_group("output")
-    out.add_argument("--json-out", help="write the full report as JSON to this file")
     out.add_argument("--plot", help="draw latency CDF and throughput over time to this PNG (needs matplotlib)")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    bench_mixed.add_arguments(p)
     add_connection_args(p)
-    p.set_defaults(func=cmd_bench)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -335,42 +323,40 @@ async def _run_multi_turn(args: argparse.Namespace, config: BenchConfig, items: 
     async with open_client(_target(args), options, args.api, args.model) as client:
         model = await client.model_info(timeout=config.timeout)
         flatten = None if model is None or model.has_chat_template else flatten_chat
-        records, turns, duration = await bench_prefix.run_conversations(
+        records, turns, duration = await prefix.run_conversations(
             client, items, args.multi_turn, config.concurrency or 1, config.requests, config.params,
             config.timeout, flatten)
     return BenchRun(records=records, duration=duration, model=model), turns
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.mixed and args.api != "lmserve":
-        raise CliUsageError("--mixed sends token-id prompts through lmserve's gRPC API: use --api lmserve")
-    if args.mixed:
-        return bench_mixed.cmd_mixed(args, {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None})
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The load as the flags describe it; the report's body: the settings in effect, the server's model,
+    the summary and every request."""
     config = config_from_args(args)
     if args.prompts:
         items = load_prompts(args.prompts)
     else:
         items = repeating_workload() if args.workload == "repeat" else synthetic_workload()
     if args.shared_prefix_tokens:
-        items = bench_prefix.with_shared_prefix(items, args.shared_prefix_tokens)
+        items = prefix.with_shared_prefix(items, args.shared_prefix_tokens)
     options = {**client_kwargs(args), "max_retries": args.max_retries, "timeout": None}
     try:
         if args.multi_turn:
-            run, turns = asyncio.run(_run_multi_turn(args, config, items, options))
+            result, turns = asyncio.run(_run_multi_turn(args, config, items, options))
         else:
-            run = asyncio.run(run_bench(_target(args), config, items, client_options=options,
-                                        progress=not args.no_progress, api=args.api, model=args.model))
+            result = asyncio.run(run_bench(_target(args), config, items, client_options=options,
+                                           progress=not args.no_progress, api=args.api, model=args.model))
     except (ValueError, OSError) as e:  # bad TLS flags or certificate files
         raise CliUsageError(str(e)) from e
-    agg = aggregate(run.records, run.duration)
+    agg = aggregate(result.records, result.duration)
     print(format_report(agg))
     if args.multi_turn:
-        print(bench_prefix.per_turn_table(run.records, turns))
-    if args.json_out:
-        settings = {k: v for k, v in vars(args).items() if k not in ("func", "token")}
-        settings["effective"] = asdict(config)
-        Path(args.json_out).write_text(json.dumps(build_report(run, agg, settings), indent=2) + "\n")
-    if args.plot and not plot_run(run, args.plot):
-        print("lmserve bench: matplotlib is not installed; --plot skipped", file=sys.stderr)
-    return 0 if agg.completed else 1
+        print(prefix.per_turn_table(result.records, turns))
+    if args.plot and not plot_run(result, args.plot):
+        print("lmserve bench load: matplotlib is not installed; --plot skipped", file=sys.stderr)
+    return {"effective": asdict(config), "model": result.model.to_dict() if result.model is not None else None,
+            "summary": agg.to_dict(), "requests": [asdict(r) for r in result.records]}
 
+
+def succeeded(results: dict[str, Any]) -> bool:
+    return results["summary"]["completed"] > 0

@@ -1,4 +1,4 @@
-"""One timed, streamed request of ``lmserve bench``, through any client that has ``stream()``
+"""One timed, streamed request of the load generator, through any client that has ``stream()``
 (lmserve's gRPC AsyncClient, or the OpenAI-compatible OpenAIStreamClient)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .bench_stats import RequestRecord
-from .errors import LmserveError
-from .types import SamplingParams
+from .stats import RequestRecord
+from ..errors import LmserveError
+from ..types import SamplingParams
 
 
 async def timed_request(client, prompt: Any, params: SamplingParams, timeout: float | None, run_start: float,

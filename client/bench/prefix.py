@@ -1,4 +1,4 @@
-"""Workloads for ``lmserve bench`` that show prefix caching: a shared system prompt, and conversations.
+"""Workloads for ``lmserve bench load`` that show prefix caching: a shared system prompt, and conversations.
 
 ``--shared-prefix-tokens N`` puts the same system message of about N tokens in front of every
 request (what a chat product's system prompt or a few-shot preamble looks like). ``--multi-turn K``
@@ -15,10 +15,10 @@ import statistics
 import time
 from typing import Any
 
-from .bench_request import timed_request
-from .bench_stats import RequestRecord
-from .bench_prompts import WorkItem
-from .types import ChatMessage, SamplingParams
+from .request import timed_request
+from .stats import RequestRecord
+from .prompts import WorkItem
+from ..types import ChatMessage, SamplingParams
 
 # Short common words: byte-level BPE vocabularies (SmolLM2, Llama 3, Qwen2) give each, with its leading
 # space, one token; sentencepiece vocabularies about the same. The report's prompt_tokens give the count.

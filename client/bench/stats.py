@@ -1,6 +1,6 @@
 """Pure statistics for the load generator: per-request latency metrics and their aggregates.
 
-No I/O and no clocks here; :mod:`lmserve.client.bench` records, this module computes.
+No I/O and no clocks here; :mod:`lmserve.client.bench.load` records, this module computes.
 Definitions (seconds):
 
 - TTFT: request start -> first chunk carrying tokens.

@@ -1,8 +1,8 @@
-"""The prompts ``lmserve bench`` sends: the built-in synthetic workload or a JSON-lines file (the repeating
-workloads are in bench_workloads.py).
+"""The prompts the load generator sends: the built-in chat workload, the workloads whose answers
+repeat their prompt, or a JSON-lines file.
 
-Shared by the load generator (bench.py), its prefix-cache workloads (bench_prefix.py) and the
-server's own benchmarks; it imports neither of them.
+Shared by the load generator (load.py), its prefix-cache workloads (prefix.py) and the server's own
+benchmarks; it imports neither of them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cli_args import CliUsageError
-from .types import ChatMessage
+from ..cli_args import CliUsageError
+from ..types import ChatMessage
 
 _SYSTEM = "You are a helpful assistant."
 _TOPICS = (
@@ -49,7 +49,7 @@ def synthetic_workload() -> list[WorkItem]:
 
 
 # Workloads whose answers repeat their input: where speculative decoding from the context pays
-# (docs/speculative-decoding.md). `lmserve bench --workload repeat` and server/bench/speculation_bench.py.
+# (docs/speculative-decoding.md). `lmserve bench load --workload repeat` and `lmserve bench speculation`.
 CODE = '''def mean_and_spread(values):
     total = 0.0
     for v in values:

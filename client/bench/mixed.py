@@ -1,4 +1,6 @@
-"""``lmserve bench --mixed``: steady streams plus periodic long prompts, the workload behind stalls.
+"""Steady streams plus periodic long prompts on a running server: the workload behind stalls.
+
+    lmserve bench mixed -t localhost:50051 --streams 8 --long-tokens 3000
 
 1. Idle: after one unmeasured long prompt (warm-up), each of ``--idle-runs`` long prompts
    (``--long-tokens`` tokens) is sent alone; their median time to first token is the baseline.
@@ -21,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .aio import AsyncClient
-from .bench_stats import Summary
+from ..aio import AsyncClient
+from ..cli_args import CliUsageError, add_connection_args, client_kwargs
+from .stats import Summary
 
 _FILLER = ("The harbour master kept a ledger of every ship that entered the bay: its name, its cargo, "
            "the weather, and the hour the tide turned. ")
@@ -209,10 +210,11 @@ def format_mixed(result: MixedResult) -> str:
     return "\n".join(lines)
 
 
+FLAGS: dict = {}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("mixed workload (--mixed)")
-    g.add_argument("--mixed", action="store_true",
-                   help="steady streams plus periodic long prompts: streams' ITL during prefills, long prompts' TTFT")
+    g = parser.add_argument_group("mixed workload")
     d = MixedConfig()
     g.add_argument("--streams", type=int, default=d.streams, help="streams decoding throughout")
     g.add_argument("--stream-tokens", type=int, default=d.stream_tokens, help="tokens per stream request")
@@ -220,14 +222,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prompts", type=int, default=d.long_prompts, help="long prompts sent under load")
     g.add_argument("--idle-runs", type=int, default=d.idle_runs, help="long prompts sent alone first (TTFT baseline)")
     g.add_argument("--gap", type=float, default=d.gap, help="seconds of steady decoding before each long prompt")
+    add_connection_args(parser)
 
 
-def cmd_mixed(args: argparse.Namespace, client_options: dict[str, Any]) -> int:
-    config = MixedConfig(streams=args.streams, stream_tokens=args.stream_tokens, long_tokens=args.long_tokens,
-                         long_prompts=args.long_prompts, idle_runs=args.idle_runs, gap=args.gap)
-    result = asyncio.run(run_mixed(args.target, config, client_options))
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        config = MixedConfig(streams=args.streams, stream_tokens=args.stream_tokens, long_tokens=args.long_tokens,
+                             long_prompts=args.long_prompts, idle_runs=args.idle_runs, gap=args.gap)
+    except ValueError as e:
+        raise CliUsageError(str(e)) from e
+    options = {**client_kwargs(args), "max_retries": 0, "timeout": None}
+    result = asyncio.run(run_mixed(args.target, config, options))
     print(format_mixed(result))
-    if args.json_out:
-        report = {"workload": "mixed", "summary": result.summary(), **asdict(result)}
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if result.load_ttft and not result.errors else 1
+    return {"summary": result.summary(), **asdict(result)}
+
+
+def succeeded(results: dict[str, Any]) -> bool:
+    return bool(results["load_ttft"]) and not results["errors"]
