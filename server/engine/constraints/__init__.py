@@ -6,7 +6,7 @@ vocabulary.py  lmserve tokenizer -> the matcher library's vocabulary (the bytes 
 compiler.py    constraint -> compiled matcher: limits, compile deadline, LRU cache by content
 state.py       one request's matcher: next-token mask (computed ahead), advance, rollback
 
-The matcher library is llguidance (chosen by measurement: reports/matcher_choice.json).
+The matcher library is llguidance, chosen by measurement (`lmserve bench matcher-choice`).
 """
 
 from .spec import Constraint, ConstraintKind, ConstraintLimits
