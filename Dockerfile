@@ -62,8 +62,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 # ---------------------------------------------------------------- runtime bases
 FROM ${PYTHON_IMAGE} AS runtime-cpu
-# g++: the CPU attention and elementwise kernels (model/*.cpp, built for the host CPU at first start)
-# and torch.compile's C++ code generation for the compiled layers (--compile, model/compile.py)
+# g++: the CPU attention and elementwise kernels (model/native/csrc/*.cpp, built for the host CPU at first start)
+# and torch.compile's C++ code generation for the compiled layers (--compile, model/tuning/compile.py)
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \

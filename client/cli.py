@@ -20,7 +20,7 @@ from .errors import InvalidRequestError, LmserveError
 from .types import ChatMessage, SamplingParams
 
 # Packages that contribute subcommands; each exposes add_subcommands(subparsers).
-EXTERNAL_SUBCOMMANDS = ("lmserve.model.cli", "lmserve.model.train_cli", "lmserve.server.cli")
+EXTERNAL_SUBCOMMANDS = ("lmserve.model.checkpoints.cli", "lmserve.model.training.cli", "lmserve.server.cli")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_new_tokens: int = 0) -> None:

@@ -3,7 +3,7 @@
 Parameter names follow Hugging Face's LlamaForCausalLM, so HF safetensors load as-is and
 the trainer's checkpoints are plain HF directories. One forward serves training, prefill
 (many tokens per sequence) and decode (one token per sequence); what differs is the step
-attention passed (attention_backend.py: the per-step metadata, which owns the cache write and the
+attention passed (attention/backend.py: the per-step metadata, which owns the cache write and the
 kernel) and whether a KVCache is passed.
 """
 
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_backend import StepAttention
+from .attention.backend import StepAttention
 from .config import ModelConfig, rope_inv_freq
-from .inference_linear import fuse_linears, held_bytes
+from .linear.serving import fuse_linears, held_bytes
 from .kv_cache import KVCache
 
 

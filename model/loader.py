@@ -14,12 +14,13 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
-from .attention_backend import SdpaBackend, choose_backend
-from .compile import CompileResult, compile_model
-from .inference_linear import fuse_linears, planned_linears
+from .attention.backend import SdpaBackend, choose_backend
+from .tuning.compile import CompileResult, compile_model
+from .linear.serving import fuse_linears, planned_linears
 from .llama import LlamaForCausalLM
-from .precision import DTYPES, Plan, default_cache_dir, parse_dtype, resolve_plan
-from .tokenizer import Tokenizer
+from .cache_dir import default_cache_dir
+from .tuning.precision import DTYPES, Plan, parse_dtype, resolve_plan
+from .text.tokenizer import Tokenizer
 
 log = logging.getLogger("lmserve.model")
 
@@ -34,7 +35,7 @@ class LoadedModel:
     device: torch.device
     plan: Plan | None = None  # the precision mode and per-role kernels served (precision.py)
     compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
-    attention: SdpaBackend | None = None  # the attention backend (attention_backend.py); None: SDPA
+    attention: SdpaBackend | None = None  # the attention backend (attention/backend.py); None: SDPA
     batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
     kv_int8_measured: object = None  # an int8 KV cache's (quality, decode speed-up), measured once (server/engine/kv_choice.py)
     cache_dir: Path | None = None  # where measurements of this machine are cached (precision.py, kv_choice.py)
@@ -70,7 +71,7 @@ class LoadedModel:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
         if "native-int" in text:  # which build of the native quantized kernel runs: avx512-vnni+amx, avx2, ...
-            from . import quant_matmul
+            from .linear import quant_matmul
             qm = quant_matmul.default_kernel()
             text += f" on {qm.name}" if qm is not None else ""
         text += ", compiled" if self.compiled is not None and self.compiled.compiled else ""
@@ -247,12 +248,14 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache_dir: Path, dtype: torch.dtype,
                             cfg: ModelConfig, batch_invariant: bool) -> SdpaBackend:
-    """The attention backend for this device, and on CPU the fused elementwise ops (native.py) where
+    """The attention backend for this device, and on CPU the fused elementwise ops (native/build.py) where
     they apply; what was chosen is logged."""
     if device.type != "cpu":
         return choose_backend(device, dtype, cfg, batch_invariant)
-    from . import fused_ops, native, native_step
-    from .attention_backend import NativeCpuBackend
+    from .linear import fused_ops
+    from .native import build as native
+    from .native import step as native_step
+    from .attention.backend import NativeCpuBackend
 
     lib, why = native.build(cache_dir)
     backend = choose_backend(device, dtype, cfg, batch_invariant, lib)
@@ -272,7 +275,7 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
     """(config, float32 tensors, Q4_0/Q4_1 blocks, Q8_0 blocks, tokenizer) of a .gguf file or a Hugging
     Face directory (no blocks for the latter)."""
     if path.is_file() and path.suffix == ".gguf":
-        from .gguf_reader import read_gguf
+        from .checkpoints.gguf_reader import read_gguf
 
         ckpt = read_gguf(path, keep_q41=True)
         return ckpt.config, ckpt.tensors, ckpt.q41, ckpt.q80, Tokenizer.from_gguf_fields(ckpt.metadata)
@@ -285,8 +288,8 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
 def reference_logits(source: Path, ids: list[int], window: int) -> torch.Tensor:
     """quality.logits_of for the float32 reference of the checkpoint at `source` (read again, dense float32
     on the CPU, dropped after): what every lossy path is measured against, as precision.choose does."""
-    from .precision import reference_plan
-    from .quality import logits_of
+    from .tuning.precision import reference_plan
+    from .tuning.quality import logits_of
 
     cfg, tensors, q41, q80, _ = read_checkpoint(Path(source))
     model = build_model(cfg, tensors, torch.float32, "cpu", plan=reference_plan(), q41=q41, q80=q80)
@@ -309,8 +312,8 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     compile: "true", "false" or "auto" (measured, cached): compile the decoder layers' non-attention
     work (compile.py); the default here is eager, the server's default is auto.
     """
-    from .catalog import resolve_model
-    from .precision import candidate_modes
+    from .checkpoints.catalog import resolve_model
+    from .tuning.precision import candidate_modes
 
     bound_native_caches()
     device = torch.device(device) if device is not None else default_device()
@@ -326,7 +329,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41, q80=q80)  # shares the tensors
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if device.type == "cpu":
-        from . import quant_matmul
+        from .linear import quant_matmul
 
         quant_matmul.use_cache_dir(cache_dir)  # the native quantized kernel, when measured or planned
     plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)

@@ -75,7 +75,7 @@ class BoundedHealthServicer(health.aio.HealthServicer):
 def read_chat_template(path: str) -> str:
     """The text of a --chat-template file, compiled once in the templates' sandbox to check it; ValueError
     (a one-line startup error) when it cannot be read or does not compile."""
-    from lmserve.model.chat_template import ChatTemplate, ChatTemplateError
+    from lmserve.model.text.chat_template import ChatTemplate, ChatTemplateError
 
     try:
         source = Path(path).read_text(encoding="utf-8")

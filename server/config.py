@@ -17,7 +17,7 @@ from .engine.settings import EngineSettings
 class ServerSettings:
     model: str = "smollm2"
     models_dir: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU measured with --quantization (model/precision.py)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU measured with --quantization (model/tuning/precision.py)
     quantization: str = "auto"  # auto, none, int8 or int4 (weight-only; CPU)
     batch_invariant: bool = True  # only kernels whose output rows do not depend on the batch
     compile: str = "auto"  # compile the layers' work between attentions (CPU): auto = measured, cached

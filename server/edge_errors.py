@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from .engine import EngineUnavailableError
-from .engine.request import RequestValidationError
+from .engine.errors import RequestValidationError
 from .engine.scheduler import QueueFullError
 
 log = logging.getLogger("lmserve.errors")

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from lmserve.model.chat_template import ChatTemplateError
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.chat_template import ChatTemplateError
+from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.v1 import lmserve_pb2 as pb
 
 from .engine.constraints import Constraint, ConstraintLimits

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.model.catalog import pull
+from lmserve.model.checkpoints.catalog import pull
 
 pytest_plugins = ["fixtures.trained_model"]
 
@@ -29,7 +29,7 @@ def smollm2_tokenizer(smollm2_gguf_path):
     """SmolLM2's byte-level BPE tokenizer, read from the GGUF's metadata (no weights loaded)."""
     import gguf
 
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     reader = gguf.GGUFReader(str(smollm2_gguf_path))
     return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})

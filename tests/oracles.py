@@ -1,7 +1,7 @@
 """Test oracles: slow, obviously-correct references the product is held to. Not product code.
 
 - `explicit_attention`: softmax(QK^T / sqrt(d), masked over keys) @ V, written out.
-- `ExplicitAttention`: a step attention (model/attention_backend.py) that writes the cache like the
+- `ExplicitAttention`: a step attention (model/attention/backend.py) that writes the cache like the
   SDPA metadata it wraps, then computes the same attention as one explicit call over its full mask;
   keeps the last call's weights.
 - `general_sample`: every sampling stage for every row (the engine's Sampler skips work).
@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.server.engine.request import SamplingParams
 from lmserve.server.engine.sampler import (PenaltyState, SampleOutput, _race, _top_logprobs, filter_logits,

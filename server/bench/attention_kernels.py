@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ...model import native
-from ...model.prompt_attention import PromptAttention
+from ...model.native import build as native
+from ...model.attention.prompt import PromptAttention
 from .machine import taking_turns
 
 FLAGS = {"rounds": 7}
@@ -39,12 +39,12 @@ H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache sl
 
 
 def library_at(rev: str, into: Path):
-    """The native library built from git revision `rev`'s model/*.cpp and *.h (its own cache folder),
+    """The native library built from git revision `rev`'s C++ sources and headers under model/ (its own cache folder),
     and the commit `rev` names."""
     root = Path(__file__).resolve().parents[2]
     src = into / "src"
     src.mkdir(parents=True, exist_ok=True)
-    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "model/"],
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, "model/"],
                            capture_output=True, text=True, check=True).stdout.split()
     sources = []
     for name in names:

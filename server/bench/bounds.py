@@ -80,9 +80,9 @@ def kernel_bounds(cfg, tensors: dict, q41: dict, rows=(1, 32), prefill_rows: int
     offers, at each batch size in `rows`, and the per-token cost of a prefill chunk; one model at a
     time, built from the checkpoint's float32 tensors (and Q4_1 blocks). Quality is not a concern
     here: precision.py and the quality report say which of these modes may be served."""
-    from lmserve.model import kernels as K
+    from lmserve.model.linear import kernels as K
     from lmserve.model.loader import build_model
-    from lmserve.model.precision import Mode, Plan
+    from lmserve.model.tuning.precision import Mode, Plan
 
     modes = [Mode(torch.float32), Mode(torch.bfloat16), Mode(torch.bfloat16, "int8"), Mode(torch.bfloat16, "int4")]
     out: dict = {}

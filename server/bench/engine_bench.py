@@ -101,7 +101,7 @@ def bench_quality(path: Path, window: int = 512) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lmserve.model import quality as Q
+    from lmserve.model.tuning import quality as Q
     from lmserve.model.loader import load_model
 
     out = {}
@@ -127,7 +127,7 @@ def bench_quality(path: Path, window: int = 512) -> dict:
 
 def bench_prefill(loaded, prompt_tokens: int = 1500, repeats: int = 2) -> dict:
     """Prompt tokens/s of one ~1,500-token prompt through the engine (prefill in token-budget chunks)."""
-    from lmserve.model import quality as Q
+    from lmserve.model.tuning import quality as Q
 
     from ..engine import Engine, EngineSettings
 
@@ -298,7 +298,7 @@ def run(args) -> dict | None:
 
     import torch
 
-    from lmserve.model.catalog import resolve_model
+    from lmserve.model.checkpoints.catalog import resolve_model
     from lmserve.model.loader import resolve_device_dtype
 
     from ..engine import EngineSettings
@@ -313,7 +313,7 @@ def run(args) -> dict | None:
     if "grpc" not in args.skip:  # first: a server of its own, with nothing loaded in this process yet
         report["grpc"] = bench_grpc(args, device)
     if "kernels" not in args.skip and device.type == "cpu" and path.suffix == ".gguf":
-        from lmserve.model.gguf_reader import read_gguf
+        from lmserve.model.checkpoints.gguf_reader import read_gguf
 
         from .bounds import kernel_bounds
 

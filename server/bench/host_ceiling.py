@@ -68,11 +68,11 @@ class StandInModel:
 def stand_in_loaded(model: str, models_dir: str | None, max_rows: int):
     """A LoadedModel with the checkpoint's config and tokenizer and the stand-in as its model
     (no weights are read)."""
-    from lmserve.model.catalog import resolve_model
+    from lmserve.model.checkpoints.catalog import resolve_model
     from lmserve.model.config import ModelConfig
-    from lmserve.model.gguf_reader import read_directory
+    from lmserve.model.checkpoints.gguf_reader import read_directory
     from lmserve.model.loader import LoadedModel
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     path = resolve_model(model, models_dir=models_dir)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
 def quality(loaded, model_name: str, models_dir) -> dict:
     import torch
 
-    from lmserve.model import quality as Q
+    from lmserve.model.tuning import quality as Q
     from lmserve.model.loader import load_model
 
     ids = Q.text_ids(loaded.tokenizer)
@@ -157,7 +157,7 @@ def run(args) -> dict:
     if "kernel" not in args.skip:
         report["decode_attention"] = decode_attention(loaded)
     if "served" not in args.skip:
-        from lmserve.model import quality as Q
+        from lmserve.model.tuning import quality as Q
 
         text = Q.text_ids(loaded.tokenizer)
         prompts = {"chat": workloads(loaded.tokenizer)["chat"],

@@ -1,5 +1,5 @@
 // Two ceilings of this machine that bound the weight-only linears (machine_peaks.py), built with the
-// same compiler and flags as the serving kernels (model/native.py) but for benchmarks only:
+// same compiler and flags as the serving kernels (model/native/build.py) but for benchmarks only:
 //   - lm_peak_products: int8 dot products a second on independent registers, the instruction the
 //     quantized kernel uses (AVX-512 VNNI vpdpbusd: 64 products; AVX-VNNI: 32; AVX2 maddubs+madd: 32);
 //   - lm_peak_read: bytes a second reading a list of buffers as the native decode loop reads a step's

@@ -33,8 +33,8 @@ class Peaks:
     """The benchmark library (built like the serving kernels, cached beside them)."""
 
     def __init__(self, cache_dir: Path | None = None):
-        from ...model import native
-        from ...model.precision import default_cache_dir
+        from ...model.native import build as native
+        from ...model.cache_dir import default_cache_dir
 
         lib, why = native.build(Path(cache_dir or default_cache_dir()), sources=[SOURCE])
         if lib is None:
@@ -119,7 +119,7 @@ def peak_bounds(peaks: dict, weight_bytes: int, products_per_row: int) -> dict:
 
 def step_buffers(shapes: list[tuple[int, int, int]]) -> tuple[list[torch.Tensor], list[int]]:
     """Buffers of the packed sizes of linears (out_features, in_features, bits), in step order."""
-    from ...model.quant_matmul import GROUP_COLS
+    from ...model.linear.quant_matmul import GROUP_COLS
 
     bufs, gbytes = [], []
     for n, k, bits in shapes:

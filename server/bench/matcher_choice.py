@@ -156,8 +156,8 @@ def compare(tokenizer, rounds: int) -> dict:
 def run(args) -> dict:
     import gguf
 
-    from lmserve.model.catalog import resolve_model
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.checkpoints.catalog import resolve_model
+    from lmserve.model.text.tokenizer import Tokenizer
 
     reader = gguf.GGUFReader(str(resolve_model(args.model, models_dir=args.models_dir)))
     tok = Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})

@@ -123,7 +123,7 @@ def tensor_types(shape: Shape, fmt: str) -> dict[str, str]:
 
 def _tokenizer_fields(tokenizer_gguf: Path) -> tuple[dict, int]:
     """The tokenizer.* key/values of a GGUF file (SmolLM2's), and its vocabulary size."""
-    from lmserve.model.gguf_reader import read_directory
+    from lmserve.model.checkpoints.gguf_reader import read_directory
     import mmap
 
     with open(tokenizer_gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -194,7 +194,7 @@ def write_hf_dir(shape: Shape, fmt: str, out: Path, tokenizer_gguf: Path, seed: 
     import torch
     from safetensors.torch import save_file
 
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     fields, vocab = _tokenizer_fields(tokenizer_gguf)
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[fmt]
@@ -258,7 +258,7 @@ def write(shape_name: str, fmt: str, out_dir: Path, tokenizer_gguf: Path, seed: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lmserve.model.catalog import default_models_dir, pull
+    from lmserve.model.checkpoints.catalog import default_models_dir, pull
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shape", choices=sorted(SHAPES))

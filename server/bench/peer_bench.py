@@ -179,7 +179,7 @@ def _model_id(http_url: str) -> str:
 
 
 def run(args) -> dict:
-    from lmserve.model.catalog import resolve_model
+    from lmserve.model.checkpoints.catalog import resolve_model
 
     if "llama.cpp" not in args.skip and not args.llama_server.exists():
         raise SystemExit(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")

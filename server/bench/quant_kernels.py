@@ -34,9 +34,9 @@ import time
 
 import torch
 
-from ...model import kernels as K
-from ...model import quant_matmul as QM
-from ...model.gguf_reader import read_gguf
+from ...model.linear import kernels as K
+from ...model.linear import quant_matmul as QM
+from ...model.checkpoints.gguf_reader import read_gguf
 from .machine import last_level_cache_bytes, taking_turns
 
 FLAGS = {"model": "smollm2", "models_dir": None, "rounds": 7}
@@ -85,7 +85,7 @@ def role_sources(ck) -> dict[str, list[K.WeightSource]]:
 
 
 def run(args) -> dict:
-    from ...model.catalog import resolve_model
+    from ...model.checkpoints.catalog import resolve_model
 
     gguf = resolve_model(args.model, models_dir=args.models_dir)
     torch.manual_seed(0)

@@ -191,7 +191,7 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
 def run(args) -> dict:
     import torch
 
-    from lmserve.model import kernels as K
+    from lmserve.model.linear import kernels as K
 
     loaded = load_from_arguments(args)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
@@ -228,9 +228,9 @@ def run(args) -> dict:
 def profile_rounds(loaded, prompt: list[int], ways: dict, tokens: int, rounds: int) -> tuple[dict, dict]:
     """`rounds` rounds in which each way decodes `tokens` tokens plain and timed, taking turns; then each
     way's op profile. Returns the rows per (way, timed) and the op profiles per way."""
-    from lmserve.model import attention_backend as AB
-    from lmserve.model import kernels as K
-    from lmserve.model.attention import AttentionMetadata
+    from lmserve.model.attention import backend as AB
+    from lmserve.model.linear import kernels as K
+    from lmserve.model.attention.sdpa import AttentionMetadata
 
     from ..engine import Engine, EngineSettings
 

@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "Engine": "engine", "EngineHealth": "engine", "EngineStats": "engine", "EngineUnavailableError": "engine",
     "GenerationChunk": "outputs", "GenerationResult": "outputs",
-    "FinishReason": "request", "Request": "request", "RequestValidationError": "request", "SamplingParams": "request",
+    "FinishReason": "request", "Request": "request", "RequestValidationError": "errors", "SamplingParams": "request",
     "QueueFullError": "scheduler", "EngineSettings": "settings",
 }
 __all__ = sorted(_EXPORTS)

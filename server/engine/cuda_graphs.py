@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmserve.model.attention_backend import CudaGraphsBackend
+from lmserve.model.attention.backend import CudaGraphsBackend
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 

@@ -29,7 +29,8 @@ from .kv_choice import choose_kv_dtype
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
-from .request import FinishReason, Request, RequestValidationError, SamplingParams
+from .errors import RequestValidationError
+from .request import FinishReason, Request, SamplingParams
 from .runner import ModelRunner, RunOutput
 from .scheduler import PrefillChunk, ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus

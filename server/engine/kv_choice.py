@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from lmserve.model import quality as Q
-from lmserve.model.attention_backend import NativeCpuBackend
+from lmserve.model.tuning import quality as Q
+from lmserve.model.attention.backend import NativeCpuBackend
 from lmserve.model.errors import ModelLoadError
 
 from .settings import KV_CACHE_DTYPES as CHOICES
@@ -120,7 +120,7 @@ def cache_path(loaded) -> Path | None:
     """Where this loaded model's check is cached, or None (no cache directory)."""
     if getattr(loaded, "cache_dir", None) is None:
         return None
-    from lmserve.model.precision import cache_key
+    from lmserve.model.tuning.precision import cache_key
 
     plan = loaded.plan
     request = {"kv_check": CHECK_VERSION, "tokens": QUALITY_TOKENS, "mode": loaded.mode,
@@ -143,7 +143,7 @@ def _read(path: Path) -> tuple[CacheQuality, float] | None:
 
 
 def _write(path: Path, found: tuple[CacheQuality, float]) -> None:
-    from lmserve.model.precision import write_cached
+    from lmserve.model.cache_dir import write_cached
 
     q, speedup = found
     write_cached(path, {"model": q.model.as_dict(), "int8": q.int8.as_dict(), "decode_speedup": speedup},

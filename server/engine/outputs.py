@@ -1,10 +1,11 @@
-"""What the engine streams back for a request."""
+"""What the engine streams back for a request, and the per-sequence state the output processor makes it with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .request import FinishReason
+from .stopping import StopStringMatcher
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,12 @@ def merge_chunks(first: GenerationChunk, later: GenerationChunk) -> GenerationCh
                            token_ids=first.token_ids + later.token_ids, logprobs=first.logprobs + later.logprobs,
                            finish_reason=later.finish_reason, usage=later.usage, timings=later.timings,
                            error=later.error, matched_stop=later.matched_stop)
+
+
+@dataclass
+class OutputState:
+    """A sequence's output state (Sequence.output), made on its first token."""
+
+    detokenizer: object  # lmserve.model.text.detokenizer: the incremental detokenizer for its tokenizer
+    stops: StopStringMatcher
+    matched_stop: str | None = field(default=None)  # with FinishReason.STOP: the stop string that matched

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from lmserve.model.detokenizer import make_detokenizer
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.detokenizer import make_detokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 
-from .outputs import GenerationChunk, Timings, TokenLogprob, Usage
+from .outputs import GenerationChunk, OutputState, Timings, TokenLogprob, Usage
 from .request import FinishReason
 from .sequence import Sequence
 from .stopping import StopStringMatcher
@@ -22,15 +22,6 @@ class StepOutput:
     chunk: GenerationChunk | None
     reason: FinishReason | None
     gap: float | None = None  # seconds since the sequence's previous token (None for its first)
-
-
-@dataclass
-class OutputState:
-    """A sequence's output state (Sequence.output), made on its first token."""
-
-    detokenizer: object  # lmserve.model.detokenizer: the incremental detokenizer for its tokenizer
-    stops: StopStringMatcher
-    matched_stop: str | None = field(default=None)  # with FinishReason.STOP: the stop string that matched
 
 
 class OutputProcessor:

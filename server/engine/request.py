@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .constraints.spec import Constraint
+from .errors import RequestValidationError
 
 if TYPE_CHECKING:
     from .constraints.compiler import CompiledConstraint
@@ -33,14 +34,6 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
 
 _ids = itertools.count(1)
-
-
-class RequestValidationError(ValueError):
-    """One or more fields of a request are invalid; `violations` lists (field, description)."""
-
-    def __init__(self, violations: list[tuple[str, str]]):
-        self.violations = list(violations)
-        super().__init__("; ".join(f"{f}: {d}" for f, d in self.violations))
 
 
 class FinishReason(str, enum.Enum):

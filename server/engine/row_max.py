@@ -13,7 +13,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from lmserve.model import native as native_lib
+from lmserve.model.native import build as native_lib
 
 
 class _NativeRowMax:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lmserve.model.attention_backend import SdpaBackend
+from lmserve.model.attention.backend import SdpaBackend
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM, Segment
 
@@ -29,7 +29,7 @@ class RunOutput:
 
 
 class ModelRunner:
-    """`attention`: the backend chosen at load (model/attention_backend.py), which builds each batch's
+    """`attention`: the backend chosen at load (model/attention/backend.py), which builds each batch's
     step attention; `graphs`: decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs) when given."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, attention: SdpaBackend,

@@ -154,7 +154,7 @@ class SlotAllocator:
 class Scheduler:
     """`long_prompt`: prompts of at least this many tokens take the highest free slot and the others
     the lowest, so neighbouring slots hold requests of similar length and a decode step's attention
-    calls over runs of neighbouring slots (model/attention_plan.py) read fewer keys for nothing.
+    calls over runs of neighbouring slots (model/attention/plan.py) read fewer keys for nothing.
     None: always the lowest.
 
     `max_batch`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache

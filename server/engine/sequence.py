@@ -11,7 +11,7 @@ from .request import FinishReason, Request
 if TYPE_CHECKING:
     from .constraints.state import ConstraintState
     from .ngram import NgramProposer
-    from .processor import OutputState
+    from .outputs import OutputState
     from .sampler import SamplingState
 
 

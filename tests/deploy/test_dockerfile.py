@@ -20,7 +20,7 @@ from _dockerfile import (DOCKERFILE, DOCKERIGNORE, Dockerfile, context_copies, d
 from _repo import REPO_ROOT
 
 from lmserve.client.cli import build_parser
-from lmserve.model.catalog import CATALOG
+from lmserve.model.checkpoints.catalog import CATALOG
 from lmserve.server.config import ServerSettings, settings_from_args
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ def test_cpu_resources_fit_the_model_and_kv_cache(smollm2_gguf_path):
     import torch
 
     from lmserve.model.config import ModelConfig
-    from lmserve.model.gguf_reader import read_directory
+    from lmserve.model.checkpoints.gguf_reader import read_directory
     from lmserve.model.kv_cache import KVCache
 
     with open(smollm2_gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 from lmserve.model.loader import LoadedModel, load_model

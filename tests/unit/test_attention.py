@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lmserve.model.attention import AttentionMetadata, sdpa_attention
+from lmserve.model.attention.sdpa import AttentionMetadata, sdpa_attention
 from oracles import ExplicitAttention, explicit_attention
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache

@@ -1,4 +1,4 @@
-"""Splitting a step's attention into SDPA calls over cache views (model/attention_plan.py).
+"""Splitting a step's attention into SDPA calls over cache views (model/attention/plan.py).
 
 Oracles: brute force over every split for the planner; the explicit reference attention
 over the step's one full mask for the calls; each sequence run alone for the model.
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata, attend_calls
+from lmserve.model.attention.sdpa import AttentionMetadata, attend_calls
 from oracles import explicit_attention
-from lmserve.model.attention_plan import cache_calls, slot_runs
+from lmserve.model.attention.plan import cache_calls, slot_runs
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM

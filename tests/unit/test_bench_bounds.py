@@ -106,7 +106,7 @@ def test_machine_peaks_read_every_byte_once_in_both_patterns_and_count_products(
 
     from lmserve.server.bench import machine_peaks as MP
 
-    from lmserve.model import native
+    from lmserve.model.native import build as native
 
     lib, why = native.build(native_kernels_dir)
     if lib is None:

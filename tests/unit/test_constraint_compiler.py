@@ -14,11 +14,11 @@ import re
 import pytest
 import torch
 
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.server.engine.constraints.compiler import ConstraintCompiler
 from lmserve.server.engine.constraints.spec import Constraint
 from lmserve.server.engine.constraints.state import ConstraintError, mask_logits, unpack
-from lmserve.server.engine.request import RequestValidationError
+from lmserve.server.engine.errors import RequestValidationError
 
 PERSON = {
     "type": "object",

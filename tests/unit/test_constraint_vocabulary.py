@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.server.engine.constraints.vocabulary import SPECIAL_MARK, build_vocabulary, token_bytes_of
 
 MULTIBYTE = "naïve café — 你好，世界 🌍🍵"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata, attend_calls
+from lmserve.model.attention.sdpa import AttentionMetadata, attend_calls
 from oracles import explicit_attention
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import load_model

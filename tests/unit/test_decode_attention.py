@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from oracles import explicit_attention
-from lmserve.model import native
-from lmserve.model.decode_attention import DecodeAttention
+from lmserve.model.native import build as native
+from lmserve.model.attention.decode import DecodeAttention
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 SLOTS, MAX_LEN = 12, 1040

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from lmserve.model.detokenizer import ByteStreamDetokenizer, IncrementalDetokenizer, make_detokenizer
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.detokenizer import ByteStreamDetokenizer, IncrementalDetokenizer, make_detokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lmserve.server.engine import EngineUnavailableError, Engine
-from lmserve.server.engine.request import FinishReason, Request, RequestValidationError, SamplingParams
+from lmserve.server.engine.errors import RequestValidationError
+from lmserve.server.engine.request import FinishReason, Request, SamplingParams
 from lmserve.server.engine.settings import EngineSettings
 from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
     collect, corpus_prompt, one_torch_thread, full_forward_logits, greedy, greedy_reference, prompt_continuations, random_prompt,

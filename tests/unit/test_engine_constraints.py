@@ -19,7 +19,8 @@ from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
 from lmserve.model.kv_cache import KVCache
 from lmserve.server.engine.constraints import Constraint
 from lmserve.server.engine.constraints.state import mask_logits
-from lmserve.server.engine.request import FinishReason, Request, RequestValidationError, SamplingParams
+from lmserve.server.engine.errors import RequestValidationError
+from lmserve.server.engine.request import FinishReason, Request, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from fixtures.trained_model import prompt_continuations  # noqa: F401 - re-exported for the test modules
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.config import ModelConfig
 from lmserve.model.llama import LlamaForCausalLM
 from lmserve.model.loader import LoadedModel, load_model
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.server.engine import Engine
 from lmserve.server.engine.outputs import GenerationChunk, GenerationResult
 from lmserve.server.engine.request import Request, SamplingParams

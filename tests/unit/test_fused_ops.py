@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmserve.model import native
+from lmserve.model.native import build as native
 from lmserve.model.config import ModelConfig
-from lmserve.model.fused_ops import FusedOps
+from lmserve.model.linear.fused_ops import FusedOps
 from lmserve.model.llama import LlamaForCausalLM, RMSNorm, Rotary
 
 BF16 = torch.bfloat16
@@ -83,7 +83,7 @@ def test_rows_do_not_depend_on_the_batch(ops):
 
 def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops):
     """Whole decoder on CPU in bfloat16: the fused path against the torch ops, same weights and inputs."""
-    from lmserve.model.attention import AttentionMetadata
+    from lmserve.model.attention.sdpa import AttentionMetadata
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
                       intermediate_size=256, max_position_embeddings=128)

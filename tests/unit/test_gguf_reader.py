@@ -20,7 +20,7 @@ from lmserve.model.errors import (
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
-from lmserve.model.gguf_reader import llama_cpp_permute, llama_cpp_unpermute, read_gguf
+from lmserve.model.checkpoints.gguf_reader import llama_cpp_permute, llama_cpp_unpermute, read_gguf
 
 # A tiny llama: every matrix's inner dimension is a multiple of 256 so K-quant blocks fit.
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 256, 512, 4, 2, 64, 32, 2
@@ -343,7 +343,7 @@ def test_metadata_matches_gguf_readers_parse(tmp_path):
     w.add_tensor("x", np.arange(8, dtype=np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
-    from lmserve.model.gguf_reader import read_directory
+    from lmserve.model.checkpoints.gguf_reader import read_directory
 
     with open(path, "rb") as f:
         meta, infos = read_directory(f.read())

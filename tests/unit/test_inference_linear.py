@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.config import ModelConfig
-from lmserve.model.inference_linear import inference_linear
-from lmserve.model.kernels import OneDNNLinear
-from lmserve.model.kernels import DenseLinear
+from lmserve.model.linear.serving import inference_linear
+from lmserve.model.linear.kernels import OneDNNLinear
+from lmserve.model.linear.kernels import DenseLinear
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
 

@@ -17,7 +17,7 @@ import torch
 
 from oracles import explicit_attention
 from lmserve.model.config import ModelConfig
-from lmserve.model.decode_attention import DecodeAttention
+from lmserve.model.attention.decode import DecodeAttention
 from lmserve.model.kv_cache import KVCache, dequantize_rows, quantize_rows
 from test_prompt_attention import kernel, lib  # noqa: F401 - fixtures: the native library, the prompt kernel on each path
 
@@ -184,7 +184,7 @@ def test_a_prefix_copy_takes_the_scales_along():
 
 
 def test_sdpa_and_views_refuse_an_int8_cache():
-    from lmserve.model.attention import AttentionMetadata
+    from lmserve.model.attention.sdpa import AttentionMetadata
 
     c = KVCache(shape((H, HKV, D)), 1, 64, torch.int8)
     meta = AttentionMetadata.for_decode([0], [3], "cpu")

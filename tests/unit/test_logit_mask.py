@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.model import native
+from lmserve.model.native import build as native
 from lmserve.server.engine.constraints import state as S
 
 

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
-from lmserve.model.attention import AttentionMetadata  # noqa: E402
+from lmserve.model.attention.sdpa import AttentionMetadata  # noqa: E402
 from lmserve.model.config import ModelConfig  # noqa: E402
 from lmserve.model.loader import build_model  # noqa: E402
 

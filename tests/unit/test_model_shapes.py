@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lmserve.model.config import ModelConfig
-from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.server.bench.model_shapes import SHAPES, SIGMA, Shape, random_blocks, tensor_types, write_gguf, write_hf_dir
 
 gguf = pytest.importorskip("gguf")
@@ -50,7 +50,7 @@ def test_a_written_gguf_reads_back_as_its_shape(fmt, tmp_path, smollm2_gguf_path
 
 def test_a_written_hf_directory_reads_back_with_the_tokenizer(tmp_path, smollm2_gguf_path):
     from lmserve.model.loader import read_hf_dir
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     out = write_hf_dir(TINY, "bf16", tmp_path / "tiny", smollm2_gguf_path)
     cfg, tensors = read_hf_dir(out)
@@ -60,7 +60,7 @@ def test_a_written_hf_directory_reads_back_with_the_tokenizer(tmp_path, smollm2_
     with open(smollm2_gguf_path, "rb") as f:
         import mmap
 
-        from lmserve.model.gguf_reader import read_directory
+        from lmserve.model.checkpoints.gguf_reader import read_directory
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             original = Tokenizer.from_gguf_fields(read_directory(buf)[0])
     saved = Tokenizer.from_dir(out)

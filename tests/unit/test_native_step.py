@@ -1,4 +1,4 @@
-"""The native step (native_step.py) on SmolLM2 at its real shapes, against the eager layers it
+"""The native step (native/step.py) on SmolLM2 at its real shapes, against the eager layers it
 replaces: bitwise the same logits and the same K/V written, for decode rows at different positions,
 a verified draft (one slot on several consecutive rows), packed new prompts, a continued prompt
 chunk, and a step mixing all of them, through both forward entry points; and each row is the same
@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.model import native, native_step
-from lmserve.model import kernels as K
-from lmserve.model import precision as P
-from lmserve.model import quant_matmul as QM
-from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.native import build as native
+from lmserve.model.native import step as native_step
+from lmserve.model.linear import kernels as K
+from lmserve.model.tuning import precision as P
+from lmserve.model.linear import quant_matmul as QM
+from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import Segment
 from lmserve.model.loader import attention_and_fused_ops, build_model

@@ -3,7 +3,7 @@ prompt run alone, and the K/V it writes against a full recomputation when decodi
 
 import torch
 
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM

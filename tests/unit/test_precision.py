@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.model import kernels as K
-from lmserve.model import precision as P
-from lmserve.model import quality as Q
-from lmserve.model.gguf_reader import read_gguf
+from lmserve.model.linear import kernels as K
+from lmserve.model.tuning import precision as P
+from lmserve.model.tuning import quality as Q
+from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.model.loader import load_model
-from lmserve.model.quant import Q41Blocks, int4_pack, int8_per_channel, quantize_q41
+from lmserve.model.linear.formats import Q41Blocks, int4_pack, int8_per_channel, quantize_q41
 from lmserve.server.engine.request import Request
 from test_engine_helpers import collect, greedy, running
 
@@ -148,7 +148,7 @@ def test_a_near_tie_goes_to_the_quantized_mode_serving_the_files_own_blocks(gguf
         int8_ahead, int4, {}, exact)
     assert P.rank_modes({**measured, int4: {1: 5.0, 8: 9.0, 32: 30.0}}, exact=exact)[0] == int8  # no tie: speed
     # the real file: its layers hold Q4_1 blocks, so int4 is the file's own precision
-    from lmserve.model.precision import _role_sources
+    from lmserve.model.tuning.precision import _role_sources
     from lmserve.model.loader import build_model
 
     probe = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", prepare=False, q41=gguf.q41, q80=gguf.q80)
@@ -177,7 +177,7 @@ def test_auto_candidates_cover_every_cpu_mode():
 
 
 def test_a_cached_choice_is_measured_again_when_the_choosing_code_or_the_kernels_change(tmp_path, monkeypatch):
-    from lmserve.model import native
+    from lmserve.model.native import build as native
 
     src = tmp_path / "m.gguf"
     src.write_bytes(b"x")
@@ -241,7 +241,7 @@ SERVED_PLANS = {  # every kernel each quantized mode may be served on: (mode, la
 @pytest.fixture(scope="module")
 def float32_reference(smollm2_gguf_path, gguf):
     from lmserve.model.loader import build_model
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf_fields(gguf.metadata)
     ids = Q.text_ids(tok, 256)
@@ -254,7 +254,7 @@ def test_every_served_quantized_kernel_keeps_quality_and_batch_invariance(gguf, 
                                                                           served):
     """Each quantized mode on each of its kernels, built from the file's own Q4_1 / Q8_0 blocks: within
     quality.py's bounds against float32, and batch-invariant end to end at the real shapes."""
-    from lmserve.model import quant_matmul as QM
+    from lmserve.model.linear import quant_matmul as QM
     from lmserve.model.loader import build_model
 
     quant, layers, head = SERVED_PLANS[served]
@@ -314,9 +314,9 @@ def test_int4_takes_two_activation_codes_where_one_code_leaves_the_quality_bound
                                                                                  float32_reference, monkeypatch):
     """With a KL bound between what the one-code and the two-code int4 plans measure, choosing int4
     must end on the two-code kernel (and say what one code measured) rather than on the faster one."""
-    from lmserve.model import quant_matmul as QM
+    from lmserve.model.linear import quant_matmul as QM
     from lmserve.model.loader import build_model
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
     QM.use_cache_dir(kernel_cache)
     if QM.default_kernel() is None:
@@ -372,7 +372,7 @@ def test_default_mode_keeps_greedy_tokens_the_same_alone_and_batched(request, wh
 
 
 def test_compile_true_refuses_a_plan_the_compiler_cannot_take(smollm2_gguf_path, kernel_cache):
-    from lmserve.model.compile import CompileRefused
+    from lmserve.model.tuning.compile import CompileRefused
 
     if not K.onednn_supports(torch.float32):
         pytest.skip("no oneDNN here: float32 plans use dense kernels, which compile")

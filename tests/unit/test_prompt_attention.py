@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from lmserve.model import native
-from lmserve.model.attention_backend import NativeCpuBackend, SdpaBackend
+from lmserve.model.native import build as native
+from lmserve.model.attention.backend import NativeCpuBackend, SdpaBackend
 from oracles import explicit_attention
-from lmserve.model.prompt_attention import PromptAttention
+from lmserve.model.attention.prompt import PromptAttention
 
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention shape
 SLOTS, MAX_LEN = 6, 1100
@@ -175,7 +175,7 @@ def _one_row_at_a_time(linear: torch.nn.Linear) -> None:
     """Make a linear compute each row alone. torch's own bfloat16 GEMM may round a row differently with the
     number of rows computed beside it (on a Xeon with AMX, 16 or 37 rows differ from 300), which would
     make a chunked prefill differ from a whole one before attention is reached. That is the serving
-    linears' concern (model/precision.py serves only kernels whose rows do not depend on the batch); here
+    linears' concern (model/tuning/precision.py serves only kernels whose rows do not depend on the batch); here
     the attention kernel is under test, so the linears are kept out of it."""
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])  # [N, in]

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from lmserve.model import kernels as K
-from lmserve.model import native
-from lmserve.model import quant_matmul as QM
-from lmserve.model.gguf_reader import read_gguf
-from lmserve.model.quant import Q41Blocks, Q80Blocks, quantize_q41, quantize_q80
+from lmserve.model.linear import kernels as K
+from lmserve.model.native import build as native
+from lmserve.model.linear import quant_matmul as QM
+from lmserve.model.checkpoints.gguf_reader import read_gguf
+from lmserve.model.linear.formats import Q41Blocks, Q80Blocks, quantize_q41, quantize_q80
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lmserve.model import native
+from lmserve.model.native import build as native
 from lmserve.server.engine import row_max as RM
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from lmserve.model.attention_backend import SdpaBackend
+from lmserve.model.attention.backend import SdpaBackend
 from lmserve.model.kv_cache import KVCache
 from lmserve.server.engine import Request, SamplingParams
 from lmserve.server.engine.runner import ModelRunner

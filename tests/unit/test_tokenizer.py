@@ -12,9 +12,9 @@ from datetime import datetime
 import pytest
 import regex
 
-from lmserve.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from lmserve.model.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectureError
-from lmserve.model.tokenizer import Tokenizer
+from lmserve.model.text.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # text samples

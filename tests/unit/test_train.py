@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmserve.model import train as T
-from lmserve.model.attention import AttentionMetadata
+from lmserve.model.training import train as T
+from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.config import ModelConfig
 from lmserve.model.llama import LlamaForCausalLM
 from lmserve.model.loader import load_model
@@ -271,7 +271,7 @@ def test_train_rejects_empty_text(tmp_path):
 # ---- command line ----------------------------------------------------------------------------
 
 def run_cli(argv: list[str]) -> int:
-    from lmserve.model import train_cli
+    from lmserve.model.training import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="lmserve")
     train_cli.add_subcommands(parser.add_subparsers(dest="command", required=True))
@@ -320,5 +320,5 @@ def test_cli_trains_a_loadable_model(tmp_path, capsys):
 
 
 def test_cli_module_does_not_import_torch():
-    code = "import sys, lmserve.model.train_cli; print('torch' in sys.modules)"
+    code = "import sys, lmserve.model.training.cli; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

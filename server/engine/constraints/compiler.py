@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from ..request import RequestValidationError
+from ..errors import RequestValidationError
 from .spec import Constraint, ConstraintKind, ConstraintLimits
 from .state import ConstraintState, MaskWorker, fill_bitmask, new_bitmask
 from .vocabulary import Vocabulary, build_vocabulary

@@ -147,7 +147,7 @@ class _NativeMask:
 
 
 def _native_mask() -> _NativeMask | None:
-    from lmserve.model import native
+    from lmserve.model.native import build as native
 
     return native.bound(_NativeMask)  # the model loader's library on CPU; never built here
 

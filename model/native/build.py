@@ -1,4 +1,4 @@
-"""The project's native CPU kernels (model/*.cpp), compiled for this machine on first use.
+"""The project's native CPU kernels (model/native/csrc/*.cpp), compiled for this machine on first use.
 
 One shared library holds them all (decode_attention.cpp, prompt_attention.cpp, fused_ops.cpp,
 quant_matmul.cpp, logit_mask.cpp, row_max.cpp, native_step.cpp; native_common.h). It is compiled with the
@@ -18,8 +18,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+from ..cache_dir import default_cache_dir
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 _BUILD_SECONDS = 180
 
 
@@ -85,9 +88,8 @@ _LOADED: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 
 def load(cache_dir: Path | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """build(cache_dir) once per process (default: precision.default_cache_dir())."""
+    """build(cache_dir) once per process (default: cache_dir.default_cache_dir())."""
     if cache_dir is None:
-        from .precision import default_cache_dir
         cache_dir = default_cache_dir()
     key = str(Path(cache_dir).resolve())
     if key not in _LOADED:

@@ -1,4 +1,4 @@
-"""Fused elementwise ops for bfloat16 activations on CPU (fused_ops.cpp, built by native.py).
+"""Fused elementwise ops for bfloat16 activations on CPU (fused_ops.cpp, built by native/build.py).
 
 At one or a few rows a decoder layer's work between matrix multiplies is a chain of ~30 small torch
 ops (RMSNorm alone is eight), and their dispatch costs more than their arithmetic: on the 2-core

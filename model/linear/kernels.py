@@ -12,7 +12,7 @@ are measured here, on the model's real shapes, at load:
           large-M paths round differently from the rest
 - int8:   torch's weight-only int8 kernel, one scale per output row, bfloat16/float16 activations
 - int4:   torch's weight-only int4 kernel, groups of 32 along K with a scale and a zero each
-          (GGUF Q4_1 maps onto it as it is; see quant.py), bfloat16 activations
+          (GGUF Q4_1 maps onto it as it is; see linear/formats.py), bfloat16 activations
 - native-int8 / native-int4: the project's kernel (quant_matmul.py) on GGUF Q8_0 / Q4_0-Q4_1
           blocks, activations quantized per row and block of 32 to two int8 codes (~16 bits),
           integer dot products; its cost grows slowly with the rows (weights are unpacked once
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import quant_matmul as QM
-from .quant import GROUP, Q41Blocks, Q80Blocks, int4_pack, int8_per_channel, quantize_q41, quantize_q80
+from .formats import GROUP, Q41Blocks, Q80Blocks, int4_pack, int8_per_channel, quantize_q41, quantize_q80
 
 ROLES = ("qkv", "o", "gate_up", "down", "head")
 DECODE_BUCKETS = (1, 8, 32)  # batch sizes the choice is timed at

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Mapping
 
-from .errors import CheckpointNotFoundError, ModelLoadError
+from ..errors import CheckpointNotFoundError, ModelLoadError
 
 _CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"

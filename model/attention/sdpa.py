@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention_plan import AttentionCall, cache_calls, packed_calls
+from .plan import AttentionCall, cache_calls, packed_calls
 
 if TYPE_CHECKING:
-    from .kv_cache import KVCache
+    from ..kv_cache import KVCache
 
 
 def packed_positions(q_lens: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,7 +45,7 @@ class AttentionMetadata:
     narrower view (attention_plan). `mask`, `lo`, `hi`, `rows` describe the same attention as
     one call (what a reference implementation of the same step reads).
 
-    Every layer calls `attend` (model/attention_backend.py: the step attention protocol).
+    Every layer calls `attend` (model/attention/backend.py: the step attention protocol).
     """
 
     q_lens: Tensor  # [B] real (unpadded) query tokens per sequence

@@ -1,4 +1,4 @@
-"""Decode attention on CPU in one call per layer (decode_attention.cpp, built by native.py).
+"""Decode attention on CPU in one call per layer (decode_attention.cpp, built by native/build.py).
 
 A decode step's rows each add one token and attend over their own slot. Through SDPA that is one
 call per row and layer when rows must not depend on the batch (SDPA rounds differently when a
@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from .native import rows_packed
+from ..native.build import rows_packed
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # compiled for these (decode_attention.cpp); others keep SDPA

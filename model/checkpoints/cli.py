@@ -7,7 +7,7 @@ import json
 import sys
 
 from . import catalog
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 
 def _models_dir_arg(p: argparse.ArgumentParser) -> None:
@@ -77,7 +77,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmserve.model.cli", description="Manage lmserve model checkpoints.")
+    parser = argparse.ArgumentParser(prog="python -m lmserve.model.checkpoints.cli", description="Manage lmserve model checkpoints.")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

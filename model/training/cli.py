@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        logging.getLogger("lmserve.model.train").setLevel(logging.INFO)
+        logging.getLogger("lmserve.model.training.train").setLevel(logging.INFO)
 
     from .train import TrainingDivergedError, train
 
@@ -104,7 +104,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmserve.model.train_cli")
+    parser = argparse.ArgumentParser(prog="python -m lmserve.model.training.cli")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

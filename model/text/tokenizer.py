@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lmserve.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from lmserve.model.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectureError
 
 # Token types shared by GGUF (llama.cpp) and sentencepiece's ModelProto.
@@ -161,7 +161,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
         """Prompt text for a conversation, rendered by the checkpoint's template in a Jinja2
-        sandbox. Raises `lmserve.model.chat_template.ChatTemplateError` on a bad template or
+        sandbox. Raises `lmserve.model.text.chat_template.ChatTemplateError` on a bad template or
         messages the template refuses."""
         return self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
 
@@ -646,7 +646,4 @@ def _first_int(*values) -> int | None:
     return None
 
 
-# Re-exported so callers find the streaming decoder beside the tokenizer.
-from lmserve.model.detokenizer import IncrementalDetokenizer  # noqa: E402
-
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "SUPPORTED_GGUF_PRE_TOKENIZERS"]
+__all__ = ["Tokenizer", "SUPPORTED_GGUF_PRE_TOKENIZERS"]

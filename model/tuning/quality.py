@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .attention import AttentionMetadata
+from ..attention.sdpa import AttentionMetadata
 
 HELD_OUT_TEXT = (Path(__file__).with_name("quality_text.txt")).read_text(encoding="utf-8")
 
@@ -52,7 +52,7 @@ def logits_of(model, ids: list[int], window: int = 512, attention=None, cache_dt
     default; with an attention backend and `cache_dtype`, every window is prefilled into a KV cache of
     that dtype through the backend, so each token attends over K/V read back from it (an int8 cache's
     codes and scales included)."""
-    from .kv_cache import KVCache
+    from ..kv_cache import KVCache
 
     out = []
     device = next(iter(model.buffers())).device

@@ -1,4 +1,4 @@
-"""The native weight-only matmul (quant_matmul.cpp, built by native.py): GGUF-style int4 / int8
+"""The native weight-only matmul (quant_matmul.cpp, built by native/build.py): GGUF-style int4 / int8
 blocks times activations quantized per row and block of 32 to int8 codes (plus an int8 code of
 the remainder, "precise": ~16 bits), exact integer dot products.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .quant import GROUP, Q41Blocks, Q80Blocks
+from .formats import GROUP, Q41Blocks, Q80Blocks
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
@@ -81,7 +81,7 @@ def kernel(cache_dir: Path | None = None) -> QuantMatmul | None:
     """The kernel for this machine (native.load), or None without a compiler or an AVX2 path."""
     key = str(cache_dir)
     if key not in _KERNEL:  # looked up first: native.load resolves the path (~70 us of syscalls a call)
-        from . import native
+        from ..native import build as native
 
         lib, _ = native.load(cache_dir)
         k = QuantMatmul(lib) if lib is not None else None

@@ -18,7 +18,7 @@ import codecs
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from lmserve.model.tokenizer import Tokenizer
+    from lmserve.model.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -8,8 +8,8 @@ kernel runs. Three backends:
 - `SdpaBackend`: SDPA over views of the cache (attention.AttentionMetadata and its call plan);
   any device. Batch-invariant serving gives every sequence its own call over exactly its own keys.
 - `NativeCpuBackend`: the project's CPU kernels: decode rows in one call per layer
-  (decode_attention.py) and, for a bfloat16 cache on AVX-512 BF16, prompt tokens in one call per
-  layer (prompt_attention.py); SDPA for what they do not take.
+  (attention/decode.py) and, for a bfloat16 cache on AVX-512 BF16, prompt tokens in one call per
+  layer (attention/prompt.py); SDPA for what they do not take.
 - `CudaGraphsBackend`: SDPA, plus decode steps of static shape over the whole cache so that they
   can be captured as CUDA graphs (server/engine/cuda_graphs.py).
 """
@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .attention import AttentionMetadata, packed_positions
-from .config import ModelConfig
-from .kv_cache import KVCache
+from .sdpa import AttentionMetadata, packed_positions
+from ..config import ModelConfig
+from ..kv_cache import KVCache
 
 class StepAttention(Protocol):
     """What every layer of one forward calls: the cache write and the attention of its tokens."""
@@ -170,8 +170,8 @@ def choose_backend(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, b
         return CudaGraphsBackend(device, batch_invariant)
     if device.type != "cpu" or lib is None:
         return SdpaBackend(device, batch_invariant)
-    from .decode_attention import DecodeAttention
-    from .prompt_attention import PromptAttention
+    from .decode import DecodeAttention
+    from .prompt import PromptAttention
 
     shape = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
     if not DecodeAttention.supports(dtype, *shape):

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import AttentionMetadata
-from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from ..attention.sdpa import AttentionMetadata
+from ..config import ModelConfig
+from ..llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

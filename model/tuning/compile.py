@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
-from .llama import DecoderLayer, LlamaForCausalLM
-from .precision import write_cached
+from ..errors import ModelLoadError
+from ..llama import DecoderLayer, LlamaForCausalLM
+from ..cache_dir import write_cached
 
 
 @dataclass
@@ -109,7 +109,7 @@ def compile_model(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.dev
     if mode == "false":
         return CompileResult(False, "--compile false")
     if mode == "auto" and model.native_step is not None:
-        return CompileResult(False, "steps run in one native call (native_step.py)")
+        return CompileResult(False, "steps run in one native call (native/step.py)")
     reason = blocked_by(model, device)
     if reason is not None:
         if mode == "true":

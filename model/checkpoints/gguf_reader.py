@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig
-from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedArchitectureError, UnsupportedQuantizationError
+from ..config import ModelConfig
+from ..errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedArchitectureError, UnsupportedQuantizationError
 
 # GGUF tensor name -> HF parameter name; per-block names sit under `blk.{i}.` and `model.layers.{i}.`
 _GLOBAL_NAMES = {
@@ -284,7 +284,7 @@ def _quant_blocks(buf, info: TensorInfo):
     for other types."""
     from gguf import GGMLQuantizationType as T
 
-    from .quant import Q41Blocks, Q80Blocks
+    from ..linear.formats import Q41Blocks, Q80Blocks
 
     read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw)}
     if info.type_id not in read:

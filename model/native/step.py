@@ -1,4 +1,4 @@
-"""A serving step's decoder layers in one native call (native_step.cpp, built by native.py).
+"""A serving step's decoder layers in one native call (native_step.cpp, built by native/build.py).
 
 At batch 1 on a 2-core CPU the eager layers spent ~9 ms of a ~25 ms decode step outside their
 kernels: ~1,700 torch ops and ~270 ctypes calls dispatched from Python (the per-op profile of
@@ -21,10 +21,10 @@ import math
 import torch
 from torch import Tensor
 
-from .attention_backend import KernelDecode, KernelPrompt
-from .decode_attention import scale_pointers
-from .kernels import NativeQuantLinear
-from .kv_cache import KVCache
+from ..attention.backend import KernelDecode, KernelPrompt
+from ..attention.decode import scale_pointers
+from ..linear.kernels import NativeQuantLinear
+from ..kv_cache import KVCache
 
 
 class _Linear(ctypes.Structure):
@@ -60,9 +60,9 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
     """Whether a model in this mode can serve steps through the native loop, its layers' linears
     on the native quantized kernel: then those roles are served on it (precision.measure_mode), since
     a per-role timing cannot see the ~9 ms a batch-1 step saves in dispatch."""
-    from . import fused_ops
-    from . import quant_matmul as QM
-    from .decode_attention import DecodeAttention
+    from ..linear import fused_ops
+    from ..linear import quant_matmul as QM
+    from ..attention.decode import DecodeAttention
 
     return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4")
             and QM.default_kernel() is not None

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from . import native_step
-from . import kernels as K
-from .errors import ModelLoadError
-
-log = logging.getLogger("lmserve.model")
+from ..native import step as native_step
+from ..linear import kernels as K
+from ..cache_dir import write_cached
+from ..errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -141,7 +138,7 @@ CHOICE_VERSION = 4
 def cache_key(source: Path, request: dict) -> str:
     """The cached choice's name: this machine, the model file, the request, the choosing code's
     version and the native kernels' sources (a faster kernel must be able to win)."""
-    from .native import sources_digest
+    from ..native.build import sources_digest
 
     st = source.stat() if source.exists() else None
     ident = {"machine": cpu_identity(), "model": [str(source.resolve()), st.st_size if st else 0,
@@ -218,8 +215,8 @@ def model_batch_invariant(model, ids: list[int], device: torch.device | str = "c
     Decode uses prompts of one length so that every sequence attends over the same number of keys
     alone and batched: how attention calls group sequences of different lengths is the attention
     plan's business (its own tests), not the precision mode's."""
-    from .attention import AttentionMetadata
-    from .kv_cache import KVCache
+    from ..attention.sdpa import AttentionMetadata
+    from ..kv_cache import KVCache
 
     dtype = model.model.norm.weight.dtype
     room = min(model.config.max_position_embeddings - 2, 62)  # a small model's context may be short
@@ -431,26 +428,7 @@ def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, qu
     return plan
 
 
-def write_cached(path: Path, data: dict, what: str) -> None:
-    """A measurement's JSON written to the cache at `path` whole or not at all (a concurrent start reads
-    the old file or the new one); a cache that cannot be written (read-only) is logged: measured again
-    next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("%s not cached (%s)", what, exc)
-
-
-def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/lmserve, else ~/.cache/lmserve (read when called)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lmserve"
-
-
 __all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
-           "reference_plan", "uses_one_code", "write_cached",
+           "reference_plan", "uses_one_code",
            "mode_scores", "choice_reason", "file_exact_modes",
-           "cpu_identity", "default_cache_dir", "parse_dtype", "asdict"]
+           "cpu_identity", "parse_dtype", "asdict"]

@@ -1,4 +1,4 @@
-"""Prompt attention on CPU for a bfloat16 cache (prompt_attention.cpp, built by native.py).
+"""Prompt attention on CPU for a bfloat16 cache (prompt_attention.cpp, built by native/build.py).
 
 SDPA's CPU kernel computes a bfloat16 prompt's attention in float32 arithmetic (~150 GFLOP/s on a
 2-core AVX-512 EPYC, against ~900 for the bfloat16 matrix multiplies of the linear layers), so a
@@ -18,8 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from .decode_attention import scale_pointers
-from .native import rows_packed
+from .decode import scale_pointers
+from ..native.build import rows_packed
 
 
 class PromptAttention:

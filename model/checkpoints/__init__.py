@@ -1,0 +1,1 @@
+"""Reading checkpoints: GGUF files, Hugging Face directories, and the catalog of pullable models."""

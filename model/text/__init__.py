@@ -1,0 +1,1 @@
+"""Text: the tokenizer, the incremental detokenizer and the chat template."""
