@@ -21,12 +21,16 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
         description="Run one benchmark and write its report, stamped with date, git revision, machine, torch "
                     "version and settings.",
         epilog=f"benchmarks:\n{listing}\n\n`lmserve bench NAME --help` gives a benchmark's flags.")
-    p.add_argument("name", choices=list(BENCHMARKS), metavar="NAME", help="the benchmark (listed below)")
+    p.add_argument("name", nargs="?", choices=list(BENCHMARKS), metavar="NAME", help="the benchmark (listed below)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its flags")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ..cli_args import CliUsageError
     from .harness import run
 
+    if args.name is None:
+        raise CliUsageError(f"name a benchmark: lmserve bench {{{','.join(BENCHMARKS)}}} [flags] "
+                            "(lmserve bench --help says what each measures)")
     return run(args.name, args.args)

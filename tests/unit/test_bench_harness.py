@@ -38,6 +38,13 @@ def test_bench_help_lists_every_benchmark_with_its_line(capsys):
         assert any(line.split() == [b.name, *b.summary.split()] for line in lines), b.name
 
 
+def test_bench_without_a_name_names_them_all(capsys):
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmserve: error: name a benchmark: lmserve bench {load,mixed,")
+    assert all(name in err for name in BENCHMARKS)
+
+
 def test_report_stamps_date_revision_machine_torch_and_settings(tmp_path):
     before = datetime.now(timezone.utc).replace(microsecond=0)
     stamped = harness.report("engine", {"concurrency": [1, 8], "note": "quiet"}, {"rows": [1.5]})
