@@ -205,7 +205,8 @@ def client_venv(wheel, tmp_path_factory) -> Path:
     return venv
 
 
-def test_the_base_wheel_has_no_torch_and_its_client_works(client_venv, wheel_server, grpc_answer, tmp_path):
+def test_the_base_wheel_has_no_torch_and_its_client_and_load_generator_work(client_venv, wheel_server, grpc_answer,
+                                                                            tmp_path):
     python = str(client_venv / "bin" / "python")
     script = (
         "import importlib.util, json, sys\n"
@@ -223,6 +224,15 @@ def test_the_base_wheel_has_no_torch_and_its_client_works(client_venv, wheel_ser
     serve = subprocess.run([str(client_venv / "bin" / "lmserve"), "serve"], capture_output=True,
                            text=True, cwd=tmp_path, env=clean_env(), timeout=120)
     assert serve.returncode != 0 and "Traceback" not in serve.stderr and "lmserve[server]" in serve.stderr, serve.stderr
+    # the client benchmarks run here; a benchmark of the server's own code says which extra it needs
+    report = tmp_path / "load.json"
+    run([str(client_venv / "bin" / "lmserve"), "bench", "load", "-t", wheel_server.target, "--requests", "2",
+         "--max-new-tokens", str(TOKENS), "--no-progress", "--out", str(report)], cwd=tmp_path, env=clean_env())
+    assert json.loads(report.read_text())["summary"]["completed"] == 2
+    engine = subprocess.run([str(client_venv / "bin" / "lmserve"), "bench", "engine"], capture_output=True,
+                            text=True, cwd=tmp_path, env=clean_env(), timeout=120)
+    assert engine.returncode == 2 and "Traceback" not in engine.stderr and "lmserve[server]" in engine.stderr, \
+        engine.stderr
 
 
 # ---------------------------------------------------------------- the image's install steps, replayed
