@@ -17,7 +17,7 @@ from lmserve.client.bench.harness import MODEL
 
 from . import engine_wave, served
 
-FLAGS = {**MODEL, "concurrency": [1, 8, 32, 64], "max_new_tokens": 128,
+FLAGS = {**MODEL, "threads": None, "concurrency": [1, 8, 32, 64], "max_new_tokens": 128,
          "skip": ("engine", "other-loop", "hf", "grpc", "kernels", "quality", "prefill")}
 
 

@@ -30,6 +30,26 @@ def test_each_benchmark_answers_help_with_its_flags(name, capsys):
         assert "--" + flag.replace("_", "-") in out, flag
 
 
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_every_flag_a_benchmark_reads_is_one_its_parser_defines(name):
+    """`args.X` read anywhere in the module (not called: a list named args has methods) is a flag of
+    `lmserve bench NAME`; a module that loads the model the shared flags name takes all of them."""
+    import ast
+    import importlib
+    import inspect
+
+    bench = BENCHMARKS[name]
+    module = importlib.import_module(bench.module)
+    dests = {a.dest for a in harness.build_parser(bench, module)._actions}
+    tree = ast.parse(inspect.getsource(module))
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "args" and id(n) not in called}
+    assert read <= dests, sorted(read - dests)
+    if "load_from_arguments(" in inspect.getsource(module):
+        assert set(harness.MODEL) <= dests
+
+
 def test_bench_help_lists_every_benchmark_with_its_line(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
