@@ -19,7 +19,6 @@ import asyncio
 import mmap
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -79,8 +78,10 @@ def stand_in_loaded(model: str, models_dir: str | None, max_rows: int):
         meta, _ = read_directory(buf)
         tok = Tokenizer.from_gguf_fields(meta)
         cfg = ModelConfig.from_gguf(meta)
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")[:8000]
-    ids = [i for i in tok.encode(text) if i not in tok.special_ids and i not in tok.eos_ids]
+    from lmserve.model.tuning.quality import text_ids
+
+    # real prose (the held-out text, shipped with the package), so the detokenizer does real work
+    ids = [i for i in text_ids(tok) if i not in tok.special_ids and i not in tok.eos_ids]
     stand_in = StandInModel(cfg.vocab_size, ids, max_rows)
     return LoadedModel(model=stand_in, tokenizer=tok, config=cfg, source=path, dtype=torch.float32,
                        device=torch.device("cpu"))
