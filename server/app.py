@@ -249,7 +249,13 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:  # a model that does not load: close the listeners inside the loop, then say why
+            if self.http is not None:
+                await self.http.stop()
+            await self.grpc.stop(grace=None)
+            raise
         await self._stop.wait()
         await self.drain_and_stop()
         return self.exit_code

@@ -209,3 +209,23 @@ def test_server_rejection_exits_2_naming_the_field(server):
     first, *rest = error_lines(proc)
     assert first.startswith("lmserve: INVALID_ARGUMENT:")
     assert [line.split(":")[0].strip() for line in rest] == ["params.temperature"]
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "architecture ['Gemma2ForCausalLM'] is not supported"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling type 'yarn' is not supported"),
+], ids=["architecture", "rope-scaling"])
+def test_serve_refuses_a_model_it_cannot_run_in_one_line(tmp_path, config, named):
+    """The load fails naming what is not implemented; the server closes its listeners and exits 1 with that
+    one line (no traceback from the event loop on the way out)."""
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
+             "intermediate_size": 128}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**shape, **config}))
+    proc = lmserve("serve", "--model", tmp_path / "model", "--port", 0, "--http-port", 0, "--metrics-port", 0,
+                   "--cache-dir", tmp_path / "cache")
+    assert proc.returncode == 1
+    lines = error_lines(proc)
+    assert lines[-1].startswith(f"lmserve serve: {named}"), proc.stderr
+    assert not any("Error" in line for line in lines), proc.stderr
