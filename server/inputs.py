@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from lmserve.model.text.chat_template import ChatTemplateError
+from lmserve.model.text.chat_template import ChatTemplateError, NoChatTemplateError
 from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.v1 import lmserve_pb2 as pb
 
@@ -231,6 +231,8 @@ class InputConverter:
         messages = [{"role": m.role, "content": m.content} for m in msgs]
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        except NoChatTemplateError as exc:
+            raise RequestValidationError([(field, str(exc))]) from None
         except ChatTemplateError as exc:  # the checkpoint's template refused the conversation (raise_exception)
             raise RequestValidationError([(field, f"the model's chat template rejected these messages: {exc}")]) from None
 

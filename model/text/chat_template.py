@@ -18,17 +18,6 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Used when a checkpoint ships no template: plain "Role: text" turns, no special tokens, so it
-# works with any vocabulary. A generation prompt ends with "Assistant:" (no trailing space, which
-# would become its own token in most vocabularies).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
-
 # Private-use characters that bracket each message's content in a second rendering, so the content's
 # place in the output is known (see `render_with_spans`); a pair absent from the input is chosen.
 _MARKERS = tuple((chr(0xF0000 + 2 * i), chr(0xF0001 + 2 * i)) for i in range(64))
@@ -36,6 +25,10 @@ _MARKERS = tuple((chr(0xF0000 + 2 * i), chr(0xF0001 + 2 * i)) for i in range(64)
 
 class ChatTemplateError(ValueError):
     """The template failed to compile, or refused the messages (e.g. via `raise_exception`)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """The checkpoint ships no chat template (a pretrained base model): it takes text, not messages."""
 
 
 class _GenerationBlock(Extension):

@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lmserve.model.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from lmserve.model.text.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectureError
 
 # Token types shared by GGUF (llama.cpp) and sentencepiece's ModelProto.
@@ -60,8 +60,8 @@ class Tokenizer:
         bos_id / pad_id: the beginning-of-sequence / padding id, or None.
         eos_ids: every id that ends generation: the eos id(s) the checkpoint names, plus the
             turn-closing markers its chat template writes (e.g. `<|im_end|>`, `<|eot_id|>`).
-        chat_template: the checkpoint's Jinja2 template, or None (then `apply_chat_template`
-            uses `DEFAULT_CHAT_TEMPLATE`).
+        chat_template: the checkpoint's Jinja2 template, or None (a base model: `apply_chat_template`
+            and `encode_chat` raise NoChatTemplateError; it takes text, not messages).
         add_bos_token: whether `encode(..., add_special_tokens=True)` prepends `bos_id`.
         special_ids: ids that `skip_special_tokens=True` leaves out of decoded text.
     """
@@ -213,7 +213,10 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
-        return ChatTemplate(self.chat_template or DEFAULT_CHAT_TEMPLATE, *self._template_tokens())
+        if not self.chat_template:
+            raise NoChatTemplateError("this model has no chat template (a pretrained base model): send a text "
+                                      "prompt, not messages")
+        return ChatTemplate(self.chat_template, *self._template_tokens())
 
     # -- construction ---------------------------------------------------------------------------
 

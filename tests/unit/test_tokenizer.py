@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 import regex
 
-from lmserve.model.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from lmserve.model.text.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectureError
 from lmserve.model.text.tokenizer import Tokenizer
 
@@ -425,15 +425,13 @@ def test_chat_template_helpers_and_sandbox():
         [{"role": "assistant", "content": "kept"}]) == "kept"
 
 
-def test_missing_chat_template_falls_back_to_the_documented_default(sp_pair):
-    from transformers.utils.chat_template_utils import render_jinja_template
-
+def test_a_model_without_a_chat_template_refuses_messages(sp_pair):
+    """A checkpoint without a template (a pretrained base model) takes text only; no template is made up."""
     _, tok, _ = sp_pair
     assert tok.chat_template is None
-    for add_generation_prompt in (True, False):
-        expected, _ = render_jinja_template(conversations=[MESSAGES[1:4]], chat_template=DEFAULT_CHAT_TEMPLATE,
-                                            add_generation_prompt=add_generation_prompt)
-        assert tok.apply_chat_template(MESSAGES[1:4], add_generation_prompt=add_generation_prompt) == expected[0]
+    for call in (tok.apply_chat_template, tok.encode_chat):
+        with pytest.raises(NoChatTemplateError, match="no chat template"):
+            call(MESSAGES[1:4])
 
 
 def test_ids_outside_the_vocabulary_decode_to_nothing(sp_pair, byte_level_fields):
