@@ -1,7 +1,10 @@
-"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) on explicit inputs.
+"""The decoder (RMSNorm, RoPE, grouped-query attention, a gated MLP) on explicit inputs.
 
-Parameter names follow Hugging Face's LlamaForCausalLM, so HF safetensors load as-is and
-the trainer's checkpoints are plain HF directories. One forward serves training, prefill
+Parameter names follow Hugging Face's LlamaForCausalLM (and, for the layers other families add,
+their own: q_norm / k_norm, pre_ / post_feedforward_layernorm), so HF safetensors load as-is and
+the trainer's checkpoints are plain HF directories. What differs between families is a field of
+ModelConfig (config.py), read here once per module: the norm style, sandwich norms, the MLP's
+activation, q/k norms, each layer's sliding window and RoPE table, the embedding scale. One forward serves training, prefill
 (many tokens per sequence) and decode (one token per sequence); what differs is the step
 attention passed (attention/backend.py: the per-step metadata, which owns the cache write and the
 kernel) and whether a KVCache is passed.
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention.backend import StepAttention
-from .config import ModelConfig, rope_inv_freq
+from .config import LongRopeScaling, ModelConfig, rope_inv_freq
 from .linear.serving import fuse_linears, held_bytes
 from .kv_cache import KVCache
 
@@ -24,10 +27,11 @@ from .kv_cache import KVCache
 class RMSNorm(nn.Module):
     fused = None  # fused_ops.FusedOps: bfloat16 rows on CPU in one native pass (use_fused_ops)
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma  # scaled by (1 + weight) in float32, then cast (config.norm_style "gemma")
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None and self.fused.applies(x):
@@ -36,6 +40,8 @@ class RMSNorm(nn.Module):
         # F.rms_norm, which is slower on CPU; in-place where the tensor is our own temporary.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps))
+        if self.gemma:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -44,24 +50,62 @@ class Rotary(nn.Module):
 
     Rotate-half: x * cos + cat(-x2, x1) * sin. The minus sign lives in the table instead
     (`sin_signed` = cat(-sin1, sin2)), so a rotation is cat(x2, x1), a multiply and a multiply-add.
+
+    Two tables where sliding layers have their own base (config.rope_local_theta): `cos`/`sin_signed`
+    for the global layers, `cos_local`/`sin_local` for the sliding ones. LongRoPE: a token takes the
+    long factors once the sequence is longer than original_max_position_embeddings, as transformers'
+    generate does (a prompt longer than that is taken with the long factors whole; a shorter one's
+    tokens switch at that position). The table then holds 2P rows: row p is position p by the
+    position's own length, row P + p position p of a sequence whose prompt was already long; the
+    engine picks a token's row (`row_offset`); a plain forward passes positions as rows.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        s = cfg.rope_scaling
+        self.long_after = s.original_max_position_embeddings if isinstance(s, LongRopeScaling) else None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
+        self.register_buffer("cos_local", torch.empty(0), persistent=False)
+        self.register_buffer("sin_local", torch.empty(0), persistent=False)
+
+    def row_offset(self, prompt_len: int) -> int:
+        """What a sequence with a prompt of prompt_len tokens adds to its positions to find its rows."""
+        return self.cfg.max_position_embeddings if self.long_after is not None and prompt_len > self.long_after else 0
+
+    def _table(self, device, dtype: torch.dtype, theta: float | None = None) -> tuple[Tensor, Tensor]:
+        cfg, s = self.cfg, self.cfg.rope_scaling
+        P = cfg.max_position_embeddings
+        t = torch.arange(P, device=device, dtype=torch.float32)
+        if theta is not None:  # the sliding layers' own base, unscaled
+            freqs, gain = torch.outer(t, rope_inv_freq(cfg, theta, scaled=False).to(device)), 1.0  # [P, d/2]
+        elif self.long_after is None:
+            freqs, gain = torch.outer(t, rope_inv_freq(cfg).to(device)), 1.0
+        else:
+            short = torch.outer(t, rope_inv_freq(cfg).to(device))
+            long = torch.outer(t, rope_inv_freq(cfg, long=True).to(device))
+            by_position = torch.where((t < self.long_after)[:, None], short, long)
+            freqs, gain = torch.cat([by_position, long]), s.attention_factor  # [2P, d/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if gain != 1.0:  # transformers scales cos and sin in float32 before the cast
+            cos, sin = cos * gain, sin * gain
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # [P, d]
 
     def build(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        inv = rope_inv_freq(self.cfg).to(device)  # [d/2]
-        t = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, d/2]
-        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)  # [P, d]
-        self.sin_signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)  # [P, d]
+        self.cos, self.sin_signed = self._table(device, dtype)
+        if self.cfg.rope_local_theta is not None:
+            self.cos_local, self.sin_local = self._table(device, dtype, self.cfg.rope_local_theta)
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin_signed [B, L, 1, d] for positions [B, L]; looked up once per forward, shared by all layers."""
         return self.cos[positions][:, :, None], self.sin_signed[positions][:, :, None]
+
+    def all_tables(self, positions: Tensor) -> tuple[tuple[Tensor, Tensor], ...]:
+        """tables(positions), then the sliding layers' own where they have one (index: config.rope_kind)."""
+        if self.cfg.rope_local_theta is None:
+            return (self.tables(positions),)
+        return self.tables(positions), (self.cos_local[positions][:, :, None], self.sin_local[positions][:, :, None])
 
     @staticmethod
     def apply(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -77,12 +121,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)  # 0: every earlier key; w: keys p - w + 1 .. p
+        self.scale = cfg.query_scale  # None: 1 / sqrt(d)
         b = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.d, bias=b)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.d, bias=b)
-        self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qkv_proj: nn.Module | None = None  # q|k|v in one GEMM, set by fuse_projections()
+        self.q_norm = self.k_norm = None  # per-head RMSNorm before RoPE (config.qk_norm)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
 
     def fuse_projections(self, make=fuse_linears) -> None:
         self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
@@ -94,18 +144,26 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         H, Hkv, d = self.n_heads, self.n_kv, self.d
         if self.qkv_proj is None:
-            q = Rotary.apply(self.q_proj(x).view(B, L, H, d), *rope)
-            k = Rotary.apply(self.k_proj(x).view(B, L, Hkv, d), *rope)
-            return q, k, self.v_proj(x).view(B, L, Hkv, d)
-        qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
-        if self.fused is not None and self.fused.applies(qkv):
-            qk = self.fused.rope(qkv, *rope, H + Hkv)
+            q, k, v = self.q_proj(x).view(B, L, H, d), self.k_proj(x).view(B, L, Hkv, d), self.v_proj(x).view(B, L, Hkv, d)
         else:
-            qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
-        return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
+            qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
+            if self.q_norm is None:
+                if self.fused is not None and self.fused.applies(qkv):
+                    qk = self.fused.rope(qkv, *rope, H + Hkv)
+                else:
+                    qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
+                return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
+            q, k, v = qkv[:, :, :H], qkv[:, :, H: H + Hkv], qkv[:, :, H + Hkv:]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return Rotary.apply(q, *rope), Rotary.apply(k, *rope), v
+
+    def attend(self, meta: StepAttention, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None) -> Tensor:
+        """The step's attention of this layer: its window and scale, [B, L, H*d]."""
+        return meta.attend(q, k, v, cache, self.layer, self.window, self.scale)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], meta: StepAttention, cache: KVCache | None) -> Tensor:
-        return self.o_proj(meta.attend(*self.project(x, rope), cache, self.layer))
+        return self.o_proj(self.attend(meta, *self.project(x, rope), cache))
 
 
 class MLP(nn.Module):
@@ -113,6 +171,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act = cfg.hidden_act  # "silu" or "gelu_tanh"
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -123,14 +182,17 @@ class MLP(nn.Module):
         self.down_proj = make("down", self.down_proj)
         del self.gate_proj, self.up_proj
 
+    def activation(self, gate: Tensor) -> Tensor:
+        return F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
         if self.fused is not None and self.fused.applies(gate_up):
             return self.down_proj(self.fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -138,12 +200,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        gemma = cfg.norm_style == "gemma"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        # without sandwich norms: the MLP's input norm; with them: the attention output's norm
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.rope_kind = cfg.rope_kind(layer)  # which of Rotary.all_tables it takes
 
     def forward(self, x, rope, meta, cache):
         q, k, v = self.enter(x, *rope)
-        return self.exit(x, meta.attend(q, k, v, cache, self.self_attn.layer))
+        return self.exit(x, self.self_attn.attend(meta, q, k, v, cache))
 
     # The work between attentions, as two functions of tensors only: what compile.py compiles
     # (the cache write and SDPA stay eager between them).
@@ -152,8 +221,11 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), (cos, sin_signed))
 
     def exit(self, x: Tensor, attn: Tensor) -> Tensor:
-        """o_proj and residual, then RMSNorm, SwiGLU MLP and residual: the layer's output [B, L, D]."""
+        """o_proj and residual, then RMSNorm, gated MLP and residual: the layer's output [B, L, D]."""
         o = self.self_attn.o_proj(attn)
+        if self.sandwich:  # each branch normed before its residual add, the MLP's input normed too
+            x = x + self.post_attention_layernorm(o)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         norm = self.post_attention_layernorm
         if norm.fused is not None and norm.fused.applies(o):  # the residual add and the norm in one pass
             x, h = norm.fused.add_rmsnorm(o, x, norm.weight, norm.eps)
@@ -167,8 +239,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style == "gemma")
         self.rotary = Rotary(cfg)
+        self.embed_scale = cfg.embed_scale
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings [..., D], times embed_scale (rounded to float32, then to the weights' dtype, as
+        transformers' Gemma does)."""
+        x = self.embed_tokens(ids)
+        if self.embed_scale != 1.0:
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        return x
 
 
 @dataclass(frozen=True)
@@ -218,10 +299,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.fused is not None
 
     def use_fused_ops(self, ops) -> None:
-        """Route bfloat16 RMSNorm, RoPE and SwiGLU on CPU through fused_ops.FusedOps (None: torch ops)."""
+        """Route bfloat16 RMSNorm, RoPE and SwiGLU on CPU through fused_ops.FusedOps (None: torch ops), where
+        the layer is what they compute: Llama-style norms over hidden rows, RoPE of q|k without q/k norms,
+        SiLU."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP)):
-                m.fused = ops
+            if isinstance(m, RMSNorm):
+                m.fused = ops if not m.gemma and m.weight.shape[0] == self.config.hidden_size else None
+            elif isinstance(m, Attention):
+                m.fused = ops if m.q_norm is None else None
+            elif isinstance(m, MLP):
+                m.fused = ops if m.act == "silu" else None
 
     def freeze_attributes(self) -> "LlamaForCausalLM":
         """Serving: every module's submodules, parameters and buffers also become plain instance
@@ -251,14 +338,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: StepAttention,
                 cache: KVCache | None = None, logits_index: Tensor | None = None) -> Tensor:
         """input_ids, positions [B, L] -> logits [B, L, V], or [N, V] at flat indices logits_index into B*L."""
-        x = self.model.embed_tokens(input_ids)  # [B, L, D]
-        rope = self.model.rotary.tables(positions)
+        x = self.model.embed(input_ids)  # [B, L, D]
+        ropes = self.model.rotary.all_tables(positions)
         one = [Segment(input_ids, positions, meta)] if self.native_step is not None else None
         if one is not None and self.native_step.applies(one, cache):
-            x = self.native_step(x, *rope, one, cache)
+            x = self.native_step(x, *ropes[0], one, cache)
         else:
             for layer in self.model.layers:
-                x = layer(x, rope, meta, cache)
+                x = layer(x, ropes[layer.rope_kind], meta, cache)
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
         return self.lm_head(self.model.norm(x))
@@ -276,13 +363,14 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.cat([s.positions.reshape(-1) for s in segments])[None]  # [1, N]
         if self.native_step is not None and self.native_step.applies(segments, cache):  # embedding to final norm
             return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index))
-        x = self.model.embed_tokens(ids)  # [1, N, D]
-        cos, sin = self.model.rotary.tables(positions)
+        x = self.model.embed(ids)  # [1, N, D]
+        ropes = self.model.rotary.all_tables(positions)
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         for layer in self.model.layers:
-            q, k, v = layer.enter(x, cos, sin)  # [1, N, heads, d]
-            outs = [seg.meta.attend(qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
-                                    cache, layer.self_attn.layer).reshape(1, B * L, H * d)
+            q, k, v = layer.enter(x, *ropes[layer.rope_kind])  # [1, N, heads, d]
+            attn = layer.self_attn
+            outs = [attn.attend(seg.meta, qi.reshape(B, L, H, d), ki.reshape(B, L, Hkv, d), vi.reshape(B, L, Hkv, d),
+                                cache).reshape(1, B * L, H * d)
                     for qi, ki, vi, (B, L), seg in zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1),
                                                        shapes, segments)]
             x = layer.exit(x, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])  # [1, N, D]
@@ -294,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         """Random init for training from scratch and for tiny test models."""
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if self.config.norm_style == "gemma" else 1.0)  # a gemma norm scales by 1 + w
             elif name.endswith(".bias"):
                 p.zero_()
             else:

@@ -17,6 +17,7 @@ from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
 from .attention.backend import SdpaBackend, choose_backend
 from .tuning.compile import CompileResult, compile_model
 from .linear.serving import fuse_linears, planned_linears
+from .checkpoints.layout import checkpoint_shapes, expected_shapes, split_fused
 from .llama import LlamaForCausalLM
 from .cache_dir import default_cache_dir
 from .tuning.precision import DTYPES, Plan, parse_dtype, resolve_plan
@@ -152,34 +153,6 @@ def resolve_device_dtype(device: torch.device | str | None,
     return device, parse_dtype(dtype) or default_dtype(device)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint must provide, with its shape."""
-    D, d, V, I = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, D),
-            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, D),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, D),
-            p + "self_attn.o_proj.weight": (D, cfg.num_heads * d),
-            p + "mlp.gate_proj.weight": (I, D),
-            p + "mlp.up_proj.weight": (I, D),
-            p + "mlp.down_proj.weight": (D, I),
-            p + "input_layernorm.weight": (D,),
-            p + "post_attention_layernorm.weight": (D,),
-        }
-        if cfg.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (cfg.num_heads * d,),
-                p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
-                p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,),
-            }
-    return shapes
-
-
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str, prepare: bool = True, plan: Plan | None = None,
                 q41: dict | None = None, q80: dict | None = None) -> LlamaForCausalLM:
@@ -190,6 +163,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     GGUF Q4_0-Q4_1 / Q8_0 blocks by tensor name); without, the default kernel for dtype.
     """
     shapes = expected_shapes(cfg)
+    tensors = split_fused(cfg, dict(tensors))  # Phi-3's q|k|v and gate|up: the decoder fuses its own again
     missing = [n for n in shapes if n not in tensors]
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[0]!r}")
@@ -243,6 +217,9 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise CheckpointNotFoundError(f"{path} has no *.safetensors weights")
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    for name, shape in checkpoint_shapes(cfg).items():  # named before a fused tensor is split
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ShapeMismatchError(name, shape, tuple(tensors[name].shape))
     return cfg, tensors
 
 

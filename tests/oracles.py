@@ -21,13 +21,15 @@ from lmserve.server.engine.sampler import (PenaltyState, SampleOutput, _race, _t
                                            has_penalties)
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                       scale: float | None = None) -> tuple[Tensor, Tensor]:
     """q [N, H, L, d], k/v [N, Hkv, S, d], mask [N, 1, L, S] bool (True = may attend).
     Returns (output [N, H, L, d], weights [N, H, L, S])."""
     G = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(G, dim=1)  # [N, H, S, d]
     v = v.repeat_interleave(G, dim=1)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [N, H, L, S]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale  # [N, H, L, S]
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # over keys
     return weights @ v, weights
@@ -40,7 +42,8 @@ class ExplicitAttention:
         self.meta = meta
         self.last_weights: Tensor | None = None  # [R, H, L, S] of the latest layer
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
         meta = self.meta
         B, L, H, d = q.shape
         if cache is not None and meta.write_b is not None:
@@ -52,7 +55,7 @@ class ExplicitAttention:
                 q_rows = q.new_zeros(meta.hi - meta.lo, *q.shape[1:])  # [R, H, L, d]
                 q_rows[meta.rows] = q
                 q = q_rows
-        out, self.last_weights = explicit_attention(q, k, v, meta.mask)
+        out, self.last_weights = explicit_attention(q, k, v, meta.window_mask(window) if window else meta.mask, scale)
         if meta.read_cache and meta.rows is not None:
             out = out[meta.rows]  # [B, H, L, d]
         return out.transpose(1, 2).reshape(B, L, H * d)

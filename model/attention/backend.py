@@ -29,8 +29,11 @@ from ..kv_cache import KVCache
 class StepAttention(Protocol):
     """What every layer of one forward calls: the cache write and the attention of its tokens."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int) -> Tensor:
-        """Rotated q [B, L, H, d], k, v [B, L, Hkv, d] -> [B, L, H*d] before o_proj."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
+        """Rotated q [B, L, H, d], k, v [B, L, Hkv, d] -> [B, L, H*d] before o_proj. window: the layer's
+        sliding window (0: none; else a query at p sees keys p - window + 1 .. p); scale: the scores'
+        (None: 1 / sqrt(d))."""
         ...
 
 
@@ -43,31 +46,43 @@ class KernelDecode:
     starts: Tensor  # [B] each row's position (keys 0..starts[b] after the write)
     write_first: bool = False  # rows share a slot (a verified draft): every row's K/V written before any attends
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
         if self.write_first:  # the kernel writes each row as it goes; it rewrites the same values
             cache.write(layer, self.slots, self.starts, k[:, 0], v[:, 0])  # [B, Hkv, d]
-        return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts, *cache.scale_views(layer))
+        return self.kernel(q, k, v, cache.k[layer], cache.v[layer], self.slots, self.starts, *cache.scale_views(layer),
+                           window=window, scale=scale)
 
 
 @dataclass(frozen=True)
 class KernelPrompt:
     """Prompt tokens through the CPU prompt kernel: written to the cache, then each real token
-    attends over its slot's keys 0..its position in one call per layer."""
+    attends over its slot's keys 0..its position in one call per layer. In a sliding layer every token
+    takes the decode kernel instead, as a row over its own window (the prompt kernel reads from key 0):
+    a token's attention is then the same whatever chunk or step it came in."""
 
     kernel: object  # prompt_attention.PromptAttention
     write_b: Tensor  # [T] batch row of each real token
     write_j: Tensor  # [T] its offset in the row
     write_slot: Tensor  # [T]
     write_pos: Tensor  # [T]
+    rows_kernel: object = None  # decode_attention.DecodeAttention, for sliding layers
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
         B, L, H, d = q.shape
         b, j = self.write_b, self.write_j
-        cache.write(layer, self.write_slot, self.write_pos, k[b, j], v[b, j])  # [T, Hkv, d]
+        kt, vt = k[b, j], v[b, j]  # [T, Hkv, d]
+        cache.write(layer, self.write_slot, self.write_pos, kt, vt)
         dense = b.shape[0] == B * L
         rows = q.reshape(B * L, H, d) if dense else q[b, j]  # row-major: in order
-        out = self.kernel(rows, cache.k[layer], cache.v[layer], self.write_slot, self.write_pos,
-                          *cache.scale_views(layer))  # [T, H*d]
+        if window:  # every token's k/v is in the cache: the decode kernel rewrites each row's own, unchanged
+            out = self.rows_kernel(rows[:, None], kt[:, None], vt[:, None], cache.k[layer], cache.v[layer],
+                                   self.write_slot.contiguous(), self.write_pos.contiguous(), *cache.scale_views(layer),
+                                   window=window, scale=scale).view(-1, H * d)  # [T, H*d]
+        else:
+            out = self.kernel(rows, cache.k[layer], cache.v[layer], self.write_slot, self.write_pos,
+                              *cache.scale_views(layer), scale=scale)  # [T, H*d]
         if dense:
             return out.view(B, L, H * d)
         full = out.new_zeros(B, L, H * d)  # padding rows stay 0
@@ -138,13 +153,15 @@ class NativeCpuBackend(SdpaBackend):
             return super().chunk(slot, start, length)
         j = torch.arange(length)
         pos = start + j  # [L]
-        return KernelPrompt(self.prompt_kernel, torch.zeros_like(j), j, slot.expand(length), pos), pos[None]
+        return KernelPrompt(self.prompt_kernel, torch.zeros_like(j), j, slot.expand(length), pos,
+                            self.decode_kernel), pos[None]
 
     def packed(self, slots: Tensor, lengths: Tensor) -> tuple[StepAttention, Tensor]:
         if self.prompt_kernel is None:
             return super().packed(slots, lengths)
         seg, pos = packed_positions(lengths)  # [T], [T]
-        return KernelPrompt(self.prompt_kernel, torch.zeros_like(pos), torch.arange(pos.shape[0]), slots[seg], pos), pos[None]
+        return KernelPrompt(self.prompt_kernel, torch.zeros_like(pos), torch.arange(pos.shape[0]), slots[seg], pos,
+                            self.decode_kernel), pos[None]
 
 
 class CudaGraphsBackend(SdpaBackend):

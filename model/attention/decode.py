@@ -30,7 +30,7 @@ class DecodeAttention:
         fn = lib.lm_decode_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [i32, p, i64, p, i64, p, i64, p, p, p, p, p, p, p, i32, i32, i32, i32, i64, i64, ctypes.c_float,
-                       i32]
+                       i64, i32]
         fn.restype = i32
         self._fn = fn
 
@@ -40,11 +40,13 @@ class DecodeAttention:
                 and num_heads // num_kv_heads <= 16)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 slots: Tensor, pos: Tensor, k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> Tensor:
+                 slots: Tensor, pos: Tensor, k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+                 window: int = 0, scale: float | None = None) -> Tensor:
         """q [B, 1, H, d], k/v [B, 1, Hkv, d] (rotated, this step's token of each row); k_cache/v_cache
         one layer's [slots, Hkv, max_len, d]; slots/pos [B] int64. Row b's k/v go to
-        (slots[b], pos[b]); its attention over keys 0..pos[b] comes back as [B, 1, H * d].
-        An int8 cache (kv_cache.py) passes its layer's scale views (KVCache.scale_views) too."""
+        (slots[b], pos[b]); its attention over keys 0..pos[b] (a sliding layer's window > 0: keys
+        pos[b] - window + 1 .. pos[b]) comes back as [B, 1, H * d], scores scaled by `scale` (None:
+        1 / sqrt(d)). An int8 cache (kv_cache.py) passes its layer's scale views (KVCache.scale_views) too."""
         B, _, H, d = q.shape
         Hkv = k.shape[2]
         q, k, v = (rows_packed(x) for x in (q, k, v))
@@ -52,8 +54,8 @@ class DecodeAttention:
         ks, vs = scale_pointers(k_cache, k_scales, v_scales)
         rc = self._fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, slots.data_ptr(), pos.data_ptr(),
-                      out.data_ptr(), B, H, Hkv, d, k_cache.shape[0], k_cache.shape[2], 1.0 / math.sqrt(d),
-                      torch.get_num_threads())
+                      out.data_ptr(), B, H, Hkv, d, k_cache.shape[0], k_cache.shape[2],
+                      1.0 / math.sqrt(d) if scale is None else scale, window, torch.get_num_threads())
         if rc == 1:
             raise ValueError(f"decode attention does not take head_dim={d}, heads={H}/{Hkv}")
         if rc == 2:

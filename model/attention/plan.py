@@ -51,6 +51,7 @@ class AttentionCall:
     length: int
     mask_rows: slice | None = None
     rows: Tensor | None = None
+    first_query: int = 0  # the lowest position of a query in the call: a sliding layer reads keys from its window's start
 
 
 def slot_runs(slots: list[int], kv_lens: list[int], call_cost: int = CALL_COST_KEYS) -> list[list[int]]:
@@ -87,7 +88,8 @@ def cache_calls(slots: list[int], kv_lens: list[int], L: int, device: torch.devi
         batch = slice(run[0], run[-1] + 1) if contiguous else torch.tensor(run, device=device)
         rows = None if hi - lo == len(run) else torch.tensor([slots[b] - lo for b in run], device=device)
         calls.append(AttentionCall(batch=batch, tokens=slice(0, L), lo=lo, hi=hi, length=max(kv_lens[b] for b in run),
-                                   mask_rows=slice(lo - base, hi - base), rows=rows))
+                                   mask_rows=slice(lo - base, hi - base), rows=rows,
+                                   first_query=max(0, min(kv_lens[b] for b in run) - L)))
     return tuple(calls)
 
 

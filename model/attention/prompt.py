@@ -56,11 +56,11 @@ class PromptAttention:
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 24)
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pos: Tensor,
-                 k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> Tensor:
+                 k_scales: Tensor | None = None, v_scales: Tensor | None = None, scale: float | None = None) -> Tensor:
         """q [T, H, d] (rotated queries; rows may be strided); k_cache/v_cache one layer's
         [slots, Hkv, max_len, d] holding every key the tokens see (bfloat16, or int8 codes with their
         scale views: KVCache.scale_views); slots/pos [T] int64. Token t attends to keys 0..pos[t] of
-        slot slots[t]; returns [T, H * d]."""
+        slot slots[t], scores scaled by `scale` (None: 1 / sqrt(d)); returns [T, H * d]."""
         T, H, d = q.shape
         q = rows_packed(q)
         slots, pos = slots.contiguous(), pos.contiguous()
@@ -68,7 +68,7 @@ class PromptAttention:
         ks, vs = scale_pointers(k_cache, k_scales, v_scales)
         rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, slots.data_ptr(),
                       pos.data_ptr(), out.data_ptr(), T, H, k_cache.shape[1], d, k_cache.shape[0], k_cache.shape[2],
-                      1.0 / math.sqrt(d), torch.get_num_threads())
+                      1.0 / math.sqrt(d) if scale is None else scale, torch.get_num_threads())
         if rc == 1:
             raise ValueError(f"prompt attention does not take head_dim={d}, heads={H}/{k_cache.shape[1]} "
                              "(or this CPU lacks AVX-512 BF16)")

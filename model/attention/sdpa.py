@@ -61,23 +61,49 @@ class AttentionMetadata:
     write_slot: Tensor | None = None  # [T] slot of each real token
     write_pos: Tensor | None = None  # [T] cache position of each real token
     calls: tuple[AttentionCall, ...] = ()  # the same attention split into SDPA calls over cache views
+    # each mask row's query position, on the mask's key axis ([R, 1, L, 1]; None: the row index, as in the
+    # fresh and packed layouts): a sliding layer's query at p sees keys p - w + 1 .. p (window_mask)
+    query_pos: Tensor | None = None
 
     @functools.cached_property
     def _folded(self) -> dict[tuple, Tensor]:
         return {}
 
-    def folded_mask(self, group: int, dtype: torch.dtype | None = None) -> Tensor:
-        """mask repeated for `group` query heads per KV head: [R, 1, group*L, S]; built once per step.
+    def folded_mask(self, group: int, dtype: torch.dtype | None = None, window: int = 0) -> Tensor:
+        """mask (window_mask(window) for a sliding layer) repeated for `group` query heads per KV head:
+        [R, 1, group*L, S]; built once per step.
 
         With a dtype: the additive form (0 = may attend, -inf = blocked), which SDPA would
         otherwise rebuild from the boolean mask inside every layer's call.
         """
-        key = (group, dtype)
+        key = (group, dtype, window)
         if key not in self._folded:
-            mask = self.mask if group == 1 else self.mask.repeat(1, 1, group, 1)
+            mask = self.window_mask(window) if window else self.mask
+            mask = mask if group == 1 else mask.repeat(1, 1, group, 1)
             if dtype is not None:
-                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                mask = additive(mask, dtype)
             self._folded[key] = mask
+        return self._folded[key]
+
+    def window_mask(self, window: int) -> Tensor:
+        """mask, each query at position p cut to keys p - window + 1 .. p; a row left with no key (a padding
+        query past its sequence) keeps key 0, so that no row is all masked (NaN)."""
+        key = ("window", window)
+        if key not in self._folded:
+            S = self.mask.shape[-1]
+            ar = torch.arange(S, device=self.mask.device)
+            qpos = self.query_pos if self.query_pos is not None else torch.arange(self.mask.shape[-2], device=ar.device)[:, None]
+            mask = self.mask & (ar > qpos - window)  # [R, 1, L, S]
+            self._folded[key] = mask | (~mask.any(-1, keepdim=True) & (ar == 0))
+        return self._folded[key]
+
+    def causal_window(self, n: int, window: int, dtype: torch.dtype) -> Tensor:
+        """The additive mask [1, 1, n, n] of one prompt's own n tokens from position 0 in a sliding layer."""
+        key = ("causal", n, window, dtype)
+        if key not in self._folded:
+            ar = torch.arange(n, device=self.mask.device)
+            d = ar[:, None] - ar[None, :]  # [n, n] query - key
+            self._folded[key] = additive(((d >= 0) & (d < window))[None, None], dtype)
         return self._folded[key]
 
     @property
@@ -88,10 +114,12 @@ class AttentionMetadata:
         """This step's real tokens' k/v [B, L, Hkv, d] into the cache, each at its explicit position."""
         cache.write(layer, self.write_slot, self.write_pos, k[self.write_b, self.write_j], v[self.write_b, self.write_j])
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
         """Rotated q [B, L, H, d], k, v [B, L, Hkv, d] -> attention [B, L, H*d] (before o_proj): the
         cache write (when there is a cache), then the planned calls over cache views, or one call over
-        the chunk's own keys (fresh layout)."""
+        the chunk's own keys (fresh layout). window: the layer's sliding window (0: none); scale: of the
+        scores (None: 1 / sqrt(d))."""
         B, L, H, d = q.shape
         if cache is not None and cache.quantized:
             raise TypeError("an int8 KV cache is served by the native attention kernels only, not SDPA")
@@ -99,10 +127,10 @@ class AttentionMetadata:
             self.write(k, v, cache, layer)
         q = q.transpose(1, 2)  # [B, H, L, d]
         if self.calls:
-            out = attend_calls(q, cache.k[layer], cache.v[layer], self)  # [B, H, L, d]
+            out = attend_calls(q, cache.k[layer], cache.v[layer], self, window, scale)  # [B, H, L, d]
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, d]
-            out = sdpa_attention(q, k, v, self.folded_mask(H // k.shape[1], q.dtype))
+            out = sdpa_attention(q, k, v, self.folded_mask(H // k.shape[1], q.dtype, window), scale)
         return out.transpose(1, 2).reshape(B, L, H * d)
 
     @staticmethod
@@ -157,7 +185,8 @@ class AttentionMetadata:
                              mask_rows=slice(0, num_slots), rows=slots)
         return cls(q_lens=torch.ones_like(slots), mask=mask[:, None, None, :], read_cache=True, slots=slots,
                    starts=positions, lo=0, hi=num_slots, rows=slots, write_b=ar, write_j=torch.zeros_like(ar),
-                   write_slot=slots, write_pos=positions, calls=(call,))
+                   write_slot=slots, write_pos=positions, calls=(call,),
+                   query_pos=(kv_len - 1).clamp(min=0)[:, None, None, None])
 
     @classmethod
     def for_decode(cls, slots: list[int], starts: list[int], device: torch.device | str,
@@ -181,7 +210,8 @@ class AttentionMetadata:
         return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
                    slots=slots_t, starts=starts_t, lo=lo, hi=hi, rows=None if identity else slots_t - lo,
                    write_b=ar, write_j=torch.zeros_like(ar), write_slot=slots_t, write_pos=starts_t,
-                   calls=cache_calls(slots, kv_len, 1, device, call_cost))
+                   calls=cache_calls(slots, kv_len, 1, device, call_cost),
+                   query_pos=torch.tensor([n - 1 for n in row_len], device=device)[:, None, None, None])
 
     @classmethod
     def for_rows(cls, slots: list[int], starts: list[int], device: torch.device | str) -> "AttentionMetadata":
@@ -197,10 +227,10 @@ class AttentionMetadata:
         mask = torch.arange(S, device=device)[None, :] <= starts_t[:, None]  # [B, S]
         ar = torch.arange(B, device=device)
         calls = tuple(AttentionCall(batch=slice(b, b + 1), tokens=slice(0, 1), lo=s, hi=s + 1, length=p + 1,
-                                    mask_rows=slice(b, b + 1)) for b, (s, p) in enumerate(zip(slots, starts)))
+                                    mask_rows=slice(b, b + 1), first_query=p) for b, (s, p) in enumerate(zip(slots, starts)))
         return cls(q_lens=torch.ones(B, dtype=torch.long, device=device), mask=mask[:, None, None, :], read_cache=True,
                    slots=slots_t, starts=starts_t, lo=0, hi=0, write_b=ar, write_j=torch.zeros_like(ar),
-                   write_slot=slots_t, write_pos=starts_t, calls=calls)
+                   write_slot=slots_t, write_pos=starts_t, calls=calls, query_pos=starts_t[:, None, None, None])
 
     @classmethod
     def for_cache(cls, slots: Tensor, starts: Tensor, q_lens: Tensor, L: int | None = None,
@@ -238,12 +268,20 @@ class AttentionMetadata:
         mask = torch.zeros(hi - lo, L, S, dtype=torch.bool, device=device)
         mask[:, :, 0] = True  # rows of slots outside the batch: one harmless key, no NaN
         mask[rows] = seq_mask
+        query_pos = torch.zeros(hi - lo, L, dtype=qpos.dtype, device=device)
+        query_pos[rows] = qpos
         identity = (hi - lo == B) and bool((rows == torch.arange(B, device=device)).all())
         return cls(mask=mask[:, None], read_cache=True, lo=lo, hi=hi, rows=None if identity else rows,
-                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device, call_cost), **common)
+                   calls=cache_calls(slots.tolist(), kv_len.tolist(), L, device, call_cost),
+                   query_pos=query_pos[:, None, :, None], **common)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask (True = may attend) as SDPA's additive one: 0 where it may, -inf where not."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """Grouped-query attention through SDPA without repeating K/V.
 
     q [N, H, L, d], k/v [N, Hkv, S, d] (may be strided views of the cache).
@@ -258,27 +296,35 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         q = q.reshape(N, Hkv, G * L, d)  # [N, Hkv, G*L, d] (head h = kv*G + g)
         if mask.shape[2] != G * L:
             mask = mask.repeat(1, 1, G, 1)  # [N, 1, G*L, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale)
     return out.reshape(N, H, L, d)
 
 
-def attend_calls(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+def attend_calls(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, window: int = 0,
+                 scale: float | None = None) -> Tensor:
     """Run meta.calls (attention_plan) for queries q [B, H, L, d] against one layer's cache
-    k_cache, v_cache [slots, Hkv, max_len, d]. Returns [B, H, L, d]; K/V are read as views."""
+    k_cache, v_cache [slots, Hkv, max_len, d]. Returns [B, H, L, d]; K/V are read as views. In a sliding
+    layer (window > 0) a call reads keys from its lowest query's window start on."""
     G = q.shape[1] // k_cache.shape[1]
     out = torch.zeros_like(q)  # every real query is covered by a call; padding rows stay 0
     for c in meta.calls:
         qc = q[c.batch, :, c.tokens]  # [n, H, Lq, d]
-        k, v = k_cache[c.lo: c.hi, :, : c.length], v_cache[c.lo: c.hi, :, : c.length]  # [R, Hkv, S, d] views
-        if c.mask_rows is None:  # a whole prompt from position 0: causal is the entire mask
-            o = F.scaled_dot_product_attention(qc, k, v, dropout_p=0.0, is_causal=True, enable_gqa=G > 1)
+        if c.mask_rows is None:  # a whole prompt from position 0: causal is the entire mask (windowed if it slides)
+            k, v = k_cache[c.lo: c.hi, :, : c.length], v_cache[c.lo: c.hi, :, : c.length]  # [1, Hkv, S, d] views
+            if window and c.length > window:
+                o = F.scaled_dot_product_attention(qc, k, v, attn_mask=meta.causal_window(c.length, window, q.dtype),
+                                                   dropout_p=0.0, enable_gqa=G > 1, scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(qc, k, v, dropout_p=0.0, is_causal=True, enable_gqa=G > 1, scale=scale)
         else:
+            k0 = max(0, c.first_query - window + 1) if window else 0  # keys before it are outside every window
+            k, v = k_cache[c.lo: c.hi, :, k0: c.length], v_cache[c.lo: c.hi, :, k0: c.length]  # [R, Hkv, S, d] views
             if c.rows is not None:
                 scattered = qc.new_zeros(c.hi - c.lo, *qc.shape[1:])  # [R, H, Lq, d]
                 scattered[c.rows] = qc
                 qc = scattered
-            mask = meta.folded_mask(G, q.dtype)[c.mask_rows, :, :, : c.length]  # [R, 1, G*Lq, S] view
-            o = sdpa_attention(qc, k, v, mask)  # [R, H, Lq, d]
+            mask = meta.folded_mask(G, q.dtype, window)[c.mask_rows, :, :, k0: c.length]  # [R, 1, G*Lq, S] view
+            o = sdpa_attention(qc, k, v, mask, scale)  # [R, H, Lq, d]
             o = o if c.rows is None else o[c.rows]
         out[c.batch, :, c.tokens] = o
     return out

@@ -1,10 +1,10 @@
-"""Read a GGUF checkpoint into torch tensors named the way Hugging Face Llama/Qwen2 models name them."""
+"""Read a GGUF checkpoint into torch tensors named the way Hugging Face models of its family name them
+(llama, qwen2, qwen3, gemma3, phi3: layout.py maps the names)."""
 
 from __future__ import annotations
 
 import dataclasses
 import mmap
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,30 +14,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedArchitectureError, UnsupportedQuantizationError
-
-# GGUF tensor name -> HF parameter name; per-block names sit under `blk.{i}.` and `model.layers.{i}.`
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
+from ..errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedQuantizationError
+from .layout import checkpoint_shapes, hf_name, split_fused, unshift_gemma_norms
 
 @dataclass
 class GGUFCheckpoint:
@@ -48,47 +26,6 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]
     q41: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q41Blocks of Q4_0/Q4_1 tensors (keep_q41)
     q80: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q80Blocks of Q8_0 tensors (keep_q41)
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    return None
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor the config implies, with its torch shape."""
-    h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_out, h),
-            p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h),
-            p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-        if cfg.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_out,),
-                p + "self_attn.k_proj.bias": (kv_out,),
-                p + "self_attn.v_proj.bias": (kv_out,),
-            }
-    return shapes
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -213,9 +150,10 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
-    """Read and dequantize a llama/qwen2 GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own blocks).
+    """Read and dequantize a GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own blocks).
 
-    Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (not llama/qwen2),
+    Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (an architecture or option
+    the decoder does not implement),
     UnsupportedQuantizationError (a tensor type gguf cannot dequantize), ShapeMismatchError
     (a tensor disagrees with the metadata), ModelLoadError (not GGUF, truncated, a required key or tensor absent).
     """
@@ -243,17 +181,20 @@ def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) ->
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
 
     by_name = {t.name: t for t in infos}
+    extra = {"_tied": "output.weight" not in by_name}
+    if "rope_factors_long.weight" in by_name and "rope_factors_short.weight" in by_name:  # phi3 LongRoPE
+        extra["_rope_factors"] = {k: _dequantize(buf, by_name[f"rope_factors_{k}.weight"], torch.float32).tolist()
+                                  for k in ("long", "short")}
+    elif "rope_freqs.weight" in by_name:  # Llama 3's scaling as per-dimension factors
+        extra["_rope_factors"] = _dequantize(buf, by_name["rope_freqs.weight"], torch.float32).tolist()
     try:
-        config = ModelConfig.from_gguf({**metadata, "_tied": "output.weight" not in by_name}, name=metadata.get("general.name") or path.stem)
+        config = ModelConfig.from_gguf({**metadata, **extra}, name=metadata.get("general.name") or path.stem)
     except KeyError as e:
         raise ModelLoadError(f"{path.name} lacks GGUF metadata key {e}") from None
     arch = config.model_type
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != config.head_dim:
-        raise UnsupportedArchitectureError(f"partial rotary embeddings ({rope_dims} of {config.head_dim} dims) are not supported")
 
-    shapes = expected_shapes(config)
-    wanted = {hf_name(n): n for n in by_name if hf_name(n) in shapes}
+    shapes = checkpoint_shapes(config)
+    wanted = {hf_name(n, arch): n for n in by_name if hf_name(n, arch) in shapes}
     missing = sorted(set(shapes) - set(wanted))
     if missing:
         raise ModelLoadError(f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -276,7 +217,9 @@ def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) ->
         tensors[name] = w
         if blocks is not None:
             (q80 if type(blocks).__name__ == "Q80Blocks" else q41)[name] = blocks
-    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=q41, q80=q80)
+    tensors = unshift_gemma_norms(config, split_fused(config, tensors))
+    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=split_fused(config, q41),
+                          q80=split_fused(config, q80))
 
 
 def _quant_blocks(buf, info: TensorInfo):

@@ -16,7 +16,6 @@ Steps on SDPA (no AVX-512 BF16 for the prompt kernel, another device) keep the e
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 from torch import Tensor
@@ -35,7 +34,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p)]
+                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("window", ctypes.c_int64)]
 
 
 class _Ends(ctypes.Structure):
@@ -65,13 +64,15 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
     from ..attention.decode import DecodeAttention
 
     return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4")
-            and QM.default_kernel() is not None
+            and cfg.is_plain_llama and QM.default_kernel() is not None
             and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
             and DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
 
 
 def why_not(model) -> str | None:
     """Why the model's steps cannot take the native loop, or None when they can."""
+    if not model.config.is_plain_llama:  # the loop computes the Llama layer (and its sliding windows) only
+        return f"the {model.config.model_type} layer (its norms, activation or RoPE) is not the loop's"
     if not model.prepared or not model.uses_fused_ops:
         return "the elementwise ops are not fused (float32, or no native library)"
     if model.model.embed_tokens.weight.dtype != torch.bfloat16:
@@ -135,11 +136,11 @@ class NativeStep:
                 arr[i] = _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
                                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                 cache.k[i].data_ptr(), cache.v[i].data_ptr(),
-                                *scale_pointers(cache.k, *cache.scale_views(i)))
+                                *scale_pointers(cache.k, *cache.scale_views(i)), a.window)
             cfg = self.model.config
             d = self.head_dim
             self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
-                                 cfg.intermediate_size, cfg.rms_norm_eps, 1.0 / math.sqrt(d), cache.num_slots,
+                                 cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale, cache.num_slots,
                                  cache.max_len)
             inner = self.model.model
             embed, rotary = inner.embed_tokens.weight, inner.rotary

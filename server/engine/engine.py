@@ -172,6 +172,15 @@ def usable_memory_bytes() -> int:
 
 
 class Engine:
+    @staticmethod
+    def _rope_regime(loaded: LoadedModel):
+        """A LongRoPE model rotates a sequence whose prompt is long with its long factors from position 0
+        (llama.Rotary): which, by sequence (the prefix-cache tag, and the runner's RoPE rows); None for
+        every other model. Decode steps of such a model are not captured as CUDA graphs (their RoPE rows
+        are not their positions)."""
+        rotary = loaded.model.model.rotary
+        return None if rotary.long_after is None else (lambda seq: rotary.row_offset(seq.prompt_len))
+
     def __init__(self, loaded: LoadedModel, settings: EngineSettings | None = None):
         self.settings = s = settings or EngineSettings()
         self.loaded = loaded
@@ -203,12 +212,12 @@ class Engine:
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
                                    step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer),
-                                   speculation=None)
+                                   speculation=None, prefix_tag=self._rope_regime(loaded))
         self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
         # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
         self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
         graphs = None
-        if s.cuda_graphs and loaded.device.type == "cuda":
+        if s.cuda_graphs and loaded.device.type == "cuda" and self._rope_regime(loaded) is None:
             from .cuda_graphs import DecodeGraphs
 
             try:

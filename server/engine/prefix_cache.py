@@ -9,6 +9,9 @@ full block, so a hit covers exactly the tokens shared, not only whole blocks.
 
 The cache never touches tensors: the scheduler copies a hit's rows into the new request's slot
 and hands an evicted entry's slot back. Entries are immutable; least recently used goes first.
+
+A `tag` keeps apart K/V computed differently for the same tokens (a LongRoPE model rotates a
+sequence whose prompt is long with other frequencies): an entry is found only by its own tag.
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ class PrefixEntry:
     hashes: tuple[int, ...] = ()
     pinned: int = 0  # hits copied from it in the step being built: not evictable until that step ran
     hits: int = field(default=0, compare=False)
+    tag: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
 
-def block_hashes(tokens, block: int, limit: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of tokens[:limit]: h[i] covers tokens[: (i + 1) * block]."""
+def block_hashes(tokens, block: int, limit: int | None = None, tag: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of tokens[:limit]: h[i] covers tokens[: (i + 1) * block] (and the tag)."""
     n = len(tokens) if limit is None else min(limit, len(tokens))
-    out, h = [], 0
+    out, h = [], tag
     for i in range(n // block):
         h = hash((h, tuple(tokens[i * block: (i + 1) * block])))
         out.append(h)
@@ -66,12 +70,12 @@ class PrefixCache:
         return list(self._lru)
 
     # ---- lookup ---------------------------------------------------------------------
-    def match(self, tokens, limit: int) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest prefix with tokens[:limit], and that length (0: none)."""
+    def match(self, tokens, limit: int, tag: int = 0) -> tuple[PrefixEntry | None, int]:
+        """The entry of this tag sharing the longest prefix with tokens[:limit], and that length (0: none)."""
         limit = min(limit, len(tokens))
         candidates: dict[PrefixEntry, None] | None = None
         depth = 0
-        for h in block_hashes(tokens, self.block, limit):
+        for h in block_hashes(tokens, self.block, limit, tag):
             found = self._index.get(h)
             if not found:
                 break
@@ -81,7 +85,7 @@ class PrefixCache:
         best, best_len = None, 0
         head = tuple(tokens[:depth])
         for entry in candidates:
-            if entry.tokens[:depth] != head:  # a hash collision
+            if entry.tag != tag or entry.tokens[:depth] != head:  # a hash collision
                 continue
             n = common_prefix(entry.tokens, tokens, depth, min(limit, entry.num_tokens))
             if n > best_len:
@@ -93,12 +97,12 @@ class PrefixCache:
         self._lru.move_to_end(entry)
 
     # ---- insert / evict ---------------------------------------------------------------
-    def insert(self, slot: int, tokens, pages: int) -> tuple[PrefixEntry, list[PrefixEntry]]:
+    def insert(self, slot: int, tokens, pages: int, tag: int = 0) -> tuple[PrefixEntry, list[PrefixEntry]]:
         """Add an entry (at least one full block of tokens); returns it and the entries it makes
-        redundant (their tokens are a prefix of its own), which the caller frees at once."""
+        redundant (their tokens are a prefix of its own, same tag), which the caller frees at once."""
         if len(tokens) < self.block:
             raise ValueError(f"an entry needs at least {self.block} tokens, got {len(tokens)}")
-        entry = PrefixEntry(slot, tuple(tokens), pages, tuple(block_hashes(tokens, self.block)))
+        entry = PrefixEntry(slot, tuple(tokens), pages, tuple(block_hashes(tokens, self.block, tag=tag)), tag=tag)
         dominated = [e for e in self._covered_by(entry) if not e.pinned]
         for e in dominated:
             self.remove(e)
@@ -110,7 +114,8 @@ class PrefixCache:
 
     def _covered_by(self, entry: PrefixEntry) -> list[PrefixEntry]:
         pool = self._index.get(entry.hashes[0], {})  # every entry holds at least one full block
-        return [e for e in pool if e.num_tokens <= entry.num_tokens and entry.tokens[: e.num_tokens] == e.tokens]
+        return [e for e in pool if e.tag == entry.tag and e.num_tokens <= entry.num_tokens
+                and entry.tokens[: e.num_tokens] == e.tokens]
 
     def remove(self, entry: PrefixEntry) -> None:
         del self._lru[entry]

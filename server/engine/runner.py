@@ -39,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.attention = attention
         self.graphs = graphs
+        self.rotary = model.model.rotary if model.model.rotary.long_after is not None else None  # LongRoPE rows
         self.sampler = Sampler()
         self._model_seconds = 0.0
 
@@ -113,7 +114,7 @@ class ModelRunner:
         hit copied into the slot): attends to it in place."""
         ids = self._tensor(c.seq.tokens(c.start, c.start + c.length))[None]  # [1, L]
         meta, positions = self.attention.chunk(self._tensor([c.seq.slot]), self._tensor([c.start]), c.length)
-        return Segment(ids, positions, meta)
+        return Segment(ids, self._rope_rows(positions, [c.seq], [c.length]), meta)
 
     def _packed(self, chunks: list[PrefillChunk]) -> Segment:
         """New prompts concatenated into one row: no padding compute (prompts differ widely in length)."""
@@ -121,7 +122,7 @@ class ModelRunner:
         # request's prompt and output so far)
         meta, positions = self.attention.packed(self._tensor([c.seq.slot for c in chunks]),
                                                 self._tensor([c.length for c in chunks]))
-        return Segment(ids, positions, meta)
+        return Segment(ids, self._rope_rows(positions, [c.seq for c in chunks], [c.length for c in chunks]), meta)
 
     def _decode(self, batch: ScheduledBatch, previous: SampleOutput | None) -> Segment:
         """One row per decode token: a sequence's latest token, then (speculation) one row per drafted
@@ -130,15 +131,28 @@ class ModelRunner:
         if not batch.drafts:
             ids = self._decode_ids(list(seqs), previous)[:, None]  # [B, 1]
             meta, positions = self.attention.decode([s.slot for s in seqs], [s.num_cached for s in seqs])
-            return Segment(ids, positions, meta)
-        tokens, slots, starts = [], [], []
+            return Segment(ids, self._rope_rows(positions, list(seqs), [1] * len(seqs)), meta)
+        tokens, slots, starts, counts = [], [], [], []
         for i, s in enumerate(seqs):  # drafts only where the latest token is known on the host
             row = [s.token_at(s.num_cached), *batch.draft_of(i)]
             tokens += row
             slots += [s.slot] * len(row)
             starts += range(s.num_cached, s.num_cached + len(row))
+            counts.append(len(row))
         meta, positions = self.attention.decode(slots, starts)
-        return Segment(self._tensor(tokens)[:, None], positions, meta)  # [R, 1]
+        return Segment(self._tensor(tokens)[:, None], self._rope_rows(positions, list(seqs), counts), meta)  # [R, 1]
+
+    def _rope_rows(self, positions: Tensor, seqs: list[Sequence], counts: list[int]) -> Tensor:
+        """The tokens' rows of the RoPE tables: their positions, shifted where a LongRoPE model takes a
+        sequence's long factors from position 0 (llama.Rotary.row_offset); `counts`: each sequence's tokens,
+        in the order of positions."""
+        if self.rotary is None:
+            return positions
+        offsets = [self.rotary.row_offset(s.prompt_len) for s in seqs]
+        if not any(offsets):
+            return positions
+        per_token = [o for o, n in zip(offsets, counts) for _ in range(n)]
+        return positions + self._tensor(per_token).view(positions.shape)
 
     def _decode_graph(self, seqs: list[Sequence], previous: SampleOutput | None) -> Tensor:
         t0 = time.perf_counter()

@@ -168,6 +168,7 @@ class Scheduler:
     (ngram.py) while few sequences decode; a row then verifies its drafts in the same step, and
     postprocess() keeps the longest prefix equal to the model's own choices plus the model's next
     token, rewinding the rest. None: off.
+    `prefix_tag(seq)`: the prefix-cache tag of a sequence's K/V (prefix_cache.py; default 0 for all).
     """
 
     def __init__(self, num_slots: int, max_queue: int, token_budget: int, min_prefill_chunk: int = 16,
@@ -175,7 +176,7 @@ class Scheduler:
                  max_batch: int | None = None, kv_pages: int | None = None, kv_page_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
                  step_pacer: StepPacer | None = None, outputs: "OutputProcessor | None" = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, prefix_tag: Callable[[Sequence], int] | None = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.slots = SlotAllocator(num_slots)
@@ -192,6 +193,7 @@ class Scheduler:
         self.step_pacer = step_pacer
         self.outputs = outputs
         self.speculation = speculation
+        self.prefix_tag = prefix_tag or (lambda seq: 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
@@ -304,7 +306,8 @@ class Scheduler:
         pages = self._held.pop(seq, 0)
         self.request_slots_returned_total += 1
         if keep_as_prefix:
-            entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], pages)
+            entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], pages,
+                                                        self.prefix_tag(seq))
             for old in dominated:  # a later turn of the same conversation covers these
                 self._drop_entry(old)
             return
@@ -404,7 +407,7 @@ class Scheduler:
         """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
         entry, hit = None, 0
         if self.prefix_cache is not None:
-            entry, hit = self.prefix_cache.match(seq.all_tokens, seq.prefill_len - 1)  # >= 1 token computed
+            entry, hit = self.prefix_cache.match(seq.all_tokens, seq.prefill_len - 1, self.prefix_tag(seq))  # >= 1 computed
         n = min(seq.prefill_len - hit, budget)
         if entry is not None:
             entry.pinned += 1  # neither evicted nor dominated while this step copies from it

@@ -49,6 +49,27 @@ def test_matches_explicit_attention_and_writes_the_cache(kernel, dtype, tol, hea
         torch.testing.assert_close(out[b, 0].float(), ref[0].transpose(0, 1).reshape(-1), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window", [1, 16, 100])
+def test_a_sliding_window_attends_to_its_last_keys_only(kernel, dtype, tol, window):
+    """A sliding layer's row at position p sees keys p - window + 1 .. p, scaled as asked; what lies before
+    its window changes nothing, not a bit."""
+    lengths = [1, 15, 16, 17, 33, 200, 1024]
+    q, k, v, kc, vc, slots, pos = _case(dtype, lengths, seed=3)
+    before = kc.clone(), vc.clone()
+    out = kernel(q, k, v, kc, vc, slots, pos, window=window, scale=0.3)
+    for b, n in enumerate(lengths):
+        s, lo = int(slots[b]), max(0, n - window)
+        ref, _ = explicit_attention(q[b].transpose(0, 1)[None].float(), kc[s, :, lo:n][None].float(),
+                                    vc[s, :, lo:n][None].float(), torch.ones(1, 1, 1, n - lo, dtype=torch.bool), 0.3)
+        torch.testing.assert_close(out[b, 0].float(), ref[0].transpose(0, 1).reshape(-1), atol=tol, rtol=tol)
+    kc2, vc2 = before
+    for b, n in enumerate(lengths):  # other values before each row's window
+        kc2[int(slots[b]), :, : max(0, n - window)] *= 3
+        vc2[int(slots[b]), :, : max(0, n - window)] -= 1
+    assert torch.equal(kernel(q, k, v, kc2, vc2, slots, pos, window=window, scale=0.3), out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(kernel, dtype):
     rng = random.Random(1)

@@ -98,6 +98,24 @@ def test_decode_writes_torchs_codes_and_attends_over_what_they_stand_for(decode,
         torch.testing.assert_close(out[b, 0].float(), reference(q[b, 0], c, s, n), atol=1e-2, rtol=1e-2)
 
 
+def test_a_sliding_window_reads_its_own_keys_codes_and_scales(decode):
+    """With a window the kernel starts at the window's first key in the codes and in the scales alike."""
+    heads, window = (8, 2, 64), 24
+    c = filled(heads, 4, 528, seed=4)
+    lengths = [3, 24, 25, 300]
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(len(lengths), 1, 12, 64, generator=g).bfloat16()
+    q, k, v = qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]
+    slots, pos = torch.arange(4), torch.tensor([n - 1 for n in lengths])
+    out = decode(q, k, v, c.k[0], c.v[0], slots, pos, *c.scale_views(0), window=window)
+    for b, n in enumerate(lengths):
+        K, V = values(c, b, n)
+        lo = max(0, n - window)
+        ref, _ = explicit_attention(q[b, 0][None, :, None].float(), K[None, :, lo:], V[None, :, lo:],
+                                    torch.ones(1, 1, 1, n - lo, dtype=torch.bool))
+        torch.testing.assert_close(out[b, 0].float(), ref[0, :, 0].reshape(-1), atol=1e-2, rtol=1e-2)
+
+
 def test_a_decode_row_is_bitwise_the_same_alone_and_in_any_batch(decode):
     rng = random.Random(1)
     base = filled((H, HKV, D), 8, 1040, seed=3)

@@ -2,11 +2,14 @@
 replaces: bitwise the same logits and the same K/V written, for decode rows at different positions,
 a verified draft (one slot on several consecutive rows), packed new prompts, a continued prompt
 chunk, and a step mixing all of them, through both forward entry points; and each row is the same
-alone or in the batch. With a bfloat16 cache and with an int8 one (the native writes quantize as the
+alone or in the batch. Also with sliding windows on some layers (their prompt tokens then take the
+decode kernel, eager and native alike). With a bfloat16 cache and with an int8 one (the native writes quantize as the
 eager layers' torch writes do, codes and scales bit for bit). Oracle: the eager layers (themselves checked against transformers and the
 explicit attention elsewhere), run from a copy of the same cache."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -41,20 +44,26 @@ def gguf(smollm2_gguf_path):
     return read_gguf(smollm2_gguf_path, keep_q41=True)
 
 
-def served(gguf, kernel_dir, layers: str, head: str):
+def served(gguf, kernel_dir, layers: str, head: str, windows: tuple[int, ...] = ()):
     quant = "int4" if layers.endswith("int4") else "int8"
     plan = P.Plan(P.Mode(BF16, quant), {r: head if r == "head" else layers for r in K.ROLES})
-    model = build_model(gguf.config, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80)
-    backend = attention_and_fused_ops(model, torch.device("cpu"), kernel_dir, BF16, gguf.config, True)
+    cfg = dataclasses.replace(gguf.config, layer_windows=windows)
+    model = build_model(cfg, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80)
+    backend = attention_and_fused_ops(model, torch.device("cpu"), kernel_dir, BF16, cfg, True)
     return model.freeze_attributes(), backend
 
 
-@pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8", BF16), ("native-int4", "int8", BF16),
-                                        ("native-int4", "int8", torch.int8)],
-                ids=["int8", "int4", "int4-kv-int8"])
+SLIDING = tuple(16 if i % 3 else 0 for i in range(30))  # SmolLM2's 30 layers, two of three with a 16-key window
+
+
+@pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8", BF16, ()), ("native-int4", "int8", BF16, ()),
+                                        ("native-int4", "int8", torch.int8, ()),
+                                        ("native-int8", "native-int8-a8", BF16, SLIDING),
+                                        ("native-int4", "int8", torch.int8, SLIDING)],
+                ids=["int8", "int4", "int4-kv-int8", "int8-sliding", "int4-kv-int8-sliding"])
 def loaded(request, gguf, kernel_dir):
-    layers, head, kv_dtype = request.param
-    model, backend = served(gguf, kernel_dir, layers, head)
+    layers, head, kv_dtype, windows = request.param
+    model, backend = served(gguf, kernel_dir, layers, head, windows)
     assert model.native_step is not None, native_step.why_not(model)
     g = torch.Generator().manual_seed(0)
     cache = KVCache(model.config, 6, 256, kv_dtype)

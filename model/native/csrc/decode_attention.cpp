@@ -1,7 +1,7 @@
 // Decode attention on CPU: every decoding row of a step, one call per layer.
 //
 // Row b has one new token: its k/v go to cache slot slots[b] at position pos[b], then its query
-// heads attend to keys 0..pos[b] of that slot. Work is split over (row, kv head) pairs, and each
+// heads attend to keys 0..pos[b] of that slot (a sliding layer's: the last `window` of them). Work is split over (row, kv head) pairs, and each
 // pair is computed by the same fixed sequence of operations whatever the batch around it, so a
 // row's output is bitwise the same alone or in any batch (batch invariance by construction):
 //   - a score is a dot product over the head dimension in 16-lane chunks, summed by one fixed
@@ -171,7 +171,8 @@ static inline void put_row(const typename A::T* src, typename KV::T* dst, float*
 template <class A, class KV>
 static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row, const void* v_, int64_t v_row,
                    void* kc_, void* vc_, float* k_scales, float* v_scales, const int64_t* slots, const int64_t* pos,
-                   void* out_, int B, int H, int Hkv, int d, int64_t max_len, float scale, int threads) {
+                   void* out_, int B, int H, int Hkv, int d, int64_t max_len, float scale, int64_t window,
+                   int threads) {
     typedef typename A::T T;
     typedef typename KV::T C;
     const T* q = (const T*)q_;
@@ -182,8 +183,9 @@ static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row,
     T* out = (T*)out_;
     const int G = H / Hkv;
     const int tasks = B * Hkv;
+    auto first_key = [&](int b) { return window > 0 && pos[b] >= window ? pos[b] + 1 - window : (int64_t)0; };
     int64_t keys = 0;
-    for (int b = 0; b < B; ++b) keys += pos[b] + 1;
+    for (int b = 0; b < B; ++b) keys += pos[b] + 1 - first_key(b);
     const bool parallel = threads > 1 && tasks > 1 && keys * Hkv * G * d >= (1 << 16);
 #pragma omp parallel num_threads(threads) if (parallel)
     {
@@ -198,12 +200,16 @@ static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row,
             float* vs = v_scales ? v_scales + at : nullptr;
             put_row<A, KV>(k_new + b * k_row + (size_t)h * d, k_cache + base + (size_t)pos[b] * d, ks ? ks + step : nullptr, d);
             put_row<A, KV>(v_new + b * v_row + (size_t)h * d, v_cache + base + (size_t)pos[b] * d, vs ? vs + step : nullptr, d);
-            attend_pair<A, KV>(q + b * q_row + (size_t)h * G * d, k_cache + base, v_cache + base, ks, vs, ss,
-                               (int)pos[b] + 1, G, d, scale, out + ((size_t)b * H + (size_t)h * G) * d, work);
+            const int64_t lo = first_key(b);  // a sliding layer's window starts here; blocks of 16 from it
+            attend_pair<A, KV>(q + b * q_row + (size_t)h * G * d, k_cache + base + (size_t)lo * d,
+                               v_cache + base + (size_t)lo * d, ks ? ks + (size_t)lo * ss : nullptr,
+                               vs ? vs + (size_t)lo * ss : nullptr, ss, (int)(pos[b] + 1 - lo), G, d, scale,
+                               out + ((size_t)b * H + (size_t)h * G) * d, work);
         }
     }
 }
 
+// window: 0, or a sliding layer's window w: row b attends to keys pos[b] - w + 1 .. pos[b] only.
 // 0: done; 1: a shape the kernel does not take; 2: a row's slot or position outside the cache
 // (nothing is written then: a bookkeeping error upstream must not become a stray write).
 // k_scales, v_scales: null for a float32 or bfloat16 cache (of the activations' dtype); else the
@@ -211,19 +217,20 @@ static void decode(const void* q_, int64_t q_row, const void* k_, int64_t k_row,
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
                                    const void* v, int64_t v_row, void* k_cache, void* v_cache, float* k_scales,
                                    float* v_scales, const int64_t* slots, const int64_t* pos, void* out, int B, int H,
-                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int threads) {
-    if (d % 16 != 0 || !head_chunks_built(d / 16) || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP) return 1;
+                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int64_t window,
+                                   int threads) {
+    if (d % 16 != 0 || !head_chunks_built(d / 16) || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || window < 0) return 1;
     if ((k_scales == nullptr) != (v_scales == nullptr) || (k_scales && !bf16)) return 1;
     for (int b = 0; b < B; ++b)
         if (slots[b] < 0 || slots[b] >= num_slots || pos[b] < 0 || pos[b] >= max_len) return 2;
     if (k_scales)
         decode<BF16, I8>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, k_scales, v_scales, slots, pos, out, B, H, Hkv,
-                         d, max_len, scale, threads);
+                         d, max_len, scale, window, threads);
     else if (bf16)
         decode<BF16, BF16>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, nullptr, nullptr, slots, pos, out, B, H, Hkv,
-                           d, max_len, scale, threads);
+                           d, max_len, scale, window, threads);
     else
         decode<F32, F32>(q, q_row, k, k_row, v, v_row, k_cache, v_cache, nullptr, nullptr, slots, pos, out, B, H, Hkv, d,
-                         max_len, scale, threads);
+                         max_len, scale, window, threads);
     return 0;
 }

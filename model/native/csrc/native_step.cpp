@@ -16,7 +16,8 @@
 // (a verified draft's rows among them). Per layer:
 //   h = rmsnorm(x)                  (layer 0; later layers: x = x + down, h = rmsnorm(x), one pass)
 //   qkv = h Wqkv^T; q|k = rope(qkv)
-//   prompt tokens: k/v written to the cache, then each attends over its slot's keys 0..pos
+//   prompt tokens: k/v written to the cache, then each attends over its slot's keys 0..pos (a sliding
+//     layer: keys pos - window + 1 .. pos, each token as a decode row)
 //   decode rows: written and attended by the decode kernel (all written first when rows share a slot)
 //   x = x + attn Wo^T, h = rmsnorm(x)
 //   down = silu_mul(h Wgu^T) Wdown^T
@@ -40,7 +41,8 @@ extern "C" int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t 
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
                                    const void* v, int64_t v_row, void* k_cache, void* v_cache, float* k_scales,
                                    float* v_scales, const int64_t* slots, const int64_t* pos, void* out, int B, int H,
-                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int threads);
+                                   int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int64_t window,
+                                   int threads);
 extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
                                    const float* k_scales, const float* v_scales, const int64_t* slots,
                                    const int64_t* pos, void* out, int T, int H, int Hkv, int d, int64_t num_slots,
@@ -60,6 +62,7 @@ struct StepLayer {
     void* v_cache;
     float* k_scales;             // the int8 cache's scales ([slots, max_len, 2, Hkv]; V = K + Hkv); null for bfloat16
     float* v_scales;
+    int64_t window;              // 0, or a sliding layer's window: its prompt tokens take the decode kernel too
 };
 
 struct StepShape {
@@ -147,7 +150,11 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
         STEP(2, lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, N, H + Hkv, d, threads));
         for (int t = 0; t < P; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
         for (int t = P; write_first && t < N; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
-        if (P > 0)
+        if (P > 0 && L.window > 0)  // each prompt token over its own window, as a decode row (its k/v rewritten as is)
+            STEP(1, lm_decode_attention(1, qk, qk_n, qk + (size_t)H * d, qk_n, qkv + qk_n, qkv_n, L.k_cache, L.v_cache,
+                                        L.k_scales, L.v_scales, slots, pos, attn, P, H, Hkv, d, s->num_slots,
+                                        s->max_len, s->scale, L.window, threads));
+        else if (P > 0)
             STEP(1, lm_prompt_attention(qk, qk_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales, slots, pos, attn, P, H,
                                         Hkv, d, s->num_slots, s->max_len, s->scale, threads));
         if (B > 0)
@@ -155,7 +162,7 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
                                         qkv + P * qkv_n + qk_n, qkv_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales,
                                         slots + P, pos + P,
                                         attn + (size_t)P * H * d, B, H, Hkv, d, s->num_slots, s->max_len, s->scale,
-                                        threads));
+                                        L.window, threads));
         STEP(0, qmm(L.o, attn, N, (int64_t)H * d, D, o, threads));
         STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, N, D, s->eps, threads));
         STEP(0, qmm(L.gate_up, h, N, D, 2 * I, gate_up, threads));
