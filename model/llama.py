@@ -246,7 +246,10 @@ class LlamaModel(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         """Token embeddings [..., D], times embed_scale (rounded to float32, then to the weights' dtype, as
         transformers' Gemma does)."""
-        x = self.embed_tokens(ids)
+        return self.scale_embeddings(self.embed_tokens(ids))
+
+    def scale_embeddings(self, x: Tensor) -> Tensor:
+        """Looked-up embedding rows times embed_scale."""
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         return x

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError
+from .errors import CheckpointNotFoundError
 from .attention.backend import SdpaBackend, choose_backend
 from .tuning.compile import CompileResult, compile_model
-from .linear.serving import fuse_linears, planned_linears
-from .checkpoints.layout import checkpoint_shapes, expected_shapes, split_fused
+from .assembly import CheckpointModes, build_model, expected_shapes  # noqa: F401 - build_model, expected_shapes: public here too
+from .checkpoints.hf_dir import open_hf_dir
 from .llama import LlamaForCausalLM
 from .cache_dir import default_cache_dir
-from .tuning.precision import DTYPES, Plan, parse_dtype, resolve_plan
+from .tuning.precision import Plan, parse_dtype, resolve_plan
 from .text.tokenizer import Tokenizer
 
 log = logging.getLogger("lmserve.model")
@@ -153,74 +153,18 @@ def resolve_device_dtype(device: torch.device | str | None,
     return device, parse_dtype(dtype) or default_dtype(device)
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str, prepare: bool = True, plan: Plan | None = None,
-                q41: dict | None = None, q80: dict | None = None) -> LlamaForCausalLM:
-    """Check names and shapes against the config, then materialize the model (no random init).
-
-    prepare: fuse the linear layers and build them for serving (LlamaForCausalLM.prepare_for_inference):
-    with a plan, each role on its planned kernel, built from the float32 weights (and q41 / q80,
-    GGUF Q4_0-Q4_1 / Q8_0 blocks by tensor name); without, the default kernel for dtype.
-    """
-    shapes = expected_shapes(cfg)
-    tensors = split_fused(cfg, dict(tensors))  # Phi-3's q|k|v and gate|up: the decoder fuses its own again
-    missing = [n for n in shapes if n not in tensors]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[0]!r}")
-    for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ShapeMismatchError(name, shape, tuple(tensors[name].shape))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    # assign: the checkpoint's tensors become the parameters (no second copy of the weights)
-    planned = prepare and plan is not None
-    state = {n: tensors[n].to(device=device, dtype=torch.float32 if planned else dtype) for n in shapes}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for attr, blocks_by_name in (("q41", q41), ("q80", q80)):
-        for name, blocks in (blocks_by_name or {}).items():
-            setattr(model.get_submodule(name.removesuffix(".weight")), attr, blocks)
-            if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
-                setattr(model.lm_head, attr, blocks)  # the tied head serves the file's own blocks too
-    model = model.eval().requires_grad_(False)
-    if prepare:
-        model.prepare_for_inference(planned_linears(plan.kernels, dtype) if planned else fuse_linears)
-    if planned:
-        model.to(dtype)  # what is not a linear (embedding, norms) computes in the mode's dtype
-    model.model.rotary.build(device, dtype)
-    return model
-
-
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json + safetensors (single file or sharded index), or a weights-only torch file."""
-    from safetensors.torch import load_file
+    """config.json + safetensors (single file or sharded index), or a weights-only torch file, read
+    whole into memory (the loader itself reads them as sources: checkpoints/hf_dir.py)."""
+    ckpt = open_hf_dir(path)
+    try:
+        return ckpt.config, {n: src.read(_stored_dtype(src)) for n, src in ckpt.sources.items()}
+    finally:
+        ckpt.close()
 
-    if not (path / "config.json").is_file():
-        raise CheckpointNotFoundError(f"{path} has no config.json")
-    cfg = ModelConfig.from_hf(path / "config.json", name=path.name)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    if files:
-        for f in files:
-            if not f.is_file():
-                raise CheckpointNotFoundError(f"shard {f.name} named in {index.name} is missing from {path}")
-            tensors.update(load_file(f))
-    elif (path / "pytorch_model.bin").is_file():
-        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointNotFoundError(f"{path} has no *.safetensors weights")
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    for name, shape in checkpoint_shapes(cfg).items():  # named before a fused tensor is split
-        if name in tensors and tuple(tensors[name].shape) != shape:
-            raise ShapeMismatchError(name, shape, tuple(tensors[name].shape))
-    return cfg, tensors
+
+def _stored_dtype(src) -> torch.dtype:
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(src.stored_as, torch.float32)
 
 
 def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache_dir: Path, dtype: torch.dtype,
@@ -248,34 +192,57 @@ def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache
     return backend
 
 
-def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict, dict, Tokenizer]:
-    """(config, float32 tensors, Q4_0/Q4_1 blocks, Q8_0 blocks, tokenizer) of a .gguf file or a Hugging
-    Face directory (no blocks for the latter)."""
-    if path.is_file() and path.suffix == ".gguf":
-        from .checkpoints.gguf_reader import read_gguf
+@dataclass
+class Checkpoint:
+    """A checkpoint opened for loading: its config, tokenizer and tensors as sources (read from the
+    mapped files on demand). Close it when the model is built."""
 
-        ckpt = read_gguf(path, keep_q41=True)
-        return ckpt.config, ckpt.tensors, ckpt.q41, ckpt.q80, Tokenizer.from_gguf_fields(ckpt.metadata)
+    config: ModelConfig
+    sources: dict
+    tokenizer: Tokenizer
+    close: object  # () -> None
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """A .gguf file or a Hugging Face directory, opened: nothing is read but its directory, metadata
+    and tokenizer."""
+    if path.is_file() and path.suffix == ".gguf":
+        from .checkpoints.gguf_reader import open_gguf
+
+        ckpt = open_gguf(path)
+        try:
+            tokenizer = Tokenizer.from_gguf_fields(ckpt.metadata)
+        except BaseException:
+            ckpt.close()
+            raise
+        return Checkpoint(ckpt.config, ckpt.sources, tokenizer, ckpt.close)
     if path.is_dir():
-        cfg, tensors = read_hf_dir(path)
-        return cfg, tensors, {}, {}, Tokenizer.from_dir(path)
+        ckpt = open_hf_dir(path)
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+        except BaseException:
+            ckpt.close()
+            raise
+        return Checkpoint(ckpt.config, ckpt.sources, tokenizer, ckpt.close)
     raise CheckpointNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
 def reference_logits(source: Path, ids: list[int], window: int) -> torch.Tensor:
-    """quality.logits_of for the float32 reference of the checkpoint at `source` (read again, dense float32
-    on the CPU, dropped after): what every lossy path is measured against, as precision.choose does."""
+    """quality.logits_of for the float32 reference of the checkpoint at `source` (streamed a layer at a
+    time, as precision.choose measures every mode against it)."""
     from .tuning.precision import reference_plan
-    from .tuning.quality import logits_of
 
-    cfg, tensors, q41, q80, _ = read_checkpoint(Path(source))
-    model = build_model(cfg, tensors, torch.float32, "cpu", plan=reference_plan(), q41=q41, q80=q80)
-    del tensors, q41, q80
-    try:
-        return logits_of(model, ids, window)
-    finally:
-        del model
-        release_freed_memory()
+    with read_checkpoint(Path(source)) as ckpt:
+        try:
+            return CheckpointModes(ckpt.config, ckpt.sources).logits(reference_plan(), ids, window)
+        finally:
+            release_freed_memory()
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
@@ -298,22 +265,18 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
     if compile not in ("true", "false", "auto"):
         raise ValueError(f"compile must be true, false or auto, got {compile!r}")
     path = resolve_model(str(spec), models_dir=models_dir)
-    cfg, tensors, q41, q80, tokenizer = read_checkpoint(path)
-
-    def build(plan: Plan) -> LlamaForCausalLM:
-        return build_model(cfg, tensors, plan.mode.dtype, device, plan=plan, q41=q41, q80=q80)
-
-    probe = build_model(cfg, tensors, torch.float32, "cpu", prepare=False, q41=q41, q80=q80)  # shares the tensors
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if device.type == "cpu":
         from .linear import quant_matmul
 
         quant_matmul.use_cache_dir(cache_dir)  # the native quantized kernel, when measured or planned
-    plan = resolve_plan(probe, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir, build)
-    del probe
-    model = build(plan)
+    with read_checkpoint(path) as ckpt:
+        cfg, tokenizer = ckpt.config, ckpt.tokenizer
+        modes = CheckpointModes(cfg, ckpt.sources)
+        plan = resolve_plan(modes, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir)
+        release_freed_memory()  # what measuring held
+        model = build_model(cfg, ckpt.sources, plan.mode.dtype, device, plan=plan)
     attention = attention_and_fused_ops(model, device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
-    del tensors, q41, q80
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
     model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,16 +15,25 @@ import torch
 from ..config import ModelConfig
 from ..errors import CheckpointNotFoundError, ModelLoadError, ShapeMismatchError, UnsupportedQuantizationError
 from .layout import checkpoint_shapes, hf_name, split_fused, unshift_gemma_norms
+from .sources import MappedFile, TensorSource, contiguous_range
+
 
 @dataclass
 class GGUFCheckpoint:
-    """A dequantized GGUF checkpoint: config, HF-named tensors, and every GGUF key/value."""
+    """A GGUF checkpoint: config, every GGUF key/value, and its tensors by HF name, either as sources
+    read on demand from the mapped file (`open_gguf`) or dequantized (`read_gguf`)."""
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
     q41: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q41Blocks of Q4_0/Q4_1 tensors (keep_q41)
     q80: dict[str, Any] = field(default_factory=dict)  # HF name -> quant.Q80Blocks of Q8_0 tensors (keep_q41)
+    sources: dict[str, TensorSource] = field(default_factory=dict)  # HF name -> its source (open_gguf)
+    file: MappedFile | None = None  # the mapping the sources read (open_gguf); close() when done
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -149,32 +157,50 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
-    """Read and dequantize a GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own blocks).
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """A GGUF file mapped, its directory and metadata checked, every tensor a source read
+    on demand (nothing is dequantized yet). Close the checkpoint when its tensors have been read.
 
     Raises CheckpointNotFoundError (no file), UnsupportedArchitectureError (an architecture or option
     the decoder does not implement),
-    UnsupportedQuantizationError (a tensor type gguf cannot dequantize), ShapeMismatchError
-    (a tensor disagrees with the metadata), ModelLoadError (not GGUF, truncated, a required key or tensor absent).
+    ShapeMismatchError (a tensor disagrees with the metadata), ModelLoadError (not GGUF, truncated, a
+    required key or tensor absent). A tensor type gguf cannot dequantize raises
+    UnsupportedQuantizationError when that tensor is read.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # empty file
-            raise ModelLoadError(f"{path} is not a GGUF file: {e}") from e
     try:
-        return _read_mapped(path, buf, dtype, keep_q41)
+        file = MappedFile(path)
+    except ValueError as e:  # empty file
+        raise ModelLoadError(f"{path} is not a GGUF file: {e}") from e
+    try:
+        return _read_mapped(path, file)
+    except BaseException:
+        file.close()
+        raise
+
+
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
+    """Read and dequantize a GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own
+    blocks). Raises as open_gguf does, and UnsupportedQuantizationError for a tensor type gguf
+    cannot dequantize."""
+    ckpt = open_gguf(path)
+    try:
+        for name, src in ckpt.sources.items():  # one tensor at a time: peak memory is one float32 copy
+            ckpt.tensors[name] = src.read(dtype)
+            blocks = src.blocks() if keep_q41 else None
+            if blocks is not None:
+                (ckpt.q80 if type(blocks).__name__ == "Q80Blocks" else ckpt.q41)[name] = blocks
+            src.release()
     finally:
-        try:
-            buf.close()
-        except BufferError:  # a caller still holds a view; the mapping closes when it is dropped
-            pass
+        ckpt.close()
+    ckpt.sources, ckpt.file = {}, None
+    return ckpt
 
 
-def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) -> GGUFCheckpoint:
+def _read_mapped(path: Path, file: MappedFile) -> GGUFCheckpoint:
+    buf = file.buf
     try:
         metadata, infos = read_directory(buf)
     except (ValueError, struct.error, UnicodeDecodeError) as e:
@@ -199,27 +225,80 @@ def _read_mapped(path: Path, buf, dtype: torch.dtype, keep_q41: bool = False) ->
     if missing:
         raise ModelLoadError(f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
-    tensors: dict[str, torch.Tensor] = {}
-    q41: dict[str, Any] = {}
-    q80: dict[str, Any] = {}
-    for name, expected in shapes.items():  # one tensor at a time: peak memory is one float32 copy
+    sources: dict[str, TensorSource] = {}
+    for name, expected in shapes.items():
         info = by_name[wanted[name]]
         if info.torch_shape != expected:
             raise ShapeMismatchError(info.name, expected, info.torch_shape)
-        w = _dequantize(buf, info, dtype)
-        blocks = _quant_blocks(buf, info) if keep_q41 and len(info.ne) == 2 else None
+        _check_extent(buf, info)
+        heads = None
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            w = llama_cpp_unpermute(w, heads).contiguous()
-            if blocks is not None:  # every field is [N, ...] by output row
-                blocks = type(blocks)(*(llama_cpp_unpermute(getattr(blocks, f.name), heads).contiguous()
-                                        for f in dataclasses.fields(blocks)))
-        tensors[name] = w
-        if blocks is not None:
-            (q80 if type(blocks).__name__ == "Q80Blocks" else q41)[name] = blocks
-    tensors = unshift_gemma_norms(config, split_fused(config, tensors))
-    return GGUFCheckpoint(config=config, tensors=tensors, metadata=metadata, q41=split_fused(config, q41),
-                          q80=split_fused(config, q80))
+        sources[name] = _source(file, info, name, heads)
+    sources = unshift_gemma_norms(config, split_fused(config, sources))
+    return GGUFCheckpoint(config=config, tensors={}, metadata=metadata, sources=sources, file=file)
+
+
+def _type_name(info: TensorInfo) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(info.type_id).name
+    except ValueError:
+        return f"type {info.type_id}"
+
+
+def _byte_size(info: TensorInfo) -> tuple[int, int]:
+    """(bytes per row, rows) of a tensor as stored; UnsupportedQuantizationError for an unknown type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.type_id)]
+    except (ValueError, KeyError):
+        raise UnsupportedQuantizationError(f"tensor {info.name!r} has unknown GGML type id {info.type_id}") from None
+    if info.ne[0] % block:
+        raise ModelLoadError(f"tensor {info.name!r}: row length {info.ne[0]} is not a multiple of "
+                             f"{_type_name(info)}'s block {block}")
+    return info.ne[0] // block * type_size, int(np.prod(info.ne[1:], dtype=np.int64))
+
+
+def _check_extent(buf, info: TensorInfo) -> None:
+    row_bytes, n_rows = _byte_size(info)
+    if info.offset + row_bytes * n_rows > len(buf):
+        raise ModelLoadError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
+
+
+def _source(file: MappedFile, info: TensorInfo, name: str, unpermute_heads: int | None) -> TensorSource:
+    """The source of one GGUF tensor: dequantized (and for llama's q/k, unpermuted) when read."""
+    row_bytes, n_rows = _byte_size(info)
+
+    def read() -> torch.Tensor:
+        w = _dequantize(file.buf, info, torch.float32)
+        return w if unpermute_heads is None else llama_cpp_unpermute(w, unpermute_heads).contiguous()
+
+    def rows(index: torch.Tensor) -> torch.Tensor:
+        if unpermute_heads is not None or len(info.ne) != 2:
+            return read()[index]
+        span = contiguous_range(index)
+        if span is not None:  # a slice of rows: one read
+            return _dequantize(file.buf, _rows(info, span[0], span[1] - span[0], row_bytes), torch.float32)
+        picked = [_dequantize(file.buf, _rows(info, int(r), 1, row_bytes), torch.float32) for r in index.reshape(-1)]
+        return torch.cat(picked).reshape(*index.shape, info.ne[0])
+
+    def blocks():
+        found = _quant_blocks(file.buf, info) if len(info.ne) == 2 else None
+        if found is not None and unpermute_heads is not None:  # every field is [N, ...] by output row
+            found = type(found)(*(llama_cpp_unpermute(getattr(found, f.name), unpermute_heads).contiguous()
+                                  for f in dataclasses.fields(found)))
+        return found
+
+    return TensorSource(name, info.torch_shape, _type_name(info), row_bytes * n_rows, read, rows, blocks,
+                        lambda: file.release(info.offset, row_bytes * n_rows))
+
+
+def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
+    """Rows r .. r + n - 1 of a 2-D tensor as a tensor of their own."""
+    return TensorInfo(info.name, (info.ne[0], n), info.type_id, info.offset + r * row_bytes)
 
 
 def _quant_blocks(buf, info: TensorInfo):

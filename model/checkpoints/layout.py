@@ -10,6 +10,7 @@ import re
 import torch
 
 from ..config import ModelConfig
+from .sources import TensorSource
 
 # GGUF tensor name -> HF parameter name; per-block names sit under `blk.{i}.` and `model.layers.{i}.`
 _GLOBAL_NAMES = {
@@ -130,11 +131,19 @@ def split_rows(x, sizes: list[int]) -> list:
 
 
 def split_fused(cfg: ModelConfig, tensors: dict) -> dict:
-    """Phi-3's fused q|k|v and gate|up tensors (or blocks) replaced by their parts, in place; returns tensors."""
+    """Phi-3's fused q|k|v and gate|up tensors (or blocks, or sources) replaced by their parts, in place;
+    returns tensors."""
     for name in [n for n in tensors if n.endswith(FUSED)]:
         parts = fused_parts(cfg, name)
-        for (part, _), value in zip(parts, split_rows(tensors.pop(name), [rows for _, rows in parts])):
-            tensors[part] = value
+        value = tensors.pop(name)
+        if isinstance(value, TensorSource):
+            start = 0
+            for part, rows in parts:
+                tensors[part] = value.row_block(part, start, start + rows)
+                start += rows
+            continue
+        for (part, _), piece in zip(parts, split_rows(value, [rows for _, rows in parts])):
+            tensors[part] = piece
     return tensors
 
 
@@ -143,5 +152,6 @@ def unshift_gemma_norms(cfg: ModelConfig, tensors: dict) -> dict:
     if cfg.norm_style == "gemma":
         for name in tensors:
             if name.endswith("norm.weight"):
-                tensors[name] = tensors[name] - 1.0
+                value = tensors[name]
+                tensors[name] = value.mapped(lambda t: t - 1.0) if isinstance(value, TensorSource) else value - 1.0
     return tensors

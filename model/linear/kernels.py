@@ -228,13 +228,37 @@ class NativeQuantLinear(ServingLinear):
 
 @dataclass
 class WeightSource:
-    """What a serving linear is built from: the float32 weight and, for GGUF Q4_0/Q4_1 or Q8_0
-    tensors, their blocks."""
+    """What a serving linear is built from: the weight [N, K] and, for GGUF Q4_0/Q4_1 or Q8_0 tensors,
+    their blocks. The weight is either held (float32) or read from its checkpoint when a kernel needs
+    floats (`parts`: a reader per row block, e.g. q, k and v of a fused projection), so that building a
+    kernel from a file's own blocks reads no floats at all, and quantizing a role holds one part's floats
+    at a time."""
 
-    weight: Tensor  # [N, K] float32 (dequantized when the file is quantized)
+    weight: Tensor | None  # [N, K] float32 held, or None: read from `parts` when needed
     bias: Tensor | None = None
     q41: Q41Blocks | None = None
     q80: Q80Blocks | None = None
+    parts: tuple = ()  # readers () -> float32 [n_i, K] of the row blocks, when the weight is not held
+    shape: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.weight is not None:
+            self.shape = tuple(self.weight.shape)
+            self.parts = (lambda: self.weight,)
+
+    def floats(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight [N, K] in `dtype` (each part read and converted in turn)."""
+        if len(self.parts) == 1:
+            return self.parts[0]().to(dtype)
+        return torch.cat([part().to(dtype) for part in self.parts])
+
+    def quantized(self, quantize):
+        """`quantize` (a per-row recipe: rows never mix) applied part by part and the blocks joined:
+        the same blocks as quantizing the whole weight, holding one part's floats at a time."""
+        if len(self.parts) == 1:
+            return quantize(self.parts[0]())
+        blocks = [quantize(part()) for part in self.parts]
+        return type(blocks[0]).cat(blocks)
 
     @staticmethod
     def cat(parts: list["WeightSource"]) -> "WeightSource":
@@ -243,35 +267,32 @@ class WeightSource:
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         q41 = Q41Blocks.cat([p.q41 for p in parts]) if all(p.q41 is not None for p in parts) else None
         q80 = Q80Blocks.cat([p.q80 for p in parts]) if all(p.q80 is not None for p in parts) else None
-        return WeightSource(torch.cat([p.weight for p in parts]), bias, q41, q80)
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        return WeightSource(None, bias, q41, q80, parts=tuple(r for p in parts for r in p.parts), shape=shape)
 
 
 def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
     """A serving linear of `kernel` computing in `dtype` from `src`."""
     bias = None if src.bias is None else src.bias.to(dtype)
     if kernel == "dense":
-        return DenseLinear(src.weight.to(dtype), bias)
+        return DenseLinear(src.floats(dtype), bias)
     if kernel == "onednn":
-        return OneDNNLinear(src.weight.to(dtype), bias)
+        return OneDNNLinear(src.floats(dtype), bias)
     if kernel == "onednn-m2":
-        return OneDNNLinearM2(src.weight.to(dtype), bias)
+        return OneDNNLinearM2(src.floats(dtype), bias)
     if kernel == "onednn-c16":
-        return OneDNNLinearChunked(src.weight.to(dtype), bias)
+        return OneDNNLinearChunked(src.floats(dtype), bias)
     if kernel == "int8":
-        return Int8Linear(src.weight, bias, dtype)
+        return Int8Linear(src.floats(), bias, dtype)
+    if kernel.startswith(("int4", "native-int")) and src.shape[1] % GROUP:
+        raise ValueError(f"{kernel} needs the input size to be a multiple of {GROUP}, got {src.shape[1]}")
     if kernel == "int4":
-        if src.weight.shape[1] % GROUP:
-            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
-        return Int4Linear(src.q41 if src.q41 is not None else quantize_q41(src.weight), bias, dtype)
+        return Int4Linear(src.q41 if src.q41 is not None else src.quantized(quantize_q41), bias, dtype)
     if kernel in ("native-int4", "native-int4-a8"):
-        if src.weight.shape[1] % GROUP:
-            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
-        return NativeQuantLinear(src.q41 if src.q41 is not None else quantize_q41(src.weight).half_steps(), bias,
-                                 precise=kernel == "native-int4")
+        blocks = src.q41 if src.q41 is not None else src.quantized(lambda w: quantize_q41(w).half_steps())
+        return NativeQuantLinear(blocks, bias, precise=kernel == "native-int4")
     if kernel in ("native-int8", "native-int8-a8"):
-        if src.weight.shape[1] % GROUP:
-            raise ValueError(f"native int8 needs the input size to be a multiple of {GROUP}, got {src.weight.shape[1]}")
-        return NativeQuantLinear(src.q80 if src.q80 is not None else quantize_q80(src.weight), bias,
+        return NativeQuantLinear(src.q80 if src.q80 is not None else src.quantized(quantize_q80), bias,
                                  precise=kernel == "native-int8")
     raise ValueError(f"unknown kernel {kernel!r}")
 

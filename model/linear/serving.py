@@ -9,9 +9,10 @@ is converted once (`LlamaForCausalLM.prepare_for_inference`):
   picks the kernel per role by measuring on this machine (precision.py); without a plan the
   default here keeps the weight's dtype and, on CPU in float32, prepacks it for oneDNN.
 
-GGUF Q4_0/Q4_1 and Q8_0 tensors arrive with their blocks attached (`linear.q41`, `linear.q80`), so
-int4 (and the native int8 kernel) serve the file's own codes instead of re-quantizing the
-dequantized floats.
+Where a linear's weight comes from is the caller's `source_of(linear)`: a loader reading a
+checkpoint hands each role a WeightSource that reads the file when a kernel needs floats and carries
+GGUF Q4_0/Q4_1 and Q8_0 blocks, so int4 (and the native int8 kernel) serve the file's own codes
+instead of re-quantizing the dequantized floats. By default it is the module's own weight.
 """
 
 from __future__ import annotations
@@ -35,22 +36,23 @@ def inference_linear(weight: Tensor, bias: Tensor | None = None) -> nn.Module:
     return DenseLinear(weight, bias)
 
 
-def source_of(*layers: nn.Linear) -> WeightSource:
-    """The concatenated weight (and Q4_1 blocks, when every part has them) of same-input linears."""
-    return WeightSource.cat([WeightSource(m.weight, m.bias, getattr(m, "q41", None), getattr(m, "q80", None)) for m in layers])
+def own_weight(layer: nn.Linear) -> WeightSource:
+    """A linear's own (materialized) weight and bias as a source."""
+    return WeightSource(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
 
 
-def fuse_linears(role: str, *layers: nn.Linear) -> nn.Module:
+def fuse_linears(role: str, *layers: nn.Linear, source_of=own_weight) -> nn.Module:
     """One default serving layer computing the concatenation of the outputs of `layers` (same input)."""
-    src = source_of(*layers)
-    return inference_linear(src.weight.detach(), None if src.bias is None else src.bias.detach())
+    src = WeightSource.cat([source_of(m) for m in layers])
+    weight = src.floats(src.weight.dtype if src.weight is not None else torch.float32)
+    return inference_linear(weight, src.bias)
 
 
-def planned_linears(kernels: dict[str, str], dtype: torch.dtype):
-    """A `make` for prepare_for_inference: each role on its planned kernel, computing in `dtype`."""
+def planned_linears(kernels: dict[str, str], dtype: torch.dtype, source_of=own_weight):
+    """A `make` for prepare_for_inference: each role on its planned kernel, computing in `dtype`, built
+    from `source_of(linear)` for each fused part."""
     def make(role: str, *layers: nn.Linear) -> nn.Module:
-        src = source_of(*layers)
-        return build(kernels[role], WeightSource(src.weight.detach().float(), src.bias, src.q41, src.q80), dtype)
+        return build(kernels[role], WeightSource.cat([source_of(m) for m in layers]), dtype)
     return make
 
 
@@ -68,4 +70,4 @@ def held_bytes(module: nn.Module) -> int:
 
 
 __all__ = ["inference_linear", "fuse_linears", "planned_linears", "held_bytes",
-           "onednn_available", "source_of"]
+           "onednn_available", "own_weight"]

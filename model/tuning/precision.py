@@ -15,6 +15,7 @@ import hashlib
 import json
 import platform
 import time
+from typing import Any, Protocol
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -131,8 +132,9 @@ def cpu_identity() -> dict:
 # Bumped when how kernels are timed or chosen changes, so that a cached choice made by older code is
 # measured again (2: native linears were timed with ~70 us of lookup overhead a call; 3: a tie goes to
 # the quantized mode that serves the file's own blocks before int8; 4: int4 may take one centred
-# activation code, native-int4-a8, within the quality bounds).
-CHOICE_VERSION = 4
+# activation code, native-int4-a8, within the quality bounds; 5: the head timed on a slice of its rows,
+# candidates checked for invariance over their first layers and their quality streamed a layer at a time).
+CHOICE_VERSION = 5
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -158,21 +160,25 @@ def _plan_from_json(d: dict) -> Plan:
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def _role_sources(model) -> dict[str, list[K.WeightSource]]:
-    """Float32 sources of each role for the first layers (TIMED_BYTES of them), from an unprepared model."""
-    def src(*linears):
-        return K.WeightSource.cat([K.WeightSource(m.weight, m.bias, getattr(m, "q41", None), getattr(m, "q80", None)) for m in linears])
-    per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-    layers = list(model.model.layers)[:max(2, -(-TIMED_BYTES // per_layer))]
-    return {"qkv": [src(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in layers],
-            "o": [src(l.self_attn.o_proj) for l in layers],
-            "gate_up": [src(l.mlp.gate_proj, l.mlp.up_proj) for l in layers],
-            "down": [src(l.mlp.down_proj) for l in layers],
-            "head": [src(model.lm_head)]}
+class ModeBuilder(Protocol):
+    """A checkpoint as the probe measures it (model/assembly.py's CheckpointModes): no whole model in
+    any mode is held, only a few layers' weights, a plan's first layers, or one layer at a time."""
+
+    config: Any
+
+    def timing_sources(self, max_bytes: int) -> tuple[dict[str, list[K.WeightSource]], dict[str, float]]:
+        """Each role's weights for the first layers (and rows of the head), and the factor to the whole model."""
+
+    def model(self, plan: "Plan", layers: int | None = None):
+        """The plan's model, with only its first `layers` decoder layers when given."""
+
+    def logits(self, plan: "Plan", ids: list[int], window: int = 512) -> torch.Tensor:
+        """quality.logits_of of the plan's model on `ids` [T, V], computed a layer at a time."""
 
 
-# kernels that take one int8 code per activation where a precise sibling takes two: a plan that
-# fails the quality bounds with them is measured again without them (precision.choose)
+INVARIANCE_LAYERS = 2  # decoder layers of a candidate checked end to end for batch invariance
+
+
 ONE_CODE_KERNELS = frozenset({"native-int4-a8"})
 
 
@@ -181,16 +187,15 @@ def uses_one_code(kernels: dict[str, str]) -> bool:
     return not ONE_CODE_KERNELS.isdisjoint(kernels.values())
 
 
-def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
-                 sources: dict | None = None, exclude: frozenset = frozenset()) -> dict | None:
-    """Per-role kernel choice and the mode's decode-step matmul time per bucket (all layers), or None
-    when some role has no allowed kernel (none is batch-invariant and invariance is required).
-    exclude: kernels not to consider."""
-    sources = sources or _role_sources(model)
-    n_layers = len(model.model.layers)
+def measure_mode(config, mode: Mode, batch_invariant: bool, device: torch.device,
+                 timed: tuple[dict, dict], exclude: frozenset = frozenset()) -> dict | None:
+    """Per-role kernel choice and the mode's decode-step matmul time per bucket (the whole model, from
+    the timed weights scaled by `timed`'s factors), or None when some role has no allowed kernel
+    (none is batch-invariant and invariance is required). exclude: kernels not to consider."""
+    sources, scale = timed
     chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
     detail = {}
-    in_loop = native_step.possible(model.config, mode.dtype, mode.quantization, device)
+    in_loop = native_step.possible(config, mode.dtype, mode.quantization, device)
     for role in K.ROLES:
         kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device) if k not in exclude]
         if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
@@ -201,9 +206,8 @@ def measure_mode(model, mode: Mode, batch_invariant: bool, device: torch.device,
         if best is None:
             return {"kernels": None, "detail": detail}
         chosen[role] = best.kernel
-        scale = 1 if role == "head" else n_layers / len(sources[role])
         for b in step:
-            step[b] += best.seconds[b] * scale
+            step[b] += best.seconds[b] * scale[role]
     return {"kernels": chosen, "step_ms": {b: round(s * 1e3, 3) for b, s in step.items()}, "detail": detail}
 
 
@@ -318,79 +322,61 @@ def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: 
     return text
 
 
-def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device,
-           build_mode) -> Plan:
-    """Measure every mode, then walk them fastest first and keep the first within the quality bounds.
-
-    build_mode(plan) -> a prepared model in that plan (used for the quality probe)."""
-    from . import quality as Qm
-
-    t0 = time.perf_counter()
-    sources = _role_sources(model)
+def _measure_all(builder: ModeBuilder, modes: list[Mode], batch_invariant: bool, device: torch.device,
+                 timed) -> dict[Mode, dict]:
+    """Every mode's kernels and step times (modes with no allowed kernel left out)."""
     measured = {}
     for mode in modes:
         if device.type != "cpu":
             measured[mode] = {"kernels": {r: "dense" for r in K.ROLES}, "step_ms": {b: 0.0 for b in K.DECODE_BUCKETS}}
             continue
-        m = measure_mode(model, mode, batch_invariant, device, sources)
+        m = measure_mode(builder.config, mode, batch_invariant, device, timed)
         if m["kernels"] is not None:
             measured[mode] = m
     if not measured:
         raise PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
                              "pass --batch-invariant false to serve it anyway")
-    exact = file_exact_modes(sources, measured)
+    return measured
+
+
+class _Probe:
+    """The quality probe of one choice: the float32 reference's logits (computed once, when first
+    needed) and each candidate's, on the held-out text."""
+
+    def __init__(self, builder: ModeBuilder, tokenizer, batch_invariant: bool):
+        from . import quality as Qm
+
+        self.builder, self.batch_invariant, self.Qm = builder, batch_invariant, Qm
+        self.ids = Qm.text_ids(tokenizer, 256)
+        self.window = min(512, builder.config.max_position_embeddings)  # a small model's context may be shorter
+        self._ref = None
+
+    def invariant(self, plan: Plan) -> bool:
+        """The plan's kernels give bitwise the same rows alone and batched, end to end over its first layers."""
+        return model_batch_invariant(self.builder.model(plan, layers=INVARIANCE_LAYERS), self.ids)
+
+    def quality(self, plan: Plan):
+        if self._ref is None:
+            self._ref = self.builder.logits(reference_plan(), self.ids, self.window)
+        return self.Qm.compare(self._ref, self.builder.logits(plan, self.ids, self.window), self.ids, self.window)
+
+
+def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device) -> Plan:
+    """Measure every mode, then walk them fastest first and keep the first that is batch-invariant end
+    to end (where required) and within the quality bounds."""
+    t0 = time.perf_counter()
+    timed = builder.timing_sources(TIMED_BYTES)
+    measured = _measure_all(builder, modes, batch_invariant, device, timed)
+    exact = file_exact_modes(timed[0], measured)
     ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
     report = {"modes": {md.name: measured[md] for md in ranked}}
-    chosen = None
+    probe = _Probe(builder, tokenizer, batch_invariant)
     skipped: dict[str, str] = {}
-    ids = Qm.text_ids(tokenizer, 256)
-    window = min(512, model.config.max_position_embeddings)  # a small model's context may be shorter
-    ref = None
-
-    def invariant_candidate(md: Mode):
-        """The mode built on its measured kernels, or None where invariance is required and fails."""
-        candidate = build_mode(Plan(md, measured[md]["kernels"]))
-        if batch_invariant:
-            ok = model_batch_invariant(candidate, ids)
-            report["modes"][md.name]["model_batch_invariant"] = ok
-            if not ok:
-                skipped[md.name] = "not batch-invariant end to end"
-                return None
-        return candidate
-
+    chosen = None
     for md in ranked:
-        reference = md.dtype == torch.float32 and md.quantization == "none"
-        # a mode asked for alone is served without a quality probe, but for one activation code, a
-        # kernel choice the user did not make
-        alone = len(ranked) == 1 and not uses_one_code(measured[md]["kernels"])
-        if alone and not batch_invariant:
+        if _acceptable(md, ranked, measured, report, probe, skipped, builder, device, timed):
             chosen = md
             break
-        candidate = invariant_candidate(md)
-        if candidate is None:
-            continue
-        if reference or alone:
-            chosen = md
-            break
-        if ref is None:
-            ref = Qm.logits_of(build_mode(reference_plan()), ids, window)
-        q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
-        report["modes"][md.name]["quality"] = q.as_dict()
-        if not q.within_bounds() and uses_one_code(measured[md]["kernels"]):
-            # one activation code lost too much here: the same mode with two codes (its rank kept)
-            precise = measure_mode(model, md, batch_invariant, device, sources, exclude=ONE_CODE_KERNELS)
-            if precise["kernels"] is not None:
-                measured[md] = report["modes"][md.name] = {**precise, "one_code_quality": q.as_dict()}
-                candidate = invariant_candidate(md)
-                if candidate is None:
-                    continue
-                q = Qm.compare(ref, Qm.logits_of(candidate, ids, window), ids, window)
-                report["modes"][md.name]["quality"] = q.as_dict()
-        if q.within_bounds() or len(ranked) == 1:
-            chosen = md
-            break
-        skipped[md.name] = f"quality: mean KL {q.mean_kl:.4f}, perplexity x{q.ppl_ratio:.3f}"
-    del ref
     if chosen is None:
         raise PrecisionError("no requested mode is batch-invariant end to end on this machine "
                              f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
@@ -404,8 +390,50 @@ def choose(model, tokenizer, modes: list[Mode], batch_invariant: bool, device: t
     return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason)
 
 
-def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
-                 batch_invariant: bool, cache_dir: Path | None, build_mode) -> Plan:
+def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, probe: _Probe, skipped: dict,
+                builder: ModeBuilder, device: torch.device, timed) -> bool:
+    """Whether mode `md` (on its measured kernels, which this may change to the precise siblings of
+    one-code kernels) is served: batch-invariant end to end where required, and within the quality
+    bounds unless it is the reference or the only mode asked for. Records why not in `skipped`."""
+    reference = md.dtype == torch.float32 and md.quantization == "none"
+    # a mode asked for alone is served without a quality probe, but for one activation code, a
+    # kernel choice the user did not make
+    alone = len(ranked) == 1 and not uses_one_code(measured[md]["kernels"])
+    if alone and not probe.batch_invariant:
+        return True
+
+    def invariant() -> bool:
+        if not probe.batch_invariant:
+            return True
+        ok = probe.invariant(Plan(md, measured[md]["kernels"]))
+        report["modes"][md.name]["model_batch_invariant"] = ok
+        if not ok:
+            skipped[md.name] = "not batch-invariant end to end"
+        return ok
+
+    if not invariant():
+        return False
+    if reference or alone:
+        return True
+    q = probe.quality(Plan(md, measured[md]["kernels"]))
+    report["modes"][md.name]["quality"] = q.as_dict()
+    if not q.within_bounds() and uses_one_code(measured[md]["kernels"]):
+        # one activation code lost too much here: the same mode with two codes (its rank kept)
+        precise = measure_mode(builder.config, md, probe.batch_invariant, device, timed, exclude=ONE_CODE_KERNELS)
+        if precise["kernels"] is not None:
+            measured[md] = report["modes"][md.name] = {**precise, "one_code_quality": q.as_dict()}
+            if not invariant():
+                return False
+            q = probe.quality(Plan(md, measured[md]["kernels"]))
+            report["modes"][md.name]["quality"] = q.as_dict()
+    if q.within_bounds() or len(ranked) == 1:
+        return True
+    skipped[md.name] = f"quality: mean KL {q.mean_kl:.4f}, perplexity x{q.ppl_ratio:.3f}"
+    return False
+
+
+def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
+                 batch_invariant: bool, cache_dir: Path | None) -> Plan:
     """The plan to serve: from the disk cache when this machine already measured this request."""
     modes = candidate_modes(device, dtype, quantization)
     if device.type != "cpu":
@@ -422,13 +450,13 @@ def resolve_plan(model, tokenizer, source: Path, device: torch.device, dtype, qu
                     return plan
             except (ValueError, KeyError, TypeError):
                 pass  # unreadable: measure again
-    plan = choose(model, tokenizer, modes, batch_invariant, device, build_mode)
+    plan = choose(builder, tokenizer, modes, batch_invariant, device)
     if path is not None:
         write_cached(path, {**_plan_to_json(plan), "machine": cpu_identity()["cpu"]}, "kernel choice")
     return plan
 
 
 __all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
-           "reference_plan", "uses_one_code",
+           "reference_plan", "uses_one_code", "ModeBuilder", "INVARIANCE_LAYERS",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "parse_dtype", "asdict"]

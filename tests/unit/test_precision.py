@@ -148,11 +148,10 @@ def test_a_near_tie_goes_to_the_quantized_mode_serving_the_files_own_blocks(gguf
         int8_ahead, int4, {}, exact)
     assert P.rank_modes({**measured, int4: {1: 5.0, 8: 9.0, 32: 30.0}}, exact=exact)[0] == int8  # no tie: speed
     # the real file: its layers hold Q4_1 blocks, so int4 is the file's own precision
-    from lmserve.model.tuning.precision import _role_sources
-    from lmserve.model.loader import build_model
+    from lmserve.model.assembly import CheckpointModes
 
-    probe = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", prepare=False, q41=gguf.q41, q80=gguf.q80)
-    assert P.file_exact_modes(_role_sources(probe), measured) == {int4}
+    timed, _ = CheckpointModes(gguf.config, gguf.tensors, gguf.q41, gguf.q80).timing_sources(P.TIMED_BYTES)
+    assert P.file_exact_modes(timed, measured) == {int4}
 
 
 # ---- modes: refused early, with the reason ---------------------------------------------------------
@@ -322,6 +321,8 @@ def test_int4_takes_two_activation_codes_where_one_code_leaves_the_quality_bound
     if QM.default_kernel() is None:
         pytest.skip("no native quantized kernel here (no compiler or no AVX2)")
 
+    from lmserve.model.assembly import CheckpointModes
+
     def build(plan):
         return build_model(gguf.config, gguf.tensors, plan.mode.dtype, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80)
 
@@ -333,9 +334,9 @@ def test_int4_takes_two_activation_codes_where_one_code_leaves_the_quality_bound
     assert kl["native-int4"] < kl["native-int4-a8"] <= Q.MAX_MEAN_KL  # one code costs quality, within the bounds
     bound = (kl["native-int4"] + kl["native-int4-a8"]) / 2
     monkeypatch.setattr(Q, "MAX_MEAN_KL", bound)
-    probe = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", prepare=False, q41=gguf.q41, q80=gguf.q80)
-    plan = P.choose(probe, Tokenizer.from_gguf_fields(gguf.metadata), [P.Mode(torch.bfloat16, "int4")], True,
-                    torch.device("cpu"), build)
+    modes = CheckpointModes(gguf.config, gguf.tensors, gguf.q41, gguf.q80)
+    plan = P.choose(modes, Tokenizer.from_gguf_fields(gguf.metadata), [P.Mode(torch.bfloat16, "int4")], True,
+                    torch.device("cpu"))
     report = plan.measurements["modes"]["bfloat16+int4"]
     assert "native-int4-a8" not in plan.kernels.values() and report["quality"]["mean_kl"] <= bound
     if "one_code_quality" in report:  # one code was the faster at first (the AVX-512 VNNI machines)

@@ -1,0 +1,239 @@
+"""A checkpoint's tensor sources turned into modules, one tensor (or one fused role) at a time.
+
+`build_model` makes the serving model of a plan: the network is made on the meta device, the small
+tensors (norms, biases) and the embedding are read into it, and each linear role (q|k|v, o, gate|up,
+down, head) is built straight from its sources into its kernel's layout, the file's pages handed back
+after each. No float32 copy of the model exists at any point; a role served from the file's own
+blocks reads no floats at all.
+
+`CheckpointModes` is what the precision probe (tuning/precision.py) measures a checkpoint through,
+without ever holding a whole model in a candidate mode: the first layers' weights to time kernels on,
+a plan's model with its first layers only (batch invariance is a property of each kernel at the
+model's real shapes), and a plan's logits on the held-out text computed one decoder layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .attention.sdpa import AttentionMetadata
+from .checkpoints.layout import expected_shapes, split_fused
+from .checkpoints.sources import TensorSource
+from .config import ModelConfig
+from .errors import ModelLoadError, ShapeMismatchError
+from .linear import kernels as K
+from .linear.serving import fuse_linears, planned_linears
+from .llama import DecoderLayer, LlamaForCausalLM
+
+HEAD_ROWS = 8192  # vocabulary rows of the head built at a time when logits are streamed
+
+
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """expected_shapes of decoder layer i alone (every layer's tensors have the same shapes)."""
+    return {n.replace("model.layers.0.", f"model.layers.{i}.", 1): s
+            for n, s in expected_shapes(_first_layers(cfg, 1)).items() if n.startswith("model.layers.0.")}
+
+
+def _first_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The config of the model cut to its first n decoder layers."""
+    n = min(n, cfg.num_layers)
+    return dataclasses.replace(cfg, num_layers=n, layer_windows=cfg.layer_windows[:n])
+
+
+def as_sources(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], q41: dict | None = None,
+               q80: dict | None = None) -> dict[str, TensorSource]:
+    """Tensors in memory (with their GGUF blocks by name, if any) or sources, all as sources."""
+    blocks = {**(q41 or {}), **(q80 or {})}
+    sources = {n: w if isinstance(w, TensorSource) else TensorSource.of(n, w, blocks.get(n)) for n, w in weights.items()}
+    return split_fused(cfg, sources)  # Phi-3's q|k|v and gate|up: the decoder fuses its own again
+
+
+def check_shapes(cfg: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[str, tuple[int, ...]]:
+    shapes = expected_shapes(cfg)
+    missing = [n for n in shapes if n not in sources]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[0]!r}")
+    for name, shape in shapes.items():
+        if tuple(sources[name].shape) != shape:
+            raise ShapeMismatchError(name, shape, tuple(sources[name].shape))
+    return shapes
+
+
+class _Sourced:
+    """source_of for serving.planned_linears: a linear's WeightSource from the checkpoint by the
+    linear's name in the module tree (its floats read only when a kernel needs them), and a record
+    of the sources read, handed back once the role is built."""
+
+    def __init__(self, root: nn.Module, sources: Mapping[str, TensorSource], tied: bool, prefix: str = ""):
+        self.names = {id(m): prefix + n for n, m in root.named_modules()}
+        self.sources, self.tied = sources, tied
+        self.used: list[TensorSource] = []
+
+    def __call__(self, linear: nn.Linear) -> K.WeightSource:
+        name = self.names[id(linear)]
+        if name == "lm_head" and self.tied:
+            name = "model.embed_tokens"
+        src = self.sources[name + ".weight"]
+        self.used.append(src)
+        blocks = src.blocks()
+        bias = linear.bias.detach() if linear.bias is not None and not linear.bias.is_meta else None
+        return K.WeightSource(None, bias, blocks if type(blocks).__name__ == "Q41Blocks" else None,
+                              blocks if type(blocks).__name__ == "Q80Blocks" else None,
+                              parts=(src.read,), shape=tuple(src.shape))
+
+    def releasing(self, make):
+        """`make` that hands back the pages of the sources each role read, once the role is built."""
+        def built(role: str, *layers: nn.Linear) -> nn.Module:
+            module = make(role, *layers)
+            for src in self.used:
+                src.release()
+            self.used.clear()
+            return module
+        return built
+
+
+def _linear_weights(shapes: Mapping[str, tuple]) -> set[str]:
+    return {n for n, s in shapes.items() if len(s) == 2 and n != "model.embed_tokens.weight"}
+
+
+def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], dtype: torch.dtype,
+                device: torch.device | str, prepare: bool = True, plan=None, q41: dict | None = None,
+                q80: dict | None = None) -> LlamaForCausalLM:
+    """Check names and shapes against the config, then build the model (no random init).
+
+    weights: tensors or sources by Hugging Face name (q41 / q80: GGUF Q4_0-Q4_1 / Q8_0 blocks of
+    in-memory tensors, by name). prepare: fuse the linear layers and build them for serving
+    (LlamaForCausalLM.prepare_for_inference): with a plan (tuning.precision.Plan), each role on its
+    planned kernel straight from its sources, one role at a time; without, the default kernel for
+    dtype from the materialized weights.
+    """
+    sources = as_sources(cfg, weights, q41, q80)
+    shapes = check_shapes(cfg, sources)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    streamed = prepare and plan is not None
+    # a streamed build reads the linears role by role below; everything else is read now, in dtype
+    eager = [n for n in shapes if not (streamed and n in _linear_weights(shapes))]
+    state = {n: sources[n].read(dtype).to(device) for n in eager}
+    model.load_state_dict(state, strict=False, assign=True)
+    for n in eager:
+        sources[n].release()
+    if cfg.tie_word_embeddings and not streamed:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.eval().requires_grad_(False)
+    if streamed:
+        sourced = _Sourced(model, sources, cfg.tie_word_embeddings)
+        model.prepare_for_inference(sourced.releasing(planned_linears(plan.kernels, dtype, sourced)))
+    elif prepare:
+        model.prepare_for_inference(fuse_linears)
+    model.model.rotary.build(device, dtype)
+    return model
+
+
+def build_layer(cfg: ModelConfig, sources: Mapping[str, TensorSource], i: int, plan, dtype: torch.dtype) -> DecoderLayer:
+    """Decoder layer i of a plan's model, alone (for a forward streamed one layer at a time)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, i)
+    prefix = f"model.layers.{i}."
+    small = {n.removeprefix(prefix): sources[n].read(dtype) for n, s in layer_shapes(cfg, i).items() if len(s) == 1}
+    layer.load_state_dict(small, strict=False, assign=True)
+    layer.eval().requires_grad_(False)
+    sourced = _Sourced(layer, sources, False, prefix)
+    make = sourced.releasing(planned_linears(plan.kernels, dtype, sourced))
+    with torch.no_grad():
+        layer.self_attn.fuse_projections(make)
+        layer.mlp.fuse_projections(make)
+    return layer
+
+
+class CheckpointModes:
+    """A checkpoint as the precision probe measures it (tuning.precision.ModeBuilder)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], q41: dict | None = None,
+                 q80: dict | None = None):
+        self.config = cfg
+        self.sources = as_sources(cfg, weights, q41, q80)
+        check_shapes(cfg, self.sources)
+
+    def timing_sources(self, max_bytes: int) -> tuple[dict[str, list[K.WeightSource]], dict[str, float]]:
+        """Float32 weights (and the file's blocks) of each role for the first layers, about max_bytes of
+        them (at least two layers), and of up to max_bytes of the head's rows; and for each role the
+        factor from the timed weights to the whole model's (layers, or vocabulary rows for the head)."""
+        cfg, src = self.config, self.sources
+        per_layer = sum(4 * s[0] * s[1] for n, s in layer_shapes(cfg, 0).items() if len(s) == 2)
+        n = min(cfg.num_layers, max(2, -(-max_bytes // per_layer)))
+
+        def held(*names: str, rows: int | None = None) -> K.WeightSource:
+            parts = []
+            for name in names:
+                s = src[name]
+                if rows is None:
+                    w, blocks = s.read(), s.blocks()
+                else:
+                    index = torch.arange(rows)
+                    w, blocks = s.rows(index), s.blocks()
+                    blocks = None if blocks is None else blocks.rows(index)
+                s.release()
+                parts.append(K.WeightSource(w, None, blocks if type(blocks).__name__ == "Q41Blocks" else None,
+                                            blocks if type(blocks).__name__ == "Q80Blocks" else None))
+            bias_names = [name.replace(".weight", ".bias") for name in names]
+            if all(b in src for b in bias_names):
+                for part, b in zip(parts, bias_names):
+                    part.bias = src[b].read()
+            return K.WeightSource.cat(parts)
+
+        layers = [f"model.layers.{i}." for i in range(n)]
+        out = {"qkv": [held(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
+                       for p in layers],
+               "o": [held(p + "self_attn.o_proj.weight") for p in layers],
+               "gate_up": [held(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight") for p in layers],
+               "down": [held(p + "mlp.down_proj.weight") for p in layers]}
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        rows = min(cfg.vocab_size, max(1024, max_bytes // (4 * cfg.hidden_size)))
+        out["head"] = [held(head, rows=rows if rows < cfg.vocab_size else None)]
+        scale = {r: cfg.num_layers / n for r in ("qkv", "o", "gate_up", "down")} | {"head": cfg.vocab_size / rows}
+        return out, scale
+
+    def model(self, plan, layers: int | None = None, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+        """The plan's model, with only its first `layers` decoder layers when given."""
+        cfg = self.config if layers is None else _first_layers(self.config, layers)
+        return build_model(cfg, self.sources, plan.mode.dtype, device, plan=plan)
+
+    @torch.no_grad()
+    def logits(self, plan, ids: list[int], window: int = 512) -> Tensor:
+        """quality.logits_of of the plan's model, streamed: each window of the text is scored on its
+        own, one decoder layer built at a time and the head a slice of rows at a time. [T, V] float32."""
+        cfg, src, dtype = self.config, self.sources, plan.mode.dtype
+        with torch.device("meta"):
+            shell = LlamaForCausalLM(_first_layers(cfg, 1)).model  # its final norm, RoPE tables and embedding scale
+        shell.norm.load_state_dict({"weight": src["model.norm.weight"].read(dtype)}, assign=True)
+        shell.rotary.build("cpu", dtype)
+        embed = src["model.embed_tokens.weight"]
+        windows = [torch.tensor(ids[s:s + window]) for s in range(0, len(ids), window)]
+        xs = [shell.scale_embeddings(embed.rows(w, dtype))[None] for w in windows]  # [1, L, D] each
+        embed.release()
+        ropes = [shell.rotary.all_tables(torch.arange(len(w))[None]) for w in windows]
+        metas = [AttentionMetadata.fresh(torch.tensor([len(w)])) for w in windows]
+        for i in range(cfg.num_layers):
+            layer = build_layer(cfg, src, i, plan, dtype)
+            xs = [layer(x, rope[layer.rope_kind], meta, None) for x, rope, meta in zip(xs, ropes, metas)]
+            del layer
+        h = torch.cat([shell.norm(x[0]) for x in xs])  # [T, D]
+        head = src["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        blocks = head.blocks()
+        out = torch.empty(h.shape[0], cfg.vocab_size)
+        for r0 in range(0, cfg.vocab_size, HEAD_ROWS):
+            index = torch.arange(r0, min(cfg.vocab_size, r0 + HEAD_ROWS))
+            part = blocks.rows(index) if blocks is not None else None
+            ws = K.WeightSource(head.rows(index), None, part if type(part).__name__ == "Q41Blocks" else None,
+                                part if type(part).__name__ == "Q80Blocks" else None)
+            out[:, r0:r0 + len(index)] = K.build(plan.kernels["head"], ws, dtype)(h).float()
+        head.release()
+        return out
+
+
+__all__ = ["build_model", "build_layer", "expected_shapes", "layer_shapes", "as_sources", "CheckpointModes", "HEAD_ROWS"]
