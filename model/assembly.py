@@ -63,6 +63,19 @@ def check_shapes(cfg: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[
     return shapes
 
 
+PART_ELEMENTS = 1 << 23  # float32 elements a weight is read in at most (32 MB), row slice by row slice
+
+
+def row_slices(src: TensorSource) -> tuple:
+    """Readers of a 2-D source's rows in slices of about PART_ELEMENTS (one reader: the whole tensor), so
+    that quantizing a large weight (a head) holds one slice's floats at a time."""
+    rows, cols = src.shape
+    step = max(1, PART_ELEMENTS // cols)
+    if rows <= step:
+        return (src.read,)
+    return tuple((lambda r0=r0: src.rows(torch.arange(r0, min(rows, r0 + step)))) for r0 in range(0, rows, step))
+
+
 class _Sourced:
     """source_of for serving.planned_linears: a linear's WeightSource from the checkpoint by the
     linear's name in the module tree (its floats read only when a kernel needs them), and a record
@@ -83,7 +96,7 @@ class _Sourced:
         bias = linear.bias.detach() if linear.bias is not None and not linear.bias.is_meta else None
         return K.WeightSource(None, bias, blocks if type(blocks).__name__ == "Q41Blocks" else None,
                               blocks if type(blocks).__name__ == "Q80Blocks" else None,
-                              parts=(src.read,), shape=tuple(src.shape))
+                              parts=row_slices(src), shape=tuple(src.shape))
 
     def releasing(self, make):
         """`make` that hands back the pages of the sources each role read, once the role is built."""
@@ -150,6 +163,51 @@ def build_layer(cfg: ModelConfig, sources: Mapping[str, TensorSource], i: int, p
     return layer
 
 
+class _RoleSamples(Mapping):
+    """role -> its timed weights (held float32 and the file's blocks), read on first access; reading a
+    role drops the one read before."""
+
+    ROLE_NAMES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                  "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+    def __init__(self, sources: Mapping[str, TensorSource], cfg: ModelConfig, layers: int, head_rows: int):
+        self.sources, self.cfg, self.layers, self.head_rows = sources, cfg, layers, head_rows
+        self._last: tuple[str, list] | None = None
+
+    def __iter__(self):
+        return iter(K.ROLES)
+
+    def __len__(self) -> int:
+        return len(K.ROLES)
+
+    def __getitem__(self, role: str) -> list[K.WeightSource]:
+        if self._last is None or self._last[0] != role:
+            self._last = None  # drop the previous role's floats before reading this one's
+            self._last = (role, self._read(role))
+        return self._last[1]
+
+    def _held(self, names: list[str], rows: int | None = None) -> K.WeightSource:
+        parts = []
+        for name in names:
+            s = self.sources[name]
+            index = None if rows is None else torch.arange(rows)
+            w, blocks = (s.read(), s.blocks()) if index is None else (s.rows(index), s.blocks())
+            if blocks is not None and index is not None:
+                blocks = blocks.rows(index)
+            s.release()
+            bias = self.sources.get(name.replace(".weight", ".bias"))
+            parts.append(K.WeightSource(w, None if bias is None else bias.read(),
+                                        blocks if type(blocks).__name__ == "Q41Blocks" else None,
+                                        blocks if type(blocks).__name__ == "Q80Blocks" else None))
+        return K.WeightSource.cat(parts)
+
+    def _read(self, role: str) -> list[K.WeightSource]:
+        if role == "head":
+            head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            return [self._held([head], self.head_rows if self.head_rows < self.cfg.vocab_size else None)]
+        return [self._held([f"model.layers.{i}.{m}.weight" for m in self.ROLE_NAMES[role]]) for i in range(self.layers)]
+
+
 class CheckpointModes:
     """A checkpoint as the precision probe measures it (tuning.precision.ModeBuilder)."""
 
@@ -159,44 +217,17 @@ class CheckpointModes:
         self.sources = as_sources(cfg, weights, q41, q80)
         check_shapes(cfg, self.sources)
 
-    def timing_sources(self, max_bytes: int) -> tuple[dict[str, list[K.WeightSource]], dict[str, float]]:
+    def timing_sources(self, max_bytes: int) -> tuple[Mapping[str, list[K.WeightSource]], dict[str, float]]:
         """Float32 weights (and the file's blocks) of each role for the first layers, about max_bytes of
-        them (at least two layers), and of up to max_bytes of the head's rows; and for each role the
-        factor from the timed weights to the whole model's (layers, or vocabulary rows for the head)."""
-        cfg, src = self.config, self.sources
+        them (at least two layers), and of up to max_bytes of the head's rows, each role read when asked
+        for and dropped when the next is (one role's floats held at a time); and for each role the factor
+        from the timed weights to the whole model's (layers, or vocabulary rows for the head)."""
+        cfg = self.config
         per_layer = sum(4 * s[0] * s[1] for n, s in layer_shapes(cfg, 0).items() if len(s) == 2)
         n = min(cfg.num_layers, max(2, -(-max_bytes // per_layer)))
-
-        def held(*names: str, rows: int | None = None) -> K.WeightSource:
-            parts = []
-            for name in names:
-                s = src[name]
-                if rows is None:
-                    w, blocks = s.read(), s.blocks()
-                else:
-                    index = torch.arange(rows)
-                    w, blocks = s.rows(index), s.blocks()
-                    blocks = None if blocks is None else blocks.rows(index)
-                s.release()
-                parts.append(K.WeightSource(w, None, blocks if type(blocks).__name__ == "Q41Blocks" else None,
-                                            blocks if type(blocks).__name__ == "Q80Blocks" else None))
-            bias_names = [name.replace(".weight", ".bias") for name in names]
-            if all(b in src for b in bias_names):
-                for part, b in zip(parts, bias_names):
-                    part.bias = src[b].read()
-            return K.WeightSource.cat(parts)
-
-        layers = [f"model.layers.{i}." for i in range(n)]
-        out = {"qkv": [held(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight")
-                       for p in layers],
-               "o": [held(p + "self_attn.o_proj.weight") for p in layers],
-               "gate_up": [held(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight") for p in layers],
-               "down": [held(p + "mlp.down_proj.weight") for p in layers]}
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         rows = min(cfg.vocab_size, max(1024, max_bytes // (4 * cfg.hidden_size)))
-        out["head"] = [held(head, rows=rows if rows < cfg.vocab_size else None)]
         scale = {r: cfg.num_layers / n for r in ("qkv", "o", "gate_up", "down")} | {"head": cfg.vocab_size / rows}
-        return out, scale
+        return _RoleSamples(self.sources, cfg, n, rows), scale
 
     def model(self, plan, layers: int | None = None, device: torch.device | str = "cpu") -> LlamaForCausalLM:
         """The plan's model, with only its first `layers` decoder layers when given."""

@@ -18,6 +18,9 @@ from .layout import checkpoint_shapes, hf_name, split_fused, unshift_gemma_norms
 from .sources import MappedFile, TensorSource, contiguous_range
 
 
+DEQUANTIZE_ELEMENTS = 1 << 22  # weights dequantized at a time (16 MB of float32)
+
+
 @dataclass
 class GGUFCheckpoint:
     """A GGUF checkpoint: config, every GGUF key/value, and its tensors by HF name, either as sources
@@ -144,16 +147,20 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     n_rows = int(np.prod(info.ne[1:], dtype=np.int64))
     if info.offset + row_bytes * n_rows > len(buf):
         raise ModelLoadError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
-    data = np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(*info.torch_shape[:-1], row_bytes)
-    try:
-        arr = quants.dequantize(data, qtype)
-    except NotImplementedError:
-        raise UnsupportedQuantizationError(
-            f"tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized"
-        ) from None
-    if not arr.flags.writeable:  # a view into the read-only file mapping
-        arr = np.array(arr, dtype=np.float32)
-    out = torch.from_numpy(arr.reshape(info.torch_shape))
+    data = np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(n_rows, row_bytes)
+    # a slice of rows at a time into one float32 tensor: the dequantizer's temporaries stay a slice's size
+    out = torch.empty(n_rows, info.ne[0], dtype=torch.float32)
+    rows = out.numpy()  # the same memory
+    step = max(1, DEQUANTIZE_ELEMENTS // info.ne[0])
+    for r0 in range(0, n_rows, step):
+        try:
+            arr = quants.dequantize(data[r0:r0 + step], qtype)
+        except NotImplementedError:
+            raise UnsupportedQuantizationError(
+                f"tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized"
+            ) from None
+        rows[r0:r0 + step] = np.asarray(arr, dtype=np.float32).reshape(-1, info.ne[0])
+    out = out.reshape(info.torch_shape)
     return out if out.dtype == dtype else out.to(dtype)
 
 
