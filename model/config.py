@@ -156,6 +156,14 @@ class ModelConfig:
         """Which RoPE table layer `layer` takes: 0 the global one, 1 the sliding layers' own base."""
         return int(self.rope_local_theta is not None and self.window(layer) > 0)
 
+    def rope_row_offset(self, prompt_len: int) -> int:
+        """What a sequence whose prompt has prompt_len tokens adds to its positions to find its RoPE table
+        rows: max_position_embeddings when LongRoPE takes its long factors from position 0 (the prompt is
+        longer than the original context, as transformers' generate decides), else 0 (llama.Rotary)."""
+        s = self.rope_scaling
+        long = isinstance(s, LongRopeScaling) and prompt_len > s.original_max_position_embeddings
+        return self.max_position_embeddings if long else 0
+
     @property
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)

@@ -57,7 +57,7 @@ class Rotary(nn.Module):
     generate does (a prompt longer than that is taken with the long factors whole; a shorter one's
     tokens switch at that position). The table then holds 2P rows: row p is position p by the
     position's own length, row P + p position p of a sequence whose prompt was already long; the
-    engine picks a token's row (`row_offset`); a plain forward passes positions as rows.
+    engine picks a token's row (config.rope_row_offset); a plain forward passes positions as rows.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -69,10 +69,6 @@ class Rotary(nn.Module):
         self.register_buffer("sin_signed", torch.empty(0), persistent=False)
         self.register_buffer("cos_local", torch.empty(0), persistent=False)
         self.register_buffer("sin_local", torch.empty(0), persistent=False)
-
-    def row_offset(self, prompt_len: int) -> int:
-        """What a sequence with a prompt of prompt_len tokens adds to its positions to find its rows."""
-        return self.cfg.max_position_embeddings if self.long_after is not None and prompt_len > self.long_after else 0
 
     def _table(self, device, dtype: torch.dtype, theta: float | None = None) -> tuple[Tensor, Tensor]:
         cfg, s = self.cfg, self.cfg.rope_scaling

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
+from lmserve.model.config import LongRopeScaling
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
 
@@ -178,8 +179,8 @@ class Engine:
         (llama.Rotary): which, by sequence (the prefix-cache tag, and the runner's RoPE rows); None for
         every other model. Decode steps of such a model are not captured as CUDA graphs (their RoPE rows
         are not their positions)."""
-        rotary = loaded.model.model.rotary
-        return None if rotary.long_after is None else (lambda seq: rotary.row_offset(seq.prompt_len))
+        cfg = loaded.config
+        return None if not isinstance(cfg.rope_scaling, LongRopeScaling) else (lambda seq: cfg.rope_row_offset(seq.prompt_len))
 
     def __init__(self, loaded: LoadedModel, settings: EngineSettings | None = None):
         self.settings = s = settings or EngineSettings()
@@ -225,7 +226,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
                 raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                    "start with --cuda-graphs false to decode eagerly") from exc
-        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs)
+        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs,
+                                  rope_offset=self._rope_regime(loaded))
         if self.step_pacer is not None:
             self._seed_step_costs()
         self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -33,13 +34,13 @@ class ModelRunner:
     step attention; `graphs`: decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs) when given."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device, attention: SdpaBackend,
-                 graphs=None):
+                 graphs=None, rope_offset: Callable[[Sequence], int] | None = None):
         self.model = model
         self.cache = cache
         self.device = device
         self.attention = attention
         self.graphs = graphs
-        self.rotary = model.model.rotary if model.model.rotary.long_after is not None else None  # LongRoPE rows
+        self.rope_offset = rope_offset
         self.sampler = Sampler()
         self._model_seconds = 0.0
 
@@ -144,11 +145,11 @@ class ModelRunner:
 
     def _rope_rows(self, positions: Tensor, seqs: list[Sequence], counts: list[int]) -> Tensor:
         """The tokens' rows of the RoPE tables: their positions, shifted where a LongRoPE model takes a
-        sequence's long factors from position 0 (llama.Rotary.row_offset); `counts`: each sequence's tokens,
+        sequence's long factors from position 0 (config.rope_row_offset); `counts`: each sequence's tokens,
         in the order of positions."""
-        if self.rotary is None:
+        if self.rope_offset is None:
             return positions
-        offsets = [self.rotary.row_offset(s.prompt_len) for s in seqs]
+        offsets = [self.rope_offset(s) for s in seqs]
         if not any(offsets):
             return positions
         per_token = [o for o, n in zip(offsets, counts) for _ in range(n)]

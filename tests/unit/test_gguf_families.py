@@ -39,16 +39,12 @@ def write_like_the_converter(hf, path):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w = gguf.GGUFWriter(str(path), name)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(rope["rope_theta"])
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_key_length, head_dim),
+                       (w.add_value_length, head_dim), (w.add_rope_freq_base, rope["rope_theta"])):
+        add(value)
     if name == "gemma3":
         w.add_sliding_window(c.sliding_window)
     if name == "phi3":
@@ -100,5 +96,6 @@ def test_a_converted_gguf_gives_the_hf_directorys_logits(tmp_path, family, extra
         ids = torch.randint(4, VOCAB, (1, L), generator=g)
         with torch.no_grad():
             expected = hf(input_ids=ids).logits
-            got = model(ids, torch.arange(L)[None] + model.model.rotary.row_offset(L), AttentionMetadata.fresh(torch.tensor([L])))
+            rows = torch.arange(L)[None] + ckpt.config.rope_row_offset(L)  # LongRoPE: a long prompt's rows
+            got = model(ids, rows, AttentionMetadata.fresh(torch.tensor([L])))
         assert_close(got, expected, rtol=1e-4, atol=1e-4)
