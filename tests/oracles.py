@@ -17,8 +17,7 @@ from torch import Tensor
 from lmserve.model.attention.sdpa import AttentionMetadata
 from lmserve.model.kv_cache import KVCache
 from lmserve.server.engine.request import SamplingParams
-from lmserve.server.engine.sampler import (PenaltyState, SampleOutput, _race, _top_logprobs, filter_logits,
-                                           has_penalties)
+from lmserve.server.engine.sampler import PenaltyState, SampleOutput, has_penalties, sample_row
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
@@ -61,11 +60,21 @@ class ExplicitAttention:
         return out.transpose(1, 2).reshape(B, L, H * d)
 
 
+def top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The chosen token's log-probability and the top n (id, log-probability) of one log_softmax row."""
+    chosen = float(lp_row[token])
+    if n == 0:
+        return chosen, ()
+    vals, idx = lp_row.topk(n)
+    return chosen, tuple(zip(idx.tolist(), vals.tolist()))
+
+
 def general_sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                    histories: list[list[int]], prompts: list[list[int]]) -> SampleOutput:
     """The reference: every row through every stage (validity, logprobs, logit bias, penalties rebuilt from the
-    whole history, temperature and filters with a full sort, the exponential race). The engine uses
-    `Sampler`; the tests hold it to these tokens."""
+    whole history, then the draw of sampler.sample_row: temperature, filters, inverse CDF; test_sampler holds
+    those to their definitions). The engine uses `Sampler`, which skips what a row does not ask for; the
+    tests hold it to these tokens."""
     logits = logits.float()
     ok = torch.isfinite(logits.max(dim=-1).values)  # [N]
     logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
@@ -80,11 +89,8 @@ def general_sample(logits: Tensor, params: list[SamplingParams], generators: lis
     tokens = logits.argmax(dim=-1)  # [N]
     for i, p in enumerate(params):
         if p.temperature > 0:
-            dev = logits.device
-            filtered = filter_logits(logits[i: i + 1], *(torch.tensor([x], device=dev) for x in
-                                                         (p.temperature, p.top_k, p.top_p, p.min_p)))
-            tokens[i] = _race(filtered[0].softmax(dim=-1), generators[i])
+            tokens[i] = sample_row(logits[i], p, generators[i])
     token_list = tokens.tolist()
-    lp = [None if p.logprobs is None else _top_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+    lp = [None if p.logprobs is None else top_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
           for i, p in enumerate(params)]
     return SampleOutput(None, lp, host=(token_list, ok.tolist()))

@@ -3,7 +3,11 @@
 Work follows what rows ask for. An all-greedy batch costs one `max` over the logits: it gives the
 tokens and the row maxima, and a row whose maximum is not finite (NaN propagates through `max`)
 fails alone. Only rows with a temperature, penalties or logprobs are copied out and worked on;
-only sampled rows with top-k/top-p/min-p pay for a sort. Penalty tallies are kept per request and
+a sampled row ranks only what its filters look at (its top-k, or a top holding top_p of the mass)
+and draws with one uniform number (inverse CDF), and log-probabilities come from one pass per row
+for the log-sum-exp and the top values (row_max.row_stats): at Gemma 3's 262,144 ids a full sort and
+an exponential per id cost ~25 ms a row on one core, a log_softmax and a topk over a copy ~1 ms
+(reports/vocab-head/summary.md). Penalty tallies are kept per request and
 updated with each new token instead of being rebuilt from the history every step.
 
 Constrained rows (a request with a compiled constraint) first have the ids their constraint does
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
 from .ngram import kept
+from .row_max import row_draw, row_stats
 from .row_max import row_max as _row_max
 from .request import SamplingParams
 
@@ -114,35 +119,77 @@ class PenaltyState:
         return row
 
 
+def kept_tokens(row: Tensor, t: float, top_k: int, top_p: float, min_p: float) -> tuple[Tensor, Tensor] | None:
+    """(ids, probabilities) of the tokens a row's filters keep, for softmax(t * row) (row [V] float32, t the
+    inverse temperature): top-k, then top-p over what top-k kept (renormalized, as transformers' warpers
+    chain), then min-p relative to the best; the best token always kept; probabilities as kept (the draw
+    renormalizes). None when no filter is set. Only as much of the row is ranked as the filters look at:
+    the top-k, or for top-p alone a growing top until it holds top_p of the mass (row_stats)."""
+    V = row.shape[0]
+    if top_k <= 0 and top_p >= 1.0:
+        if min_p <= 0.0:
+            return None
+        lse, best, _ = row_stats(row[None], t, 1)  # p_i >= min_p p_max  <=>  t x_i >= t x_max + log(min_p)
+        ids = (row * t >= best[0, 0] * t + math.log(min_p)).nonzero().squeeze(1)
+        return ids, (row[ids] * t - lse[0]).exp()
+    if top_k > 0:  # what follows sees the top-k's own distribution: no normalizer over the row needed
+        _, vals, idx = row_stats(row[None], t, min(top_k, V), lse=False)  # [1, k] best first
+        p = (vals[0] * t).softmax(-1)
+    else:
+        n = min(V, 256)
+        while True:
+            lse, vals, idx = row_stats(row[None], t, n)
+            p = (vals[0] * t - lse[0]).exp()
+            if n == V or float(p.sum()) >= top_p:
+                break
+            n = min(V, 8 * n)
+    keep = (p.cumsum(0) - p) < top_p  # the smallest prefix reaching top_p (the best token always kept)
+    keep &= p >= min_p * p[0]
+    return idx[0][keep], p[keep]
+
+
 def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """Scale by temperature and mask (-inf) what top-k, top-p and min-p exclude. logits [N, V]."""
-    V = logits.shape[1]
-    logits = logits / temperature[:, None]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    drop = rank >= k  # top-k
-    probs = sorted_logits.softmax(dim=-1)
-    cum_before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    drop |= cum_before >= top_p[:, None]  # top-p keeps the smallest prefix reaching p (best token always kept)
-    drop |= probs < min_p[:, None] * probs[:, :1]  # min-p relative to the best token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    """Scale by temperature and mask (-inf) what top-k, top-p and min-p exclude (kept_tokens). logits [N, V]."""
+    scaled = logits / temperature[:, None]
+    out = torch.full_like(scaled, float("-inf"))
+    for i in range(logits.shape[0]):
+        kept = kept_tokens(logits[i].float(), 1.0 / float(temperature[i]), int(top_k[i]), float(top_p[i]),
+                           float(min_p[i]))
+        ids = torch.arange(logits.shape[1]) if kept is None else kept[0]
+        out[i, ids] = scaled[i, ids]
+    return out
+
+
+def draw(ids: Tensor, probs: Tensor, gen: torch.Generator) -> int:
+    """One of `ids` drawn with probabilities proportional to `probs` (inverse CDF of one uniform, in float64)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return int(ids[torch.searchsorted(cdf, u, right=True).clamp_(max=ids.shape[0] - 1)])
+
+
+def sample_row(row: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """A temperature > 0 row's token: logits [V] (float32, penalised) at the temperature, filtered, drawn by
+    one uniform number (over the kept tokens, or over the whole row in one pass when nothing is filtered)."""
+    t = 1.0 / p.temperature
+    kept = kept_tokens(row, t, p.top_k, p.top_p, p.min_p)
+    if kept is not None:
+        return draw(*kept, gen)
+    lse = float(row_stats(row[None], t, 0)[0][0])
+    return row_draw(row, t, lse, float(torch.rand((), generator=gen, dtype=torch.float64)))
+
+
+def logprobs_of(row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """A row's log-probability of its token and its top-n (id, log-probability), row [V] (float32 or
+    bfloat16, read in place): the log-sum-exp and the top values of one native pass each (row_stats), not a
+    log_softmax and a topk over a float32 copy."""
+    lse, vals, idx = row_stats(row[None], 1.0, n)
+    lse = float(lse[0])
+    return float(row[token]) - lse, tuple(zip(idx[0].tolist(), (vals[0] - lse).tolist()))
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """The row's token is its argmax and nothing else is asked of it."""
     return p.temperature == 0 and p.logprobs is None and not has_penalties(p)
-
-
-def _filtered(p: SamplingParams) -> bool:
-    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
-
-
-def _race(probs: Tensor, gen: torch.Generator) -> int:
-    """Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples from p (probs [V])."""
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / noise).argmax())
 
 
 @dataclass
@@ -225,14 +272,6 @@ def _advance_constraints(seqs, rows: list[int], drafts: list | None, tokens: lis
             ok[i] = False
 
 
-def _top_logprobs(lp_row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    chosen = float(lp_row[token])
-    if n == 0:
-        return chosen, ()
-    vals, idx = lp_row.topk(n)
-    return chosen, tuple(zip(idx.tolist(), vals.tolist()))
-
-
 class Sampler:
     def __call__(self, logits: Tensor, seqs: list, drafts: list | None = None) -> SampleOutput:
         """logits [N, V] (any float dtype), one row per sequence -> one token per row.
@@ -264,19 +303,15 @@ class Sampler:
             if not ok[i] or _plain_greedy(p):
                 continue  # greedy: the max above is the whole answer
             worked = True
-            raw = logits[i].float()  # [V] a copy only for rows that need one
-            row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
-            if p.temperature > 0:
-                if _filtered(p):
-                    row = filter_logits(row[None], *(torch.tensor([x], device=dev) for x in
-                                                     (p.temperature, p.top_k, p.top_p, p.min_p)))[0]
+            if p.temperature > 0 or has_penalties(p):
+                raw = logits[i].float()  # [V] a copy only for rows that need one (none for float32 logits)
+                row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
+                if p.temperature > 0:
+                    token_list[i] = sample_row(row, p, _generator(seq, dev))
                 else:
-                    row = row / p.temperature
-                token_list[i] = _race(row.softmax(dim=-1), _generator(seq, dev))
-            elif row is not raw:
-                token_list[i] = int(row.argmax())
-            if p.logprobs is not None:
-                lps[i] = _top_logprobs(unmasked.get(i, raw).log_softmax(dim=-1), token_list[i], p.logprobs)
+                    token_list[i] = int(row.argmax())
+            if p.logprobs is not None:  # the model's own logits (before a mask or a bias), read in place
+                lps[i] = logprobs_of(unmasked.get(i, logits[i]), token_list[i], p.logprobs)
         for i, seq in enumerate(seqs):
             if ok[i] and seq.sampling is not None and seq.sampling.penalties is not None:
                 seq.sampling.penalties.add(token_list[i])

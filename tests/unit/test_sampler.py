@@ -33,6 +33,17 @@ def seqs_for(params, gens=None, hist=None, prompts=None):
     return seqs
 
 
+def assert_same_logprobs(fast, ref):
+    """The same ids, and log-probabilities equal to log_softmax's within float32 rounding (the sampler takes
+    them from one log-sum-exp pass, not from a log_softmax)."""
+    assert [None if r is None else [i for i, _ in r[1]] for r in fast] == \
+        [None if r is None else [i for i, _ in r[1]] for r in ref]
+    for f, r in zip(fast, ref):
+        if r is not None:
+            assert f[0] == pytest.approx(r[0], abs=2e-5)
+            assert [v for _, v in f[1]] == pytest.approx([v for _, v in r[1]], abs=2e-5)
+
+
 def sample(logits, params, gens=None, hist=None, prompts=None):
     return Sampler()(logits, seqs_for(params, gens, hist, prompts))
 
@@ -91,6 +102,41 @@ def test_filters_top_k_top_p_min_p():
     assert kept() == [0, 1, 2, 3]
 
 
+    assert kept(top_k=2, top_p=0.5) == [0]  # top-p over what top-k kept: 0.4 / 0.7 >= 0.5
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.9, 0.0), (40, 0.8, 0.0), (0, 1.0, 0.05), (25, 0.95, 0.02),
+                                                  (0, 0.3, 0.0), (300, 1.0, 0.0)])
+def test_filters_keep_what_transformers_warpers_keep(top_k, top_p, min_p):
+    """Top-k, then top-p, then min-p, each over what the previous kept, as transformers' generate chains its
+    warpers (a vocabulary of 5,000: top-p ranks only a growing top of it)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    logits = torch.randn(1, 5000, generator=g) * 3
+    temperature = 0.7
+    hf = logits / temperature
+    if top_k:
+        hf = TopKLogitsWarper(top_k)(None, hf)
+    if top_p < 1:
+        hf = TopPLogitsWarper(top_p)(None, hf)
+    if min_p:
+        hf = MinPLogitsWarper(min_p)(None, hf)
+    ours = filter_logits(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+                         torch.tensor([min_p]))
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(hf))
+
+
+def test_a_filtered_draw_follows_the_kept_distribution():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)]))
+    g = make_generator(1, CPU)
+    p = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    counts = torch.bincount(torch.tensor([sample(logits, [p], gens=[g]).token_ids[0] for _ in range(3000)]),
+                            minlength=V)
+    assert counts[2:].sum() == 0
+    assert torch.allclose(counts[:2].float() / 3000, torch.tensor([4 / 7, 3 / 7]), atol=0.04)
+
+
 def test_penalties_change_greedy_choice():
     logits = torch.tensor([[2.0, 1.9] + [0.0] * (V - 2)])
     assert sample(logits.clone(), [SamplingParams()]).token_ids == [0]
@@ -141,7 +187,7 @@ def test_fast_path_gives_the_general_paths_tokens_and_logprobs_step_after_step(v
         fast = sampler(logits, fast_seqs)
         ref = general_sample(logits, MIXED, ref_gens, hist, prompts)
         assert fast.token_ids == ref.token_ids and fast.ok == ref.ok
-        assert fast.logprobs == ref.logprobs
+        assert_same_logprobs(fast.logprobs, ref.logprobs)
         for i, t in enumerate(fast.token_ids):
             fast_seqs[i].output_ids.append(t)
             hist[i].append(t)
@@ -173,7 +219,8 @@ def test_logit_bias_is_added_before_every_stage_and_logprobs_stay_the_models(dty
         logits[:, :8] += 5
         ref = general_sample(logits.clone(), BIASED, ref_gens, hist, prompts)
         fast = sampler(logits, fast_seqs)
-        assert fast.token_ids == ref.token_ids and fast.logprobs == ref.logprobs
+        assert fast.token_ids == ref.token_ids
+        assert_same_logprobs(fast.logprobs, ref.logprobs)
         assert fast.token_ids[0] != 3 and fast.token_ids[1] == 0 and fast.token_ids[2] >= 8
         for i, t in enumerate(fast.token_ids):
             fast_seqs[i].output_ids.append(t)
@@ -205,3 +252,22 @@ def test_logits_are_not_modified():
     before = logits.clone()
     Sampler()(logits, seqs_for(MIXED, prompts=[[1, 2, 3]] * len(MIXED), hist=[[4, 4]] * len(MIXED)))
     assert torch.equal(logits, before)
+
+
+def test_with_the_native_row_passes_loaded(native_kernels_dir):
+    """Where the model loader has loaded the native library (a CPU server), the top values, log-sum-exps
+    and draws come from row_max.cpp: the filters still keep what transformers' warpers keep, the fast path
+    still gives the reference's tokens, and logprobs still match log_softmax."""
+    from lmserve.model.native import build as native
+    from lmserve.server.engine import row_max as RM
+
+    lib, why = native.load(native_kernels_dir)
+    if lib is None:
+        pytest.skip(why)
+    assert native.bound(RM._NativeRowStats) is not None
+    for args in [(0, 0.9, 0.0), (40, 0.8, 0.0), (0, 1.0, 0.05), (25, 0.95, 0.02)]:
+        test_filters_keep_what_transformers_warpers_keep(*args)
+    test_fast_path_gives_the_general_paths_tokens_and_logprobs_step_after_step(49152)
+    test_greedy_is_argmax_and_logprobs_match_log_softmax()
+    test_a_filtered_draw_follows_the_kept_distribution()
+    test_sampling_follows_distribution()
