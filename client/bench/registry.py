@@ -29,6 +29,8 @@ BENCHMARKS = {b.name: b for b in (
               "output tokens/s: the engine, transformers and the gRPC server side by side"),
     Benchmark("host-ceiling", "lmserve.server.bench.host_ceiling",
               "the engine and both edges around a zero-cost model: the host's tokens/s ceiling"),
+    Benchmark("vocab-head", "lmserve.server.bench.vocab_head",
+              "the host's cost per token at two vocabularies (49k, 262k): sampling, logprobs, masks, drafts"),
     Benchmark("edge-ttft", "lmserve.server.bench.edge_ttft",
               "time to first token through gRPC and the HTTP API of one server"),
     Benchmark("constrained", "lmserve.server.bench.constrained_bench",
