@@ -412,3 +412,62 @@ def test_decode_metadata_from_host_lists_equals_the_general_builder(seed):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert [(c.lo, c.hi, c.length, c.mask_rows, str(c.batch), None if c.rows is None else c.rows.tolist()) for c in fast.calls] == \
            [(c.lo, c.hi, c.length, c.mask_rows, str(c.batch), None if c.rows is None else c.rows.tolist()) for c in ref.calls]
+
+
+# ---- sliding windows --------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [1, 4, 9, 100])
+@pytest.mark.parametrize("build", ["decode", "decode_one_call", "rows", "static", "chunk", "chunk_one_call"])
+def test_a_sliding_window_sees_exactly_its_last_keys_in_every_cache_layout(build, window):
+    """Each layout's attention over the cache in a sliding layer (window masks, a call's keys read from its
+    lowest query's window start, CUDA-graph decode's static masks) against the explicit attention over keys
+    p - window + 1 .. p of each query's own slot, scaled as asked; the slot's other keys hold garbage."""
+    H, Hkv, d, slots, max_len = 4, 2, 8, 6, 64
+    cfg = make_cfg(H, Hkv, d, layers=1)
+    cache = KVCache(cfg, slots, max_len, torch.float32, virtual=False)
+    fill_with_garbage(cache, seed=window)
+    g = torch.Generator().manual_seed(7)
+    seq_slots, starts = [4, 1, 2], [20, 3, 33]
+    L = 5 if build.startswith("chunk") else 1
+    if build.startswith("chunk"):  # one continued chunk of L tokens
+        seq_slots, starts = [3], [25]
+    if build in ("decode", "decode_one_call"):
+        meta = AttentionMetadata.for_decode(seq_slots, starts, "cpu", call_cost=0 if build == "decode" else 10**6)
+    elif build == "rows":
+        seq_slots, starts = [4, 4, 4, 1], [20, 21, 22, 3]  # a verified draft beside a decode row
+        meta = AttentionMetadata.for_rows(seq_slots, starts, "cpu")
+    elif build == "static":
+        meta = AttentionMetadata.static_decode(torch.tensor(seq_slots), torch.tensor(starts), slots, max_len)
+    else:
+        meta = AttentionMetadata.for_cache(torch.tensor(seq_slots), torch.tensor(starts), torch.tensor([L]), L,
+                                           call_cost=0 if build == "chunk" else 10**6)
+    B = len(seq_slots)
+    q = torch.randn(B, L, H, d, generator=g) * 3
+    k, v = torch.randn(B, L, Hkv, d, generator=g), torch.randn(B, L, Hkv, d, generator=g)
+    out = meta.attend(q, k, v, cache, 0, window, 0.3).view(B, L, H, d)
+    for b, (s, p0) in enumerate(zip(seq_slots, starts)):
+        for j in range(L):
+            p = p0 + j
+            lo = max(0, p - window + 1)
+            K, V = cache.k[0, s, :, lo: p + 1], cache.v[0, s, :, lo: p + 1]  # [Hkv, n, d], this step's writes included
+            ref, _ = explicit_attention(q[b, j][None, :, None], K[None], V[None],
+                                        torch.ones(1, 1, 1, p + 1 - lo, dtype=torch.bool), 0.3)
+            assert_close(out[b, j], ref[0, :, 0], **TIGHT)
+
+
+def test_window_masks_of_the_fresh_and_packed_layouts_follow_positions():
+    """Fresh rows (right-padded) and packed prompts: a query at position p keeps keys p - w + 1 .. p of its own
+    sequence; a padding row left with no key keeps key 0 (no NaN)."""
+    fresh = AttentionMetadata.fresh(torch.tensor([6, 2]))
+    m = fresh.window_mask(3)[:, 0]  # [B, L, L]
+    for b, n in enumerate([6, 2]):
+        for i in range(6):
+            want = [(k <= i and k > i - 3 and k < n) for k in range(6)]
+            if not any(want):
+                want = [k == 0 for k in range(6)]
+            assert m[b, i].tolist() == want, (b, i)
+    packed, pos = AttentionMetadata.packed(torch.tensor([0, 1]), torch.tensor([4, 3]))
+    pm = packed.window_mask(2)[0, 0]  # [T, T]
+    seg = [0] * 4 + [1] * 3
+    for t in range(7):
+        assert pm[t].tolist() == [seg[u] == seg[t] and 0 <= t - u < 2 for u in range(7)]

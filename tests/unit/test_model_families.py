@@ -92,3 +92,28 @@ async def test_chunked_prefill_and_a_prefix_hit_keep_the_tokens(family):
     assert hit == 70
     assert a.token_ids == hf_greedy(hf, first)[0]
     assert b.token_ids == hf_greedy(hf, second)[0]
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+async def test_bfloat16_tokens_are_the_same_alone_batched_and_after_a_prefix_hit(name, trained_model_dir,
+                                                                                  native_kernels_dir, tmp_path):
+    """bfloat16 on the native CPU attention (sliding layers' prompt tokens as decode-kernel rows over their own
+    windows, global layers' on the prompt kernel where the CPU has it): a request's greedy tokens do not depend
+    on its batch, and a prefix hit gives the cold engine's tokens (the default mode is batch-invariant)."""
+    hf = hf_family(name, seed=5)
+    hf.save_pretrained(tmp_path)
+    for f in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(trained_model_dir / f, tmp_path / f)
+    loaded = load_model(tmp_path, dtype="bfloat16", quantization="none", device="cpu", cache_dir=native_kernels_dir)
+    assert loaded.attention.name == "native"
+    ps = prompts(name, seed=6)
+    with running(loaded) as engine:
+        alone = [(await collect(engine, Request(p, greedy(32, ignore_eos=True))))[0].token_ids for p in ps]
+        together = await results_of(engine, [Request(p, greedy(32, ignore_eos=True)) for p in ps])
+        before = engine.stats().prefix_hit_tokens_total
+        hot, _ = await collect(engine, Request(ps[2][:70] + ps[0][:9], greedy(32, ignore_eos=True)))
+        assert engine.stats().prefix_hit_tokens_total - before == 70
+    with running(loaded, prefix_cache=False) as engine:
+        cold, _ = await collect(engine, Request(ps[2][:70] + ps[0][:9], greedy(32, ignore_eos=True)))
+    assert [r.token_ids for r in together] == alone
+    assert hot.token_ids == cold.token_ids
