@@ -25,16 +25,19 @@ from lmserve.model.loader import load_model  # noqa: E402
 from lmserve.server.engine.request import Request  # noqa: E402
 
 
+def served(hf, path, trained_model_dir, native_kernels_dir, dtype: str = "float32"):
+    """hf saved to `path` with the trained tokenizer beside it, loaded as `lmserve serve` loads a directory."""
+    hf.save_pretrained(path)
+    for f in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(trained_model_dir / f, path / f)
+    return load_model(path, dtype=dtype, quantization="none", device="cpu", cache_dir=native_kernels_dir)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, trained_model_dir, native_kernels_dir, tmp_path_factory):
     """(name, transformers model, the engine's LoadedModel) of one family, from a saved directory."""
     hf = hf_family(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    for f in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(trained_model_dir / f, path / f)
-    loaded = load_model(path, dtype="float32", quantization="none", device="cpu", cache_dir=native_kernels_dir)
-    return request.param, hf, loaded
+    return request.param, hf, served(hf, tmp_path_factory.mktemp(request.param), trained_model_dir, native_kernels_dir)
 
 
 def test_the_configs_read_back_as_their_family(family):
@@ -100,11 +103,7 @@ async def test_bfloat16_tokens_are_the_same_alone_batched_and_after_a_prefix_hit
     """bfloat16 on the native CPU attention (sliding layers' prompt tokens as decode-kernel rows over their own
     windows, global layers' on the prompt kernel where the CPU has it): a request's greedy tokens do not depend
     on its batch, and a prefix hit gives the cold engine's tokens (the default mode is batch-invariant)."""
-    hf = hf_family(name, seed=5)
-    hf.save_pretrained(tmp_path)
-    for f in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(trained_model_dir / f, tmp_path / f)
-    loaded = load_model(tmp_path, dtype="bfloat16", quantization="none", device="cpu", cache_dir=native_kernels_dir)
+    loaded = served(hf_family(name, seed=5), tmp_path, trained_model_dir, native_kernels_dir, "bfloat16")
     assert loaded.attention.name == "native"
     ps = prompts(name, seed=6)
     with running(loaded) as engine:
