@@ -9,7 +9,12 @@ Two sources:
   m = -8 d) or Q8_0 (`Q80Blocks`): its codes, steps and minimums are served as they are.
   Q4_1 reads w = d * q + m; torch's int4 kernels read w = (q - 8) * scale + zero, so scale = d
   and zero = m + 8 d, the same weight, with d and m rounded from float16 to the activation dtype
-  (bfloat16 on CPU). The native kernel (quant_matmul.py) keeps d and m in float16.
+  (bfloat16 on CPU). The native kernel (quant_matmul.py) keeps d and m in float16;
+- a GGUF tensor stored as a K-quant (`KQuantBlocks`: Q4_K, Q5_K, Q6_K), kept as the file's bytes:
+  super-blocks of 256 weights; Q4_K and Q5_K hold 4- or 5-bit codes in 8 sub-blocks of 32 with a
+  6-bit scale and minimum each under a float16 step and minimum step (w = d sc q - dmin m), Q6_K
+  6-bit codes in 16 sub-blocks of 16 with an int8 scale each under a float16 step (w = d sc (q - 32)).
+  Only the native kernel serves them (kquant_matmul.cpp, packed by quant_matmul.pack_kquant).
 
 The kernels that consume these layouts live in kernels.py and quant_matmul.py.
 """
@@ -137,4 +142,60 @@ def int8_per_channel(w: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return q.contiguous(), scale.to(dtype)
 
 
-__all__ = ["GROUP", "Q41Blocks", "Q80Blocks", "quantize_q41", "quantize_q80", "int4_pack", "int8_per_channel"]
+QK_K = 256  # weights per super-block along K
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGML type ids
+KQUANT_TYPES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+KQUANT_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # a super-block in the file
+
+
+@dataclass
+class KQuantBlocks:
+    """A Q4_K / Q5_K / Q6_K matrix [N, K] as the file stores it: raw [N, K/256 * block bytes] uint8."""
+
+    raw: Tensor
+    qtype: int  # GGML type id (KQUANT_TYPES)
+
+    @staticmethod
+    def from_raw(raw: np.ndarray, qtype: int) -> "KQuantBlocks":
+        if qtype not in KQUANT_TYPES:
+            raise ValueError(f"GGML type {qtype} is not a K-quant served natively ({', '.join(KQUANT_TYPES.values())} are)")
+        return KQuantBlocks(torch.from_numpy(np.array(raw, dtype=np.uint8)), int(qtype))  # a copy: the file may close
+
+    @property
+    def type_name(self) -> str:
+        return KQUANT_TYPES[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.raw.shape[1] // KQUANT_BLOCK_BYTES[self.qtype] * QK_K
+
+    def rows(self, index: Tensor) -> "KQuantBlocks":
+        return KQuantBlocks(self.raw[index], self.qtype)
+
+    def dequantize(self) -> Tensor:
+        """[N, K] float32, as gguf's reader computes it."""
+        from gguf import GGMLQuantizationType, quants
+
+        return torch.from_numpy(np.array(quants.dequantize(self.raw.numpy(), GGMLQuantizationType(self.qtype))))
+
+
+def kquant_codes(blocks: KQuantBlocks) -> Tensor:
+    """The codes [N, K] uint8 in weight order (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), from the bytes."""
+    N, K = blocks.shape
+    b = blocks.raw.reshape(N, K // QK_K, -1)  # [N, S, block bytes]
+    if blocks.qtype == Q6_K:  # ql [0:128], qh [128:192]: 128-halves n of 4 runs of 32
+        ql = b[..., :128].reshape(N, -1, 2, 1, 64)  # [N, S, n, 1, 64]
+        ql = torch.cat([ql & 15, ql >> 4], dim=3).reshape(N, -1, 2, 4, 32)  # runs: low(0:32), low(32:64), high, high
+        qh = b[..., 128:192].reshape(N, -1, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3)  # [N, S, n, 4, 32]
+        return (ql | (qh << 4)).reshape(N, K)
+    qs = b[..., 16:144] if blocks.qtype == Q4_K else b[..., 48:176]  # [N, S, 128]: 64-runs a of 2 sub-blocks
+    qs = qs.reshape(N, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(N, -1, 8, 32)  # sub-block 2a: low nibbles, 2a + 1: high
+    if blocks.qtype == Q5_K:  # qh [16:48]: bit j of byte l = bit 4 of sub-block j's element l
+        qh = b[..., 16:48].reshape(N, -1, 1, 32)
+        q = q | torch.cat([((qh >> j) & 1) << 4 for j in range(8)], dim=2)
+    return q.reshape(N, K)
+
+
+__all__ = ["GROUP", "Q4_K", "Q5_K", "Q6_K", "KQUANT_BLOCK_BYTES", "KQUANT_TYPES", "KQuantBlocks", "QK_K", "Q41Blocks", "Q80Blocks", "kquant_codes", "quantize_q41", "quantize_q80", "int4_pack", "int8_per_channel"]

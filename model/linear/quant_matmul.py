@@ -9,7 +9,10 @@ cost integer dot products (VNNI) rather than weight reads. Every output element 
 its blocks in one fixed order from its own row and column: batch-invariant by construction.
 
 Weights are repacked at load (pack_q4 / pack_q8) into the layout the kernel streams; GGUF Q4_0,
-Q4_1 and Q8_0 codes and float16 steps are served as the file holds them.
+Q4_1 and Q8_0 codes and float16 steps are served as the file holds them. GGUF's K-quants (Q4_K,
+Q5_K, Q6_K) go to kquant_matmul.cpp, through the same entry point with bits = KQUANT_BITS: pack_kquant
+lays their bytes out for it (the same bytes, moved), with a table of segments so that a fused weight
+mixing them (q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K) is one call in its own types.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .formats import GROUP, Q41Blocks, Q80Blocks
+import numpy as np
+
+from .formats import GROUP, KQUANT_TYPES, Q5_K, Q6_K, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, kquant_codes
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 AMX_NEVER, AMX_BY_RULE, AMX_ALWAYS = 0, 1, 2  # QuantMatmul.set_amx
+KQUANT_BITS = 256  # `bits` of a weight packed by pack_kquant (lm_qmm hands it to kquant_matmul.cpp)
 
 
 class QuantMatmul:
@@ -124,4 +130,68 @@ def pack_q8(blocks: Q80Blocks) -> Tensor:
     return torch.cat([codes, d], dim=-1).reshape(-1).contiguous()  # [G * B * 544]
 
 
-__all__ = ["AMX_ALWAYS", "AMX_BY_RULE", "AMX_NEVER", "QuantMatmul", "kernel", "default_kernel", "use_cache_dir", "pack_q4", "pack_q8", "PATHS", "GROUP_COLS"]
+def _by_group(t: Tensor, G: int) -> Tensor:
+    """[N, S, n] per-row bytes -> [G, S, n, 16]: each byte as a plane over a group's 16 columns."""
+    N, S, n = t.shape
+    return t.reshape(G, GROUP_COLS, S, n).permute(0, 2, 3, 1)
+
+
+def _pack_one(blocks: KQuantBlocks) -> Tensor:
+    """One tensor's groups (kquant_matmul.cpp's layout), uint8 [N/16 * K/256 * 16 * block bytes]."""
+    N, K = blocks.shape
+    G, S = N // GROUP_COLS, K // QK_K
+    b = blocks.raw.reshape(N, S, -1)
+    if blocks.qtype == Q6_K:  # d, then the int8 scales as planes
+        header = [_by_group(b[..., 208:210], G).transpose(2, 3), _by_group(b[..., 192:208], G)]
+    else:  # d, dmin, then the 12 scale bytes as planes
+        header = [_by_group(b[..., 0:2], G).transpose(2, 3), _by_group(b[..., 2:4], G).transpose(2, 3),
+                  _by_group(b[..., 4:16], G)]
+    header = torch.cat([h.reshape(G, S, -1) for h in header], dim=-1)  # [G, S, 256 or 288]
+    q = kquant_codes(blocks).reshape(G, GROUP_COLS, S, 8, 4, 2, 4)  # [G, c, S, j, a, h, t]: k = 256 S + 32 j + 8 a + 4 h + t
+    q = q.permute(0, 2, 3, 4, 5, 1, 6)  # [G, S, j, a, h, c, t]: unpacked chunk 2a + h, byte 4c + t
+    low = q & 15
+    parts = [(low[..., 0, :, :] | (low[..., 1, :, :] << 4)).reshape(G, S, 8, 256)]
+    chunks = (q >> 4).reshape(G, S, 8, 8, 64)  # [G, S, j, chunk, byte]: the bits above the low 4
+    if blocks.qtype == Q5_K:
+        parts.append(sum(chunks[:, :, :, i] << i for i in range(8)).to(torch.uint8))  # [G, S, j, 64]
+    elif blocks.qtype == Q6_K:
+        planes = [sum(chunks[:, :, :, 4 * p + i] << (2 * i) for i in range(4)).to(torch.uint8) for p in (0, 1)]
+        parts.append(torch.cat(planes, dim=-1))  # [G, S, j, 128]
+    body = torch.cat(parts, dim=-1).reshape(G, S, -1)
+    return torch.cat([header, body], dim=-1).reshape(-1)
+
+
+def pack_kquant(parts: list[KQuantBlocks]) -> Tensor:
+    """Tensors sharing an input, fused along N ([sum N, K]), for the kernel: a table of segments (int64
+    count, K, then GGML type, columns and byte offset per segment; consecutive parts of one type are
+    one segment), padded to 64 bytes, then each segment's groups. uint8."""
+    K = parts[0].shape[1]
+    if any(p.shape[1] != K for p in parts) or any(n % GROUP_COLS or k % QK_K for n, k in (p.shape for p in parts)):
+        raise ValueError(f"K-quant weights need N % {GROUP_COLS} = 0 and one K % {QK_K} = 0, got "
+                         f"{[p.shape for p in parts]}")
+    runs: list[list[KQuantBlocks]] = []
+    for p in parts:
+        if runs and runs[-1][0].qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    table_bytes = -(-8 * (2 + 3 * len(runs)) // 64) * 64
+    table = np.zeros(table_bytes // 8, dtype=np.int64)
+    table[:2] = len(runs), K
+    data, offset = [], table_bytes
+    for i, run in enumerate(runs):
+        packed = _pack_one(KQuantBlocks(torch.cat([p.raw for p in run]), run[0].qtype))
+        table[2 + 3 * i: 5 + 3 * i] = run[0].qtype, sum(p.shape[0] for p in run), offset
+        data.append(packed)
+        offset += packed.numel()
+    return torch.cat([torch.from_numpy(table.view(np.uint8)), *data]).contiguous()
+
+
+def kquant_segments(packed: Tensor) -> list[tuple[str, int]]:
+    """A packed K-quant weight's segments, as (GGML type name, output columns), in column order."""
+    count = int(packed[:8].numpy().view(np.int64)[0])
+    rows = packed[: -(-8 * (2 + 3 * count) // 64) * 64].numpy().view(np.int64)[2:2 + 3 * count].reshape(count, 3)
+    return [(KQUANT_TYPES[int(t)], int(n)) for t, n, _ in rows]
+
+
+__all__ = ["KQUANT_BITS", "kquant_segments", "pack_kquant", "AMX_ALWAYS", "AMX_BY_RULE", "AMX_NEVER", "QuantMatmul", "kernel", "default_kernel", "use_cache_dir", "pack_q4", "pack_q8", "PATHS", "GROUP_COLS"]

@@ -168,7 +168,7 @@ def narrower_paths(tmp_path_factory):
     flags = open("/proc/cpuinfo").read()
     out = {}
     cache = tmp_path_factory.mktemp("narrow-kernels")
-    src = [s for s in native.SOURCES if s.name == "quant_matmul.cpp"]
+    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]  # lm_qmm calls lm_kqmm
     for march, need, path in (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni")):
         if need not in flags:
             continue

@@ -223,6 +223,13 @@ static inline void store_row(void* y, int bf16, int64_t n0, const float* v, int 
     }
 }
 
+// For kquant_matmul.cpp, whose activations are these same codes: quantize_row and store_row by name.
+void qmm_quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx, int32_t* sh,
+                      int32_t* sl, int64_t cs, int64_t ss) {
+    quantize_row(x, bf16, K, xh, xl, dx, sx, sh, sl, cs, ss);
+}
+void qmm_store_row(void* y, int bf16, int64_t n0, const float* v, int count) { store_row(y, bf16, n0, v, count); }
+
 struct Acts {  // the quantized rows of one call
     const int8_t *xh, *xl;  // [M, K] codes and remainder codes
     const float *dx, *sx;  // [M, K/32] steps and float sums
@@ -797,11 +804,16 @@ int lm_qmm_set_amx(int mode) {
 #endif
 }
 
+int lm_kqmm(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
+            int y_bf16, int threads);  // kquant_matmul.cpp
+static const int QMM_KQUANT = 256;  // "bits" of a weight packed by kquant_matmul.py: GGUF K-quant super-blocks
+
 // y [M, N] (bfloat16 when y_bf16, else float32) = x [M, K] (bfloat16 / float32, rows packed) times
-// the packed weight's transpose. bits: 4 or 8; precise: remainder codes too. Returns 0, 1 for
-// shapes it does not take, 2 when built without a path.
+// the packed weight's transpose. bits: 4 or 8, or QMM_KQUANT (lm_kqmm); precise: remainder codes too.
+// Returns 0, 1 for shapes it does not take, 2 when built without a path.
 int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N,
            void* y, int y_bf16, int threads) {
+    if (bits == QMM_KQUANT) return lm_kqmm(precise, x, x_bf16, M, K, w, N, y, y_bf16, threads);
 #if QMM_PATH >= 1
     if (bits != 4 && bits != 8) return 1;
     return matmul(bits, precise, x, x_bf16, M, K, w, N, y, y_bf16, threads);

@@ -1,0 +1,518 @@
+// Weight-only matmul over GGUF's K-quant blocks as the file stores them: y[M, N] = x[M, K] @ W^T, W in
+// super-blocks of 256 along K, each of one of
+//   Q4_K: w = d sc_j q - dmin m_j   q in 0..15; 8 sub-blocks j of 32, 6-bit sc_j and m_j; float16 d, dmin
+//   Q5_K: the same with q in 0..31
+//   Q6_K: w = d sc_i (q - 32)       q in 0..63; 16 sub-blocks i of 16, int8 sc_i; float16 d
+// A weight of several tensors fused along N (q|k|v, gate|up) may mix them: the packed weight
+// (linear/quant_matmul.py pack_kquant) starts with a table of its segments (format, columns, byte offset), so one
+// call serves a Q4_K_M file's Q4_K and Q6_K rows in their own types.
+//
+// Activations are quantized exactly as quant_matmul.cpp does it (qmm_quantize_row: per row and block
+// of 32, step e = max|x| / 127, codes h and, "precise", remainder codes l; the same bits), so a K-quant
+// sub-block of 32 (or two of 16) meets one activation block. Per (row, column, block of 32), exact
+// integer dot products, then float steps in one fixed order (c = 256 h + l and u = e / 256 with two
+// codes, c = h and u = e with one; Sx = the block's float sum of x):
+//   Q4_K / Q5_K, two codes:  y += ((d sc_j) u) S(q c) + (-dmin m_j) Sx
+//   Q4_K / Q5_K, one code:   y += ((d sc_j) e) (S(q h) - C S(h)) + (C d sc_j - dmin m_j) Sx
+//                            (codes centred at C = 8 / 16, as quant_matmul.cpp centres Q4_1's: an
+//                            activation's rounding meets products of at most C steps, not 2C)
+//   Q6_K:                    y += ((d sc_2j) u) S'(q c - 32 c) + ((d sc_2j+1) u) S''(q c - 32 c)
+//                            (S' over the block's first 16 values, S'' its last 16)
+// d sc, dmin m and C d sc are exact in float32 (11-bit d times a 6- or 8-bit scale; C a power of 2),
+// so each term has the roundings of (d sc) u, the fused multiply-adds, and C d sc - dmin m once.
+// Every output element is summed over its blocks in order 0, 1, 2, ... from its own row and column
+// only: a row's output is bitwise the same alone or among any rows, on any thread count (columns are
+// split by group), and the AVX2 build gives the AVX-512 one's bits.
+//
+// Packed weight: int64 [segments S, K, then (GGML type, columns, byte offset) per segment], padded to
+// 64 bytes; each segment's columns in groups of 16, a group's super-blocks one after another:
+//   header  Q4_K/Q5_K: 16 float16 d, 16 float16 dmin, then the 12 scale bytes as planes (byte i of
+//           column c at 64 + 16 i + c): 256 bytes. Q6_K: 16 float16 d, then the 16 int8 scales as
+//           planes (at 32 + 16 i + c): 288 bytes.
+//   then per block of 32 (8 per super-block):
+//           the low 4 bits of the codes as quant_matmul.cpp packs int4 (4 chunks of 64: byte 4c+t of
+//           chunk a holds column c's k = 8a+t in its low nibble and k = 8a+4+t in its high one), 256
+//           bytes; Q5_K: + 64 bytes, bit j of byte b = bit 4 of the code at byte b of unpacked chunk j
+//           (chunk 2a: the low nibbles of chunk a, 2a+1: the high ones); Q6_K: + 128 bytes, bits 2i,
+//           2i+1 of byte b of plane p = bits 4, 5 of the code at byte b of unpacked chunk 4p+i.
+// So a group's super-block holds 16 x the file's block bytes (144, 176, 210): nothing is added.
+// Activations, block-major (block b of row r at (b M + r) 64 bytes: 32 h codes, then 32 l codes; steps,
+// float sums at [b M + r]; four chain starts at [(b M + r) 4]), so a row tile's codes are constant
+// offsets from one pointer.
+// Paths as quant_matmul.cpp's: AVX-512 VNNI (zmm, 12-row tiles), AVX-VNNI or AVX2 (two ymm halves a
+// group, 8-row tiles). No AMX path yet.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "native_common.h"
+
+// quant_matmul.cpp's activation rows and output stores, shared so that both kernels quantize a row alike
+void qmm_quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx, int32_t* sh,
+                      int32_t* sl, int64_t cs, int64_t ss);
+void qmm_store_row(void* y, int bf16, int64_t n0, const float* v, int count);
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KQ_PATH 3
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define KQ_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_PATH 1
+#else
+#define KQ_PATH 0
+#endif
+
+namespace {
+
+const int QB = 32;       // activation block along K
+const int QK_K = 256;    // super-block along K
+const int SUB = QK_K / QB;  // blocks of 32 in a super-block
+const int COLS = 16;     // output columns per packed group
+const int ROW_TILE = KQ_PATH == 3 ? 12 : 8;
+const int OWN_ROWS_MAX = 8;  // calls of up to this many rows: every thread quantizes them all (as quant_matmul.cpp)
+const int MAX_SEGMENTS = 16;
+const int PREFETCH_BYTES = 8192;  // quant_matmul.cpp's distance and hint (measured there)
+
+enum Format { Q4K = 0, Q5K = 1, Q6K = 2 };
+const int GGML_TYPE[3] = {12, 13, 14};
+const int HEADER_BYTES[3] = {256, 256, 288};
+const int BLOCK_BYTES[3] = {256, 320, 384};
+const int CENTRE[3] = {8, 16, 32};
+
+inline int64_t group_bytes(int f, int64_t K) { return K / QK_K * (HEADER_BYTES[f] + SUB * BLOCK_BYTES[f]); }
+
+inline void prefetch_ahead(const uint8_t* g, int bytes) {
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)g + PREFETCH_BYTES + c, _MM_HINT_T1);
+}
+
+typedef uint8_t v64b __attribute__((vector_size(64)));
+
+// Q4_K / Q5_K: a super-block's 6-bit scales and minimums as bytes, sc[j][c] and mn[j][c] for sub-block j
+// and column c, from the 12 planes (ggml's packing: bytes 0-3 hold sc 0-3 and the top bits of sc 4-7,
+// bytes 4-7 the same for the minimums, bytes 8-11 the low 4 bits of sc 4-7 and of m 4-7).
+struct alignas(64) ScaleBytes {
+    uint8_t sc[SUB][COLS], mn[SUB][COLS];
+};
+
+inline void scale_bytes(const uint8_t* planes, ScaleBytes& s) {
+    v64b a, b, c;  // planes 0-3, 4-7, 8-11
+    memcpy(&a, planes, 64);
+    memcpy(&b, planes + 64, 64);
+    memcpy(&c, planes + 128, 64);
+    const v64b sc_lo = a & 63, mn_lo = b & 63;
+    const v64b sc_hi = (c & 15) | ((a >> 2) & 0x30), mn_hi = (c >> 4) | ((b >> 2) & 0x30);
+    memcpy(s.sc[0], &sc_lo, 64);
+    memcpy(s.sc[4], &sc_hi, 64);
+    memcpy(s.mn[0], &mn_lo, 64);
+    memcpy(s.mn[4], &mn_hi, 64);
+}
+
+// The activation unit of a row-block of step e (quant_matmul.cpp's unit_of)
+inline float unit_of(bool precise, float e) { return precise ? e * (1.0f / 256.0f) : e; }
+
+// chunk j (0..7) of a block's unpacked codes holds k = 8(j/2) + 4(j%2) + t at byte 4c + t
+inline int chunk_k(int j) { return 8 * (j / 2) + 4 * (j % 2); }
+
+struct Acts {  // a call's quantized rows, block-major (the header)
+    const int8_t* codes;    // [KB, M, 64]: h, then l
+    const float *dx, *sx;   // [KB, M]
+    const int32_t* starts;  // [KB, M, 4]: where a row-block's integer sums start (row_starts)
+    int64_t M, KB;
+    bool precise;
+};
+
+// A row's chain starts per block: minus what the codes' offsets add to the integer sums, so each sum
+// ends exact over the centred codes. [0] Q4_K and [1] Q5_K with one code (-C S h; two codes: 0, the
+// codes are not centred); [2], [3] Q6_K's two halves (-32 S c over each 16).
+void row_starts(const int8_t* codes, int64_t M, int64_t r, int64_t KB, bool precise, int32_t* starts) {
+    for (int64_t b = 0; b < KB; ++b) {
+        const int8_t* c = codes + (b * M + r) * 64;
+        int32_t h[2] = {0, 0}, l[2] = {0, 0};
+        for (int t = 0; t < QB; ++t) h[t / 16] += c[t];
+        if (precise)
+            for (int t = 0; t < QB; ++t) l[t / 16] += c[32 + t];
+        int32_t* s = starts + (b * M + r) * 4;
+        s[0] = precise ? 0 : -8 * (h[0] + h[1]);
+        s[1] = precise ? 0 : -16 * (h[0] + h[1]);
+        s[2] = -32 * (precise ? 256 * h[0] + l[0] : h[0]);
+        s[3] = -32 * (precise ? 256 * h[1] + l[1] : h[1]);
+    }
+}
+
+struct RowBuffers {  // one thread's buffers for a call's quantized rows, kept from call to call
+    std::vector<int8_t> codes;
+    std::vector<float> floats;
+    std::vector<int32_t> ints;
+    Acts acts(int64_t M, int64_t K, bool precise) {
+        const int64_t KB = K / QB;
+        codes.resize((size_t)(M * KB * 64));
+        floats.resize((size_t)(2 * M * KB));
+        ints.resize((size_t)(6 * M * KB));  // starts, then quantize_row's code sums (scratch)
+        return Acts{codes.data(), floats.data(), floats.data() + M * KB, ints.data(), M, KB, precise};
+    }
+    void quantize(const void* x, int bf16, int64_t K, int64_t M, int64_t r, bool precise) {
+        const int64_t KB = K / QB;
+        int8_t* c = codes.data();
+        int32_t* scratch = ints.data() + 4 * M * KB;
+        qmm_quantize_row(x, bf16, K, c + r * 64, precise ? c + r * 64 + 32 : nullptr, floats.data() + r,
+                         floats.data() + M * KB + r, scratch + r, scratch + M * KB + r, M * 64, M);
+        row_starts(c, M, r, KB, precise, ints.data());
+    }
+};
+
+#if KQ_PATH == 3
+typedef int32_t __attribute__((may_alias)) int32_alias;
+
+// acc += w (unsigned bytes) x the 4 signed codes at p, broadcast from the instruction's memory operand
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_alias*)p));
+    return acc;
+}
+
+// v's bits moved left by s (right by -s) within each 16-bit lane; the callers mask them per byte
+inline __m512i shift_bits(__m512i v, int s) {
+    return s > 0 ? _mm512_slli_epi16(v, s) : (s < 0 ? _mm512_srli_epi16(v, -s) : v);
+}
+
+// A block's codes for 16 columns, unpacked: chunk j's byte 4c + t is column c's code at k = chunk_k(j) + t.
+template <int F>
+inline void unpack(const uint8_t* g, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int a = 0; a < 4; ++a) {
+        const __m512i p = _mm512_loadu_si512(g + 64 * a);
+        w[2 * a] = _mm512_and_si512(p, low);
+        w[2 * a + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+    if (F == Q5K) {
+        const __m512i hb = _mm512_loadu_si512(g + 256), bit = _mm512_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_or_si512(w[j], _mm512_and_si512(shift_bits(hb, 4 - j), bit));
+    } else if (F == Q6K) {
+        const __m512i bits = _mm512_set1_epi8(0x30);
+        for (int p = 0; p < 2; ++p) {
+            const __m512i hp = _mm512_loadu_si512(g + 256 + 64 * p);
+            for (int i = 0; i < 4; ++i)
+                w[4 * p + i] = _mm512_or_si512(w[4 * p + i], _mm512_and_si512(shift_bits(hp, 4 - 2 * i), bits));
+        }
+    }
+}
+
+// The integer sum of chunks j0 .. j1 - 1 of a row-block: c = h (xl null) from `start`, or 256 h + l with
+// `start` added to the l chain.
+inline __m512i chunk_sum(const __m512i w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
+    __m512i s = _mm512_set1_epi32(*start);  // a broadcast from memory
+    if (!xl) {
+        for (int j = j0; j < j1; ++j) s = dpbusd_bcast(s, w[j], xh + chunk_k(j));
+        return s;
+    }
+    __m512i h = _mm512_setzero_si512();
+    for (int j = j0; j < j1; ++j) {
+        h = dpbusd_bcast(h, w[j], xh + chunk_k(j));
+        s = dpbusd_bcast(s, w[j], xl + chunk_k(j));
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(h, 8), s);
+}
+
+// 16 scale bytes -> 16 float32 lanes (exact): unsigned (Q4_K / Q5_K) or int8 (Q6_K)
+template <bool SIGNED>
+inline __m512 byte_floats(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// Block j's float steps in the super-block whose header is at hdr: s0, s1 its sub-blocks' d sc (Q6_K: its
+// two halves; else both the same) and mt, what multiplies its float sum of x (Q4_K / Q5_K): C d sc - dmin m
+// rounded once (C d sc and dmin m are exact), or - dmin m with two codes.
+template <int F, bool PRECISE>
+inline void block_steps(const uint8_t* hdr, const ScaleBytes& sb, int j, __m512& s0, __m512& s1, __m512& mt) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hdr));
+    if (F == Q6K) {
+        s0 = _mm512_mul_ps(d, byte_floats<true>(hdr + 32 + 32 * j));
+        s1 = _mm512_mul_ps(d, byte_floats<true>(hdr + 48 + 32 * j));
+        mt = _mm512_setzero_ps();
+        return;
+    }
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hdr + 32)));
+    s0 = s1 = _mm512_mul_ps(d, byte_floats<false>(sb.sc[j]));
+    const __m512 base = PRECISE ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_set1_ps((float)CENTRE[F]), s0);
+    mt = _mm512_fnmadd_ps(dmin, byte_floats<false>(sb.mn[j]), base);
+}
+
+// rows r0 .. r0 + R - 1 of one column group over all super-blocks (R <= ROW_TILE): accumulators in
+// registers, each block's codes unpacked and its steps formed once for the R rows.
+template <int R, int F, bool PRECISE>
+void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) {
+    __m512 acc[R];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t M = a.M;
+    const int8_t* c = a.codes + r0 * 64;
+    const float* dx = a.dx + r0;
+    const float* sx = a.sx + r0;
+    const int32_t* st = a.starts + r0 * 4;
+    ScaleBytes sb;
+    for (int64_t s = 0; s < a.KB / SUB; ++s) {
+        const uint8_t* hdr = g;
+        prefetch_ahead(g, HEADER_BYTES[F]);  // the blocks' prefetches cover their own bytes only
+        if (F != Q6K) scale_bytes(hdr + 64, sb);
+        g += HEADER_BYTES[F];
+        for (int j = 0; j < SUB; ++j, g += BLOCK_BYTES[F], c += M * 64, dx += M, sx += M, st += M * 4) {
+            prefetch_ahead(g, BLOCK_BYTES[F]);
+            __m512i w[8];
+            unpack<F>(g, w);
+            __m512 s0, s1, mt;
+            block_steps<F, PRECISE>(hdr, sb, j, s0, s1, mt);
+#pragma GCC unroll 12
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xh = c + r * 64;
+                const int8_t* xl = PRECISE ? xh + 32 : nullptr;
+                const __m512 u = _mm512_set1_ps(unit_of(PRECISE, dx[r]));
+                if (F == Q6K) {
+                    const __m512i lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
+                    const __m512i hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, u), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, u), acc[r]);
+                } else {
+                    const __m512i sum = chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s0, u), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(mt, _mm512_set1_ps(sx[r]), acc[r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#elif KQ_PATH >= 1
+// 8 lanes: u8 codes x s8 activations, 4 products per int32 lane, added on (codes <= 63: maddubs's
+// pairs stay within int16)
+inline __m256i dot_u8s8(__m256i acc, __m256i w, const int8_t* p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+#if KQ_PATH == 2
+    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i shift_bits(__m256i v, int s) {
+    return s > 0 ? _mm256_slli_epi16(v, s) : (s < 0 ? _mm256_srli_epi16(v, -s) : v);
+}
+
+// columns 8h .. 8h + 7 of a block's unpacked codes (the AVX-512 path's unpack, a half at a time)
+template <int F>
+inline void unpack(const uint8_t* g, int h, __m256i w[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int a = 0; a < 4; ++a) {
+        const __m256i p = _mm256_loadu_si256((const __m256i*)(g + 64 * a + 32 * h));
+        w[2 * a] = _mm256_and_si256(p, low);
+        w[2 * a + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    }
+    if (F == Q5K) {
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), bit = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) w[j] = _mm256_or_si256(w[j], _mm256_and_si256(shift_bits(hb, 4 - j), bit));
+    } else if (F == Q6K) {
+        const __m256i bits = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 2; ++p) {
+            const __m256i hp = _mm256_loadu_si256((const __m256i*)(g + 256 + 64 * p + 32 * h));
+            for (int i = 0; i < 4; ++i)
+                w[4 * p + i] = _mm256_or_si256(w[4 * p + i], _mm256_and_si256(shift_bits(hp, 4 - 2 * i), bits));
+        }
+    }
+}
+
+inline __m256i chunk_sum(const __m256i w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
+    __m256i s = _mm256_set1_epi32(*start);
+    if (!xl) {
+        for (int j = j0; j < j1; ++j) s = dot_u8s8(s, w[j], xh + chunk_k(j));
+        return s;
+    }
+    __m256i h = _mm256_setzero_si256();
+    for (int j = j0; j < j1; ++j) {
+        h = dot_u8s8(h, w[j], xh + chunk_k(j));
+        s = dot_u8s8(s, w[j], xl + chunk_k(j));
+    }
+    return _mm256_add_epi32(_mm256_slli_epi32(h, 8), s);
+}
+
+template <bool SIGNED>
+inline __m256 byte_floats(const uint8_t* p) {  // 8 scale bytes -> 8 float32 lanes (exact)
+    const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// columns 8h .. 8h + 7 of the AVX-512 path's block_steps (the same values)
+template <int F, bool PRECISE>
+inline void block_steps(const uint8_t* hdr, const ScaleBytes& sb, int j, int h, __m256& s0, __m256& s1, __m256& mt) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hdr + 16 * h)));
+    if (F == Q6K) {
+        s0 = _mm256_mul_ps(d, byte_floats<true>(hdr + 32 + 32 * j + 8 * h));
+        s1 = _mm256_mul_ps(d, byte_floats<true>(hdr + 48 + 32 * j + 8 * h));
+        mt = _mm256_setzero_ps();
+        return;
+    }
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hdr + 32 + 16 * h)));
+    s0 = s1 = _mm256_mul_ps(d, byte_floats<false>(sb.sc[j] + 8 * h));
+    const __m256 base = PRECISE ? _mm256_setzero_ps() : _mm256_mul_ps(_mm256_set1_ps((float)CENTRE[F]), s0);
+    mt = _mm256_fnmadd_ps(dmin, byte_floats<false>(sb.mn[j] + 8 * h), base);
+}
+
+template <int R, int F, bool PRECISE>
+void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t M = a.M;
+    const int8_t* c = a.codes + r0 * 64;
+    const float* dx = a.dx + r0;
+    const float* sx = a.sx + r0;
+    const int32_t* st = a.starts + r0 * 4;
+    ScaleBytes sb;
+    for (int64_t s = 0; s < a.KB / SUB; ++s) {
+        const uint8_t* hdr = g;
+        prefetch_ahead(g, HEADER_BYTES[F]);
+        if (F != Q6K) scale_bytes(hdr + 64, sb);
+        g += HEADER_BYTES[F];
+        for (int j = 0; j < SUB; ++j, g += BLOCK_BYTES[F], c += M * 64, dx += M, sx += M, st += M * 4) {
+            prefetch_ahead(g, BLOCK_BYTES[F]);
+            for (int h = 0; h < 2; ++h) {
+                __m256i w[8];
+                unpack<F>(g, h, w);
+                __m256 s0, s1, mt;
+                block_steps<F, PRECISE>(hdr, sb, j, h, s0, s1, mt);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* xh = c + r * 64;
+                    const int8_t* xl = PRECISE ? xh + 32 : nullptr;
+                    const __m256 u = _mm256_set1_ps(unit_of(PRECISE, dx[r]));
+                    if (F == Q6K) {
+                        const __m256i lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
+                        const __m256i hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, u), acc[r][h]);
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, u), acc[r][h]);
+                    } else {
+                        const __m256i sum = chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F);
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s0, u), acc[r][h]);
+                        acc[r][h] = _mm256_fmadd_ps(mt, _mm256_set1_ps(sx[r]), acc[r][h]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out[r], acc[r][0]);
+        _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+    }
+}
+#endif
+
+#if KQ_PATH >= 1
+typedef void (*GroupFn)(const uint8_t*, const Acts&, int64_t, float[][COLS]);
+
+template <int F, bool PRECISE>
+GroupFn tile_fn(int R) {
+    switch (R) {
+        case 1: return group_rows<1, F, PRECISE>; case 2: return group_rows<2, F, PRECISE>;
+        case 3: return group_rows<3, F, PRECISE>; case 4: return group_rows<4, F, PRECISE>;
+        case 5: return group_rows<5, F, PRECISE>; case 6: return group_rows<6, F, PRECISE>;
+        case 7: return group_rows<7, F, PRECISE>;
+#if KQ_PATH == 3
+        case 8: return group_rows<8, F, PRECISE>; case 9: return group_rows<9, F, PRECISE>;
+        case 10: return group_rows<10, F, PRECISE>; case 11: return group_rows<11, F, PRECISE>;
+#endif
+        default: return group_rows<ROW_TILE, F, PRECISE>;
+    }
+}
+
+template <bool PRECISE>
+GroupFn group_fn(int f, int R) {
+    return f == Q4K ? tile_fn<Q4K, PRECISE>(R) : (f == Q5K ? tile_fn<Q5K, PRECISE>(R) : tile_fn<Q6K, PRECISE>(R));
+}
+
+struct Segment {
+    int format;
+    int64_t first_group, groups;
+    const uint8_t* data;
+};
+
+// The packed weight's segment table, checked against the call's K and N: the segments, or 0 when it
+// does not describe a weight of this shape.
+int read_segments(const uint8_t* w, int64_t K, int64_t N, Segment* seg) {
+    const int64_t* t = (const int64_t*)w;
+    const int64_t count = t[0];
+    if (count < 1 || count > MAX_SEGMENTS || t[1] != K) return 0;
+    int64_t cols = 0;
+    for (int s = 0; s < count; ++s) {
+        const int64_t type = t[2 + 3 * s], n = t[3 + 3 * s], offset = t[4 + 3 * s];
+        int f = -1;
+        for (int i = 0; i < 3; ++i) f = GGML_TYPE[i] == type ? i : f;
+        if (f < 0 || n <= 0 || n % COLS || offset < 0) return 0;
+        seg[s] = Segment{f, cols / COLS, n / COLS, w + offset};
+        cols += n;
+    }
+    return cols == N ? (int)count : 0;
+}
+
+int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
+           int y_bf16, int threads) {
+    Segment seg[MAX_SEGMENTS];
+    const int count = K > 0 && K % QK_K == 0 && M >= 0 ? read_segments(w, K, N, seg) : 0;
+    if (!count) return 1;
+    const bool pr = precise != 0;
+    static thread_local RowBuffers call_rows;  // the calling thread's, by reference (see quant_matmul.cpp)
+    RowBuffers& shared = call_rows;
+    const Acts a = shared.acts(M, K, pr);
+    const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
+    const bool own_rows = M <= OWN_ROWS_MAX;
+    const int64_t tiles = (M + ROW_TILE - 1) / ROW_TILE, groups = N / COLS;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        Acts rows_here = a;
+        if (own_rows) {  // a few rows: every thread quantizes them all into its own buffers (no waiting)
+            static thread_local RowBuffers own;
+            rows_here = own.acts(M, K, pr);
+            for (int64_t r = 0; r < M; ++r) own.quantize((const char*)x + r * x_row, x_bf16, K, M, r, pr);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; ++r) shared.quantize((const char*)x + r * x_row, x_bf16, K, M, r, pr);
+        }
+#pragma omp for schedule(static)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            int s = 0;
+            while (gi >= seg[s].first_group + seg[s].groups) ++s;
+            const uint8_t* g = seg[s].data + (gi - seg[s].first_group) * group_bytes(seg[s].format, K);
+            float out[ROW_TILE][COLS];
+            for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // rows in tiles of even sizes
+                const int R = (int)(M / tiles + (t < M % tiles));
+                (pr ? group_fn<true>(seg[s].format, R) : group_fn<false>(seg[s].format, R))(g, rows_here, r0, out);
+                for (int r = 0; r < R; ++r)
+                    qmm_store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16, gi * COLS, out[r], COLS);
+                r0 += R;
+            }
+        }
+    }
+    return 0;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 3: AVX-512 VNNI, 2: AVX-VNNI (ymm), 1: AVX2, 0: not built.
+int lm_kqmm_path() { return KQ_PATH; }
+
+// y [M, N] (bfloat16 when y_bf16, else float32) = x [M, K] (bfloat16 / float32, rows packed) times the
+// packed K-quant weight's transpose; precise: remainder codes too. Returns 0, 1 for a weight or shape it
+// does not take, 2 when built without a path. lm_qmm passes its calls here for bits = 256.
+int lm_kqmm(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
+            int y_bf16, int threads) {
+#if KQ_PATH >= 1
+    return matmul(precise, x, x_bf16, M, K, w, N, y, y_bf16, threads);
+#else
+    (void)precise; (void)x; (void)x_bf16; (void)M; (void)K; (void)w; (void)N; (void)y; (void)y_bf16; (void)threads;
+    return 2;
+#endif
+}
+}
