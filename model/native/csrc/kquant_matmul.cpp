@@ -50,10 +50,9 @@
 
 #include "native_common.h"
 
-// quant_matmul.cpp's activation rows and output stores, shared so that both kernels quantize a row alike
+// quant_matmul.cpp's activation rows, shared so that both kernels quantize a row alike
 void qmm_quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx, int32_t* sh,
                       int32_t* sl, int64_t cs, int64_t ss);
-void qmm_store_row(void* y, int bf16, int64_t n0, const float* v, int count);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KQ_PATH 3
@@ -130,15 +129,18 @@ struct Acts {  // a call's quantized rows, block-major (the header)
 void row_starts(const int8_t* codes, int64_t M, int64_t r, int64_t KB, bool precise, int32_t* starts) {
     for (int64_t b = 0; b < KB; ++b) {
         const int8_t* c = codes + (b * M + r) * 64;
-        int32_t h[2] = {0, 0}, l[2] = {0, 0};
-        for (int t = 0; t < QB; ++t) h[t / 16] += c[t];
-        if (precise)
-            for (int t = 0; t < QB; ++t) l[t / 16] += c[32 + t];
+        int32_t h0 = 0, h1 = 0, l0 = 0, l1 = 0;  // the code sums of each half (scalars: they vectorize)
+        for (int t = 0; t < 16; ++t) {
+            h0 += c[t];
+            h1 += c[16 + t];
+            l0 += c[32 + t];  // remainder codes (unused with one code)
+            l1 += c[48 + t];
+        }
         int32_t* s = starts + (b * M + r) * 4;
-        s[0] = precise ? 0 : -8 * (h[0] + h[1]);
-        s[1] = precise ? 0 : -16 * (h[0] + h[1]);
-        s[2] = -32 * (precise ? 256 * h[0] + l[0] : h[0]);
-        s[3] = -32 * (precise ? 256 * h[1] + l[1] : h[1]);
+        s[0] = precise ? 0 : -8 * (h0 + h1);
+        s[1] = precise ? 0 : -16 * (h0 + h1);
+        s[2] = -32 * (precise ? 256 * h0 + l0 : h0);
+        s[3] = -32 * (precise ? 256 * h1 + l1 : h1);
     }
 }
 
@@ -166,87 +168,150 @@ struct RowBuffers {  // one thread's buffers for a call's quantized rows, kept f
 #if KQ_PATH == 3
 typedef int32_t __attribute__((may_alias)) int32_alias;
 
-// acc += w (unsigned bytes) x the 4 signed codes at p, broadcast from the instruction's memory operand
-inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_alias*)p));
-    return acc;
-}
+// The vector operations the kernel takes, over the lanes one register holds: a group's 16 columns in one
+// zmm (AVX-512), or in two ymm halves of 8 (AVX2 / AVX-VNNI). One implementation below serves both, so
+// the two builds do the same float operations per lane in the same order (the same bits).
+struct V {
+    typedef __m512i I;
+    typedef __m512 F;
+    static const int LANES = 16, HALVES = 1;
+    static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    static I bytes(char b) { return _mm512_set1_epi8(b); }
+    static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+    static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+    static I shift_bits(I v, int s) {  // within 16-bit lanes: left by s, right by -s
+        return s > 0 ? _mm512_slli_epi16(v, s) : (s < 0 ? _mm512_srli_epi16(v, -s) : v);
+    }
+    static I start(const int32_t* p) { return _mm512_set1_epi32(*p); }  // a broadcast from memory
+    static I zero() { return _mm512_setzero_si512(); }
+    static I join(I h, I l) { return _mm512_add_epi32(_mm512_slli_epi32(h, 8), l); }  // 256 h + l
+    // acc += w (unsigned bytes) x the 4 signed codes at p, broadcast from the instruction's memory operand
+    static I dot(I acc, I w, const int8_t* p) {
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_alias*)p));
+        return acc;
+    }
+    static F fzero() { return _mm512_setzero_ps(); }
+    static F set1(float v) { return _mm512_set1_ps(v); }
+    static F floats(I v) { return _mm512_cvtepi32_ps(v); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    static F halfs(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    template <bool SIGNED>
+    static F byte_floats(const uint8_t* p) {  // exact
+        const __m128i b = _mm_loadu_si128((const __m128i*)p);
+        return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+    }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#elif KQ_PATH >= 1
+struct V {
+    typedef __m256i I;
+    typedef __m256 F;
+    static const int LANES = 8, HALVES = 2;
+    static I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+    static I bytes(char b) { return _mm256_set1_epi8(b); }
+    static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+    static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+    static I shift_bits(I v, int s) { return s > 0 ? _mm256_slli_epi16(v, s) : (s < 0 ? _mm256_srli_epi16(v, -s) : v); }
+    static I start(const int32_t* p) { return _mm256_set1_epi32(*p); }
+    static I zero() { return _mm256_setzero_si256(); }
+    static I join(I h, I l) { return _mm256_add_epi32(_mm256_slli_epi32(h, 8), l); }
+    // u8 codes x s8 activations, 4 products per int32 lane, added on (codes <= 63: maddubs's pairs stay
+    // within int16)
+    static I dot(I acc, I w, const int8_t* p) {
+        int32_t x;
+        memcpy(&x, p, 4);
+#if KQ_PATH == 2
+        return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x));
+#else
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)),
+                                                       _mm256_set1_epi16(1)));
+#endif
+    }
+    static F fzero() { return _mm256_setzero_ps(); }
+    static F set1(float v) { return _mm256_set1_ps(v); }
+    static F floats(I v) { return _mm256_cvtepi32_ps(v); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    static F halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    template <bool SIGNED>
+    static F byte_floats(const uint8_t* p) {
+        const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+        return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
 
-// v's bits moved left by s (right by -s) within each 16-bit lane; the callers mask them per byte
-inline __m512i shift_bits(__m512i v, int s) {
-    return s > 0 ? _mm512_slli_epi16(v, s) : (s < 0 ? _mm512_srli_epi16(v, -s) : v);
-}
-
-// A block's codes for 16 columns, unpacked: chunk j's byte 4c + t is column c's code at k = chunk_k(j) + t.
+#if KQ_PATH >= 1
+// Columns LANES h .. of a block's codes, unpacked: chunk j's byte 4c + t is column c's code at
+// k = chunk_k(j) + t (a half of each 64-byte chunk on the ymm paths).
 template <int F>
-inline void unpack(const uint8_t* g, __m512i w[8]) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
+inline void unpack(const uint8_t* g, int h, V::I w[8]) {
+    const int at = 4 * V::LANES * h;
+    const V::I low = V::bytes(0x0F);
     for (int a = 0; a < 4; ++a) {
-        const __m512i p = _mm512_loadu_si512(g + 64 * a);
-        w[2 * a] = _mm512_and_si512(p, low);
-        w[2 * a + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        const V::I p = V::load(g + 64 * a + at);
+        w[2 * a] = V::and_(p, low);
+        w[2 * a + 1] = V::and_(V::shift_bits(p, -4), low);
     }
     if (F == Q5K) {
-        const __m512i hb = _mm512_loadu_si512(g + 256), bit = _mm512_set1_epi8(0x10);
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_or_si512(w[j], _mm512_and_si512(shift_bits(hb, 4 - j), bit));
+        const V::I hb = V::load(g + 256 + at), bit = V::bytes(0x10);
+        for (int j = 0; j < 8; ++j) w[j] = V::or_(w[j], V::and_(V::shift_bits(hb, 4 - j), bit));
     } else if (F == Q6K) {
-        const __m512i bits = _mm512_set1_epi8(0x30);
+        const V::I bits = V::bytes(0x30);
         for (int p = 0; p < 2; ++p) {
-            const __m512i hp = _mm512_loadu_si512(g + 256 + 64 * p);
-            for (int i = 0; i < 4; ++i)
-                w[4 * p + i] = _mm512_or_si512(w[4 * p + i], _mm512_and_si512(shift_bits(hp, 4 - 2 * i), bits));
+            const V::I hp = V::load(g + 256 + 64 * p + at);
+            for (int i = 0; i < 4; ++i) w[4 * p + i] = V::or_(w[4 * p + i], V::and_(V::shift_bits(hp, 4 - 2 * i), bits));
         }
     }
 }
 
 // The integer sum of chunks j0 .. j1 - 1 of a row-block: c = h (xl null) from `start`, or 256 h + l with
 // `start` added to the l chain.
-inline __m512i chunk_sum(const __m512i w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
-    __m512i s = _mm512_set1_epi32(*start);  // a broadcast from memory
+inline V::I chunk_sum(const V::I w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
+    V::I s = V::start(start);
     if (!xl) {
-        for (int j = j0; j < j1; ++j) s = dpbusd_bcast(s, w[j], xh + chunk_k(j));
+        for (int j = j0; j < j1; ++j) s = V::dot(s, w[j], xh + chunk_k(j));
         return s;
     }
-    __m512i h = _mm512_setzero_si512();
+    V::I hs = V::zero();
     for (int j = j0; j < j1; ++j) {
-        h = dpbusd_bcast(h, w[j], xh + chunk_k(j));
-        s = dpbusd_bcast(s, w[j], xl + chunk_k(j));
+        hs = V::dot(hs, w[j], xh + chunk_k(j));
+        s = V::dot(s, w[j], xl + chunk_k(j));
     }
-    return _mm512_add_epi32(_mm512_slli_epi32(h, 8), s);
+    return V::join(hs, s);
 }
 
-// 16 scale bytes -> 16 float32 lanes (exact): unsigned (Q4_K / Q5_K) or int8 (Q6_K)
-template <bool SIGNED>
-inline __m512 byte_floats(const uint8_t* p) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)p);
-    return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-}
-
-// Block j's float steps in the super-block whose header is at hdr: s0, s1 its sub-blocks' d sc (Q6_K: its
-// two halves; else both the same) and mt, what multiplies its float sum of x (Q4_K / Q5_K): C d sc - dmin m
-// rounded once (C d sc and dmin m are exact), or - dmin m with two codes.
+// Block j's float steps (columns LANES h ..) in the super-block whose header is at hdr: s0, s1 its
+// sub-blocks' d sc (Q6_K: its two halves; else both the same) and mt, what multiplies its float sum of x
+// (Q4_K / Q5_K): C d sc - dmin m rounded once (C d sc and dmin m are exact), or - dmin m with two codes.
 template <int F, bool PRECISE>
-inline void block_steps(const uint8_t* hdr, const ScaleBytes& sb, int j, __m512& s0, __m512& s1, __m512& mt) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hdr));
+inline void block_steps(const uint8_t* hdr, const ScaleBytes& sb, int j, int h, V::F& s0, V::F& s1, V::F& mt) {
+    const int c = V::LANES * h;
+    const V::F d = V::halfs(hdr + 2 * c);
     if (F == Q6K) {
-        s0 = _mm512_mul_ps(d, byte_floats<true>(hdr + 32 + 32 * j));
-        s1 = _mm512_mul_ps(d, byte_floats<true>(hdr + 48 + 32 * j));
-        mt = _mm512_setzero_ps();
+        s0 = V::mul(d, V::byte_floats<true>(hdr + 32 + 32 * j + c));
+        s1 = V::mul(d, V::byte_floats<true>(hdr + 48 + 32 * j + c));
+        mt = V::fzero();
         return;
     }
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hdr + 32)));
-    s0 = s1 = _mm512_mul_ps(d, byte_floats<false>(sb.sc[j]));
-    const __m512 base = PRECISE ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_set1_ps((float)CENTRE[F]), s0);
-    mt = _mm512_fnmadd_ps(dmin, byte_floats<false>(sb.mn[j]), base);
+    const V::F dmin = V::halfs(hdr + 32 + 2 * c);
+    s0 = s1 = V::mul(d, V::byte_floats<false>(sb.sc[j] + c));
+    const V::F base = PRECISE ? V::fzero() : V::mul(V::set1((float)CENTRE[F]), s0);
+    mt = V::fnmadd(dmin, V::byte_floats<false>(sb.mn[j] + c), base);
 }
 
 // rows r0 .. r0 + R - 1 of one column group over all super-blocks (R <= ROW_TILE): accumulators in
 // registers, each block's codes unpacked and its steps formed once for the R rows.
 template <int R, int F, bool PRECISE>
 void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) {
-    __m512 acc[R];
+    V::F acc[R][V::HALVES];
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < V::HALVES; ++h) acc[r][h] = V::fzero();
     const int64_t M = a.M;
     const int8_t* c = a.codes + r0 * 64;
     const float* dx = a.dx + r0;
@@ -260,150 +325,33 @@ void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) 
         g += HEADER_BYTES[F];
         for (int j = 0; j < SUB; ++j, g += BLOCK_BYTES[F], c += M * 64, dx += M, sx += M, st += M * 4) {
             prefetch_ahead(g, BLOCK_BYTES[F]);
-            __m512i w[8];
-            unpack<F>(g, w);
-            __m512 s0, s1, mt;
-            block_steps<F, PRECISE>(hdr, sb, j, s0, s1, mt);
-#pragma GCC unroll 12
-            for (int r = 0; r < R; ++r) {
-                const int8_t* xh = c + r * 64;
-                const int8_t* xl = PRECISE ? xh + 32 : nullptr;
-                const __m512 u = _mm512_set1_ps(unit_of(PRECISE, dx[r]));
-                if (F == Q6K) {
-                    const __m512i lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
-                    const __m512i hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, u), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, u), acc[r]);
-                } else {
-                    const __m512i sum = chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s0, u), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(mt, _mm512_set1_ps(sx[r]), acc[r]);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
-}
-#elif KQ_PATH >= 1
-// 8 lanes: u8 codes x s8 activations, 4 products per int32 lane, added on (codes <= 63: maddubs's
-// pairs stay within int16)
-inline __m256i dot_u8s8(__m256i acc, __m256i w, const int8_t* p) {
-    int32_t x;
-    memcpy(&x, p, 4);
-#if KQ_PATH == 2
-    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x));
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
-#endif
-}
-
-inline __m256i shift_bits(__m256i v, int s) {
-    return s > 0 ? _mm256_slli_epi16(v, s) : (s < 0 ? _mm256_srli_epi16(v, -s) : v);
-}
-
-// columns 8h .. 8h + 7 of a block's unpacked codes (the AVX-512 path's unpack, a half at a time)
-template <int F>
-inline void unpack(const uint8_t* g, int h, __m256i w[8]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int a = 0; a < 4; ++a) {
-        const __m256i p = _mm256_loadu_si256((const __m256i*)(g + 64 * a + 32 * h));
-        w[2 * a] = _mm256_and_si256(p, low);
-        w[2 * a + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-    }
-    if (F == Q5K) {
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)(g + 256 + 32 * h)), bit = _mm256_set1_epi8(0x10);
-        for (int j = 0; j < 8; ++j) w[j] = _mm256_or_si256(w[j], _mm256_and_si256(shift_bits(hb, 4 - j), bit));
-    } else if (F == Q6K) {
-        const __m256i bits = _mm256_set1_epi8(0x30);
-        for (int p = 0; p < 2; ++p) {
-            const __m256i hp = _mm256_loadu_si256((const __m256i*)(g + 256 + 64 * p + 32 * h));
-            for (int i = 0; i < 4; ++i)
-                w[4 * p + i] = _mm256_or_si256(w[4 * p + i], _mm256_and_si256(shift_bits(hp, 4 - 2 * i), bits));
-        }
-    }
-}
-
-inline __m256i chunk_sum(const __m256i w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
-    __m256i s = _mm256_set1_epi32(*start);
-    if (!xl) {
-        for (int j = j0; j < j1; ++j) s = dot_u8s8(s, w[j], xh + chunk_k(j));
-        return s;
-    }
-    __m256i h = _mm256_setzero_si256();
-    for (int j = j0; j < j1; ++j) {
-        h = dot_u8s8(h, w[j], xh + chunk_k(j));
-        s = dot_u8s8(s, w[j], xl + chunk_k(j));
-    }
-    return _mm256_add_epi32(_mm256_slli_epi32(h, 8), s);
-}
-
-template <bool SIGNED>
-inline __m256 byte_floats(const uint8_t* p) {  // 8 scale bytes -> 8 float32 lanes (exact)
-    const __m128i b = _mm_loadl_epi64((const __m128i*)p);
-    return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-}
-
-// columns 8h .. 8h + 7 of the AVX-512 path's block_steps (the same values)
-template <int F, bool PRECISE>
-inline void block_steps(const uint8_t* hdr, const ScaleBytes& sb, int j, int h, __m256& s0, __m256& s1, __m256& mt) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hdr + 16 * h)));
-    if (F == Q6K) {
-        s0 = _mm256_mul_ps(d, byte_floats<true>(hdr + 32 + 32 * j + 8 * h));
-        s1 = _mm256_mul_ps(d, byte_floats<true>(hdr + 48 + 32 * j + 8 * h));
-        mt = _mm256_setzero_ps();
-        return;
-    }
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hdr + 32 + 16 * h)));
-    s0 = s1 = _mm256_mul_ps(d, byte_floats<false>(sb.sc[j] + 8 * h));
-    const __m256 base = PRECISE ? _mm256_setzero_ps() : _mm256_mul_ps(_mm256_set1_ps((float)CENTRE[F]), s0);
-    mt = _mm256_fnmadd_ps(dmin, byte_floats<false>(sb.mn[j] + 8 * h), base);
-}
-
-template <int R, int F, bool PRECISE>
-void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) {
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const int64_t M = a.M;
-    const int8_t* c = a.codes + r0 * 64;
-    const float* dx = a.dx + r0;
-    const float* sx = a.sx + r0;
-    const int32_t* st = a.starts + r0 * 4;
-    ScaleBytes sb;
-    for (int64_t s = 0; s < a.KB / SUB; ++s) {
-        const uint8_t* hdr = g;
-        prefetch_ahead(g, HEADER_BYTES[F]);
-        if (F != Q6K) scale_bytes(hdr + 64, sb);
-        g += HEADER_BYTES[F];
-        for (int j = 0; j < SUB; ++j, g += BLOCK_BYTES[F], c += M * 64, dx += M, sx += M, st += M * 4) {
-            prefetch_ahead(g, BLOCK_BYTES[F]);
-            for (int h = 0; h < 2; ++h) {
-                __m256i w[8];
+            for (int h = 0; h < V::HALVES; ++h) {
+                V::I w[8];
                 unpack<F>(g, h, w);
-                __m256 s0, s1, mt;
+                V::F s0, s1, mt;
                 block_steps<F, PRECISE>(hdr, sb, j, h, s0, s1, mt);
+#pragma GCC unroll 12
                 for (int r = 0; r < R; ++r) {
                     const int8_t* xh = c + r * 64;
                     const int8_t* xl = PRECISE ? xh + 32 : nullptr;
-                    const __m256 u = _mm256_set1_ps(unit_of(PRECISE, dx[r]));
+                    const V::F u = V::set1(unit_of(PRECISE, dx[r]));
+                    V::F& y = acc[r][h];
                     if (F == Q6K) {
-                        const __m256i lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
-                        const __m256i hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
-                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, u), acc[r][h]);
-                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, u), acc[r][h]);
+                        const V::I lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
+                        const V::I hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
+                        y = V::fmadd(V::floats(lo), V::mul(s0, u), y);
+                        y = V::fmadd(V::floats(hi), V::mul(s1, u), y);
                     } else {
-                        const __m256i sum = chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F);
-                        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s0, u), acc[r][h]);
-                        acc[r][h] = _mm256_fmadd_ps(mt, _mm256_set1_ps(sx[r]), acc[r][h]);
+                        y = V::fmadd(V::floats(chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F)), V::mul(s0, u), y);
+                        y = V::fmadd(mt, V::set1(sx[r]), y);
                     }
                 }
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        _mm256_storeu_ps(out[r], acc[r][0]);
-        _mm256_storeu_ps(out[r] + 8, acc[r][1]);
-    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < V::HALVES; ++h) V::store(out[r] + V::LANES * h, acc[r][h]);
 }
 #endif
 
@@ -486,8 +434,11 @@ int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const u
             for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // rows in tiles of even sizes
                 const int R = (int)(M / tiles + (t < M % tiles));
                 (pr ? group_fn<true>(seg[s].format, R) : group_fn<false>(seg[s].format, R))(g, rows_here, r0, out);
-                for (int r = 0; r < R; ++r)
-                    qmm_store_row((char*)y + (r0 + r) * N * (y_bf16 ? 2 : 4), y_bf16, gi * COLS, out[r], COLS);
+                for (int r = 0; r < R; ++r) {  // a group's 16 outputs of a row: bfloat16 (nearest even) or float32
+                    const int64_t at = (r0 + r) * N + gi * COLS;
+                    if (y_bf16) BF16::store((uint16_t*)y + at, F32::load(out[r]));
+                    else memcpy((float*)y + at, out[r], sizeof out[r]);
+                }
                 r0 += R;
             }
         }

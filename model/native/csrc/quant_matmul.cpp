@@ -223,12 +223,11 @@ static inline void store_row(void* y, int bf16, int64_t n0, const float* v, int 
     }
 }
 
-// For kquant_matmul.cpp, whose activations are these same codes: quantize_row and store_row by name.
+// For kquant_matmul.cpp, whose activations are these same codes: quantize_row by name.
 void qmm_quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx, int32_t* sh,
                       int32_t* sl, int64_t cs, int64_t ss) {
     quantize_row(x, bf16, K, xh, xl, dx, sx, sh, sl, cs, ss);
 }
-void qmm_store_row(void* y, int bf16, int64_t n0, const float* v, int count) { store_row(y, bf16, n0, v, count); }
 
 struct Acts {  // the quantized rows of one call
     const int8_t *xh, *xl;  // [M, K] codes and remainder codes
