@@ -45,6 +45,8 @@ BENCHMARKS = {b.name: b for b in (
               "where a batch-1 decode step's time goes: linears, attention, the rest"),
     Benchmark("quant-kernels", "lmserve.server.bench.quant_kernels",
               "the weight-only linear kernels on a GGUF's weights against the read bandwidth"),
+    Benchmark("kquant-kernels", "lmserve.server.bench.kquant_kernels",
+              "the K-quant kernel beside the int4 and int8 ones at Llama-3.2-1B's shapes, weights from memory"),
     Benchmark("attention-kernels", "lmserve.server.bench.attention_kernels",
               "prompt attention per layer, beside another revision's kernels if asked"),
     Benchmark("machine-peaks", "lmserve.server.bench.machine_peaks",
