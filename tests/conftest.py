@@ -34,6 +34,20 @@ def native_kernels_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("native-kernels")
 
 
+@pytest.fixture(scope="module")
+def quant_kernel(native_kernels_dir):
+    """The native quantized kernel (quant_matmul.py, K-quants included), built once into the session's
+    kernels cache and pointed at for the module (as the loader points it at its own); skips the module
+    where it cannot be built."""
+    from lmserve.model.linear import quant_matmul as QM
+
+    QM.use_cache_dir(native_kernels_dir)
+    if QM.default_kernel() is None:
+        pytest.skip("no C++ compiler or no AVX2 here")
+    yield QM.default_kernel()
+    QM.use_cache_dir(None)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_path):
     """SmolLM2's byte-level BPE tokenizer, read from the GGUF's metadata (no weights loaded)."""

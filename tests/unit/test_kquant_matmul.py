@@ -29,13 +29,7 @@ Q4K, Q5K, Q6K = 12, 13, 14
 EPS = 2.0 ** -24  # float32's unit roundoff
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built(tmp_path_factory):
-    QM.use_cache_dir(tmp_path_factory.mktemp("kernels"))
-    if QM.default_kernel() is None:
-        pytest.skip("no C++ compiler or no AVX2 here")
-    yield
-    QM.use_cache_dir(None)
+pytestmark = pytest.mark.usefixtures("quant_kernel")
 
 
 def random_blocks(qtype: int, N: int, K: int, seed: int) -> KQuantBlocks:

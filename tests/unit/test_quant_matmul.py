@@ -25,14 +25,7 @@ from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.model.linear.formats import Q41Blocks, Q80Blocks, quantize_q41, quantize_q80
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built(tmp_path_factory):
-    """The library built into this module's own cache directory (as the loader points it at its own)."""
-    QM.use_cache_dir(tmp_path_factory.mktemp("kernels"))
-    if QM.default_kernel() is None:
-        pytest.skip("no C++ compiler or no AVX2 here")
-    yield
-    QM.use_cache_dir(None)
+pytestmark = pytest.mark.usefixtures("quant_kernel")
 
 
 @pytest.fixture(scope="module")
