@@ -51,6 +51,7 @@ class Frontend:
         self.engine = None
         self.model_name: str | None = None  # the name reported; requests may use any of model_names
         self.model_names: tuple[str, ...] = ()
+        self._ending: set[str] = set()  # requests an edge ended early (end): their end is not an error
 
     def attach(self, engine, model_name: str, *aliases: str) -> None:
         """Start answering with this engine (until then every call is UNAVAILABLE: the model is loading).
@@ -111,6 +112,12 @@ class Frontend:
                 usage = chunk.usage or usage
         return usage
 
+    def end(self, request: Request) -> None:
+        """Stop a running request early, as an edge decides (its answer is complete): its stream still
+        ends with a final chunk (finish_reason CANCELLED, its usage), not an error; its KV is freed."""
+        self._ending.add(request.request_id)
+        self.engine.cancel(request.request_id)
+
     async def run(self, request: Request, announce: bool = False) -> AsyncIterator[GenerationChunk | None]:
         """Submit (admission errors raise before any chunk) and yield the chunks; a request that ends
         abnormally raises EdgeError. Leaving early cancels the request and frees its KV.
@@ -123,12 +130,16 @@ class Frontend:
             if announce:
                 yield None
             async for chunk in stream:
+                if chunk.finish_reason is FinishReason.CANCELLED and request.request_id in self._ending:
+                    yield chunk
+                    continue
                 if chunk.finish_reason is FinishReason.ERROR:
                     raise EdgeError(Failure.INTERNAL, chunk.error or "generation failed")
                 if chunk.finish_reason in _ENDINGS:
                     raise EdgeError(*_ENDINGS[chunk.finish_reason])
                 yield chunk
         finally:
+            self._ending.discard(request.request_id)
             await stream.aclose()
             self.in_flight -= 1
 

@@ -13,7 +13,8 @@ methods the edges run on their worker threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from lmserve.model.text.chat_template import ChatTemplateError, NoChatTemplateError
@@ -21,6 +22,9 @@ from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.v1 import lmserve_pb2 as pb
 
 from .engine.constraints import Constraint, ConstraintLimits
+from .tools import ToolCall, ToolUse
+from .tools.grammar import generation_schema, tool_grammar
+from .tools.prompt import SpecialText, renders_tools, template_input
 from .engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Request, RequestValidationError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -45,10 +49,13 @@ class InputLimits:
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """One chat message (pb.ChatMessage, which has the same two fields, is accepted wherever this is)."""
+    """One chat message (pb.ChatMessage, which has the first two fields, is accepted wherever this is):
+    an assistant's calls, or the id of the call a `tool` message answers."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class GenerateInput:
     params: InputParams = field(default_factory=InputParams)
     request_id: str = ""
     parse_special_tokens: bool = False
+    tools: ToolUse | None = None  # the functions the model may call (chat only)
 
     @property
     def kind(self) -> str | None:
@@ -226,15 +234,56 @@ class InputConverter:
     def __init__(self, tokenizer: Tokenizer, engine):
         self.tokenizer = tokenizer
         self.engine = engine
+        self._native_tools: bool | None = None
 
-    def _chat(self, msgs: Sequence[ChatTurn], field: str, add_generation_prompt: bool = True) -> tuple[list[int], str]:
-        messages = [{"role": m.role, "content": m.content} for m in msgs]
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template renders tools itself (else server/tools/prompt.py's fallback does)."""
+        if self._native_tools is None:
+            self._native_tools = renders_tools(self.tokenizer.apply_chat_template)
+        return self._native_tools
+
+    def _chat(self, msgs: Sequence[ChatTurn], field: str, add_generation_prompt: bool = True,
+              tools: ToolUse | None = None) -> tuple[list[int], str]:
+        variables = {}
+        if tools is None and not any(getattr(m, "tool_calls", ()) or getattr(m, "tool_call_id", None) for m in msgs):
+            messages = [{"role": m.role, "content": m.content} for m in msgs]
+        else:
+            try:
+                messages, variables = template_input(msgs, tools, self.template_renders_tools,
+                                                     self.tokenizer.has_special_text)
+            except SpecialText as exc:
+                raise RequestValidationError([(exc.field, str(exc))]) from None
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **variables)
         except NoChatTemplateError as exc:
             raise RequestValidationError([(field, str(exc))]) from None
         except ChatTemplateError as exc:  # the checkpoint's template refused the conversation (raise_exception)
             raise RequestValidationError([(field, f"the model's chat template rejected these messages: {exc}")]) from None
+
+    def _tool_constraint(self, use: ToolUse, sent: tuple[str, object] | None):
+        """The compiled constraint of a request offering tools: each function's schema compiled alone first
+        (a failure names tools[i].function.parameters), then the grammar of the calls (None under `none`,
+        where a response_format's constraint applies as without tools)."""
+        compiler = self.engine.constraints
+        for i, tool in enumerate(use.tools):
+            try:
+                compiler.compile(Constraint.json_schema(generation_schema(tool.schema)))
+            except RequestValidationError as exc:
+                raise RequestValidationError([(f"tools[{i}].function.parameters", d) for _, d in exc.violations]) from None
+        if not use.calls_allowed:
+            return None
+        answer = None
+        if sent is not None and sent[0] in ("json_schema", "json_object"):  # the alternative to calls under auto
+            try:
+                compiler.compile(build_constraint(sent))
+            except RequestValidationError as exc:
+                raise RequestValidationError([(f"params.{f}", d) for f, d in exc.violations]) from None
+            answer = json.loads(sent[1]) if sent[0] == "json_schema" else {"type": "object"}
+        try:
+            return compiler.compile(Constraint.grammar(tool_grammar(use, answer)))
+        except RequestValidationError as exc:
+            raise RequestValidationError([("tools", d) for _, d in exc.violations]) from None
 
     def _params(self, p: InputParams, prompt_len: int) -> SamplingParams:
         s = self.engine.settings
@@ -270,9 +319,13 @@ class InputConverter:
         elif kind == "token_ids":
             ids = list(req.token_ids)
         else:
-            ids, _ = self._chat(req.messages, "messages")
-        request = Request(prompt_ids=ids, params=self._params(req.params, len(ids)), request_id=engine_id,
-                          deadline=deadline, origin=origin)
+            ids, _ = self._chat(req.messages, "messages", tools=req.tools)
+        compiled = self._tool_constraint(req.tools, req.params.constraint) if req.tools is not None else None
+        params = self._params(req.params, len(ids))
+        if compiled is not None:
+            params = replace(params, constraint=compiled.constraint)
+        request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin,
+                          compiled=compiled)
         try:
             self.engine.validate(request)
         except RequestValidationError as exc:  # name fields as the proto does

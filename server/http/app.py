@@ -30,11 +30,12 @@ from ..edge_errors import EdgeError, Failure
 from ..engine.outputs import GenerationResult, Usage
 from ..engine.request import RequestValidationError
 from ..frontend import Frontend, new_request_id
+from ..tools.parser import CallParser
 from .errors import error_body, problem_of, render, renamed
 from .choices import admit, gather_all, merged
 from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, check_model, parse_body, translate
-from .openai_responses import (DONE, StreamEvents, choice_body, completion_body, error_event, logprobs_of,
-                               total_usage)
+from .openai_responses import (DONE, StreamEvents, choice_body, completion_body, error_event, finish_name,
+                               logprobs_of, total_usage)
 from .sse import EventStream, unless_disconnected
 
 log = logging.getLogger("lmserve.http")
@@ -117,8 +118,8 @@ class OpenAIEdge:
         headers = {"x-request-id": rid}
         created = int(time.time())
         if req.stream:
-            return EventStream(self._events(req, rid, created, runs, shared), headers)
-        return await self._whole(request, req, rid, created, runs, shared, headers)
+            return EventStream(self._events(req, rid, created, samples, runs, shared), headers)
+        return await self._whole(request, req, rid, created, samples, runs, shared, headers)
 
     def _prepare(self, raw: bytes, chat: bool, rid: str) -> tuple[OpenAIRequest, list]:
         """On a worker thread: body -> OpenAIRequest -> engine Requests, one per choice (the path gRPC
@@ -133,17 +134,21 @@ class OpenAIEdge:
             raise renamed(exc, req.names) from None
         return req, self.frontend.samples(engine_request, req.n)
 
-    async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, runs: list,
+    async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, samples: list, runs: list,
                      shared: Usage | None, headers: dict) -> Response:
-        async def collect(chunks) -> GenerationResult:
+        calls = [CallParser() for _ in runs] if req.reads_calls else None  # each choice's calls, read as they come
+
+        async def collect(i: int) -> GenerationResult:
             result = GenerationResult(request_id=rid)
-            async with contextlib.aclosing(chunks):
+            async with contextlib.aclosing(runs[i]) as chunks:
                 async for chunk in chunks:
                     result.add(chunk)
+                    if calls is not None:
+                        self._read_calls(calls[i], chunk, samples[i])
             return result
 
         try:
-            results = await unless_disconnected(request.receive, gather_all([collect(c) for c in runs]))
+            results = await unless_disconnected(request.receive, gather_all([collect(i) for i in range(len(runs))]))
             if results is None:  # the client left: its requests were cancelled
                 return Response(status_code=499)
             choices = []
@@ -151,18 +156,20 @@ class OpenAIEdge:
                 lps = None
                 if req.logprobs:
                     lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, result.logprobs, req.chat)
-                choices.append(choice_body(req, i, result.text, result.finish_reason, lps))
+                choices.append(choice_body(req, i, result.text, result.finish_reason, lps, calls and calls[i]))
         except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
             status, body = render(problem_of(exc, req.names))
             return error_response(status, body, rid)
         usage = total_usage([r.usage for r in results], shared)
         return json_response(completion_body(req, rid, created, choices, usage), headers=headers)
 
-    async def _events(self, req: OpenAIRequest, rid: str, created: int, runs: list, shared: Usage | None):
+    async def _events(self, req: OpenAIRequest, rid: str, created: int, samples: list, runs: list,
+                      shared: Usage | None):
         """The SSE events of a streamed answer; an error after the start is an event, then [DONE]."""
         events = StreamEvents(req, rid, created)
         offsets = [0] * len(runs)
         usages = [None] * len(runs)
+        calls = [CallParser() for _ in runs] if req.reads_calls else None  # each choice's calls, read as they come
         try:
             if req.chat:
                 for i in range(len(runs)):
@@ -174,7 +181,15 @@ class OpenAIEdge:
                         lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, chunk.logprobs,
                                                           req.chat, offsets[i])
                         offsets[i] += len(chunk.text)
-                    if chunk.text or chunk.finished or lps:
+                    if calls is not None:
+                        deltas = self._read_calls(calls[i], chunk, samples[i])
+                        for k, delta in enumerate(deltas):
+                            yield events.delta(delta, lps if k == 0 else None, i)
+                        if lps and not deltas:
+                            yield events.piece("", lps, None, i)
+                        if chunk.finished:
+                            yield events.finish(finish_name(chunk.finish_reason, calls[i]), i)
+                    elif chunk.text or chunk.finished or lps:
                         yield events.piece(chunk.text, lps, chunk.finish_reason, i)
                     if chunk.finished:
                         usages[i] = chunk.usage
@@ -183,6 +198,15 @@ class OpenAIEdge:
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error becomes an event
             yield error_event(problem_of(exc, req.names))
         yield DONE
+
+    def _read_calls(self, calls: CallParser, chunk, sample) -> list:
+        """A chunk's text read for calls; a call repeating an earlier one ends the answer (its request is
+        stopped, its last chunk still comes)."""
+        repeated = calls.repeated
+        deltas = calls.feed(chunk.text)
+        if calls.repeated and not repeated and not chunk.finished:
+            self.frontend.end(sample)
+        return deltas + (calls.finish() if chunk.finished else [])
 
     async def _body(self, request: Request) -> bytes:
         """The request body, at most max_body_bytes, arriving within read_timeout."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from ..edge_errors import EdgeError, Failure
 from ..engine.request import RequestValidationError
 from ..inputs import ChatTurn, GenerateInput, InputParams
+from ..tools import MAX_TOOLS, Tool, ToolCall, ToolUse
+from ..tools.spec import NAME
 from .errors import OpenAINames
 
 log = logging.getLogger("lmserve.http")
@@ -28,20 +30,21 @@ log = logging.getLogger("lmserve.http")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Accepted as given and not acted on: they cannot change what is generated (hints for caching, routing
 # and abuse tracking on OpenAI's side).
-NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                       "prompt_cache_retention", "safety_identifier"})
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                       "safety_identifier"})
 # Known OpenAI parameters this server does not implement; each is a 400 naming it unless null/default.
-UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "audio", "modalities",
+UNSUPPORTED = frozenset({"functions", "function_call", "audio", "modalities",
                          "reasoning_effort", "web_search_options", "echo", "suffix", "best_of", "verbosity"})
-_HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "tools": [], "functions": []}
+_HARMLESS_DEFAULTS = {"echo": False, "best_of": 1, "functions": []}
 _WHY_NOT = {"functions": "is the deprecated form of tools", "function_call": "is the deprecated form of tool_choice",
             "reasoning_effort": "applies to reasoning models; the model served here does not reason",
             "verbosity": "applies to reasoning models; the model served here does not reason"}
 # Chat roles the chat template knows; "developer" is OpenAI's newer name for "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 # message fields OpenAI defines that this server cannot take (unless null)
-_MESSAGE_REFUSED = frozenset({"tool_calls", "function_call", "audio"})
+_MESSAGE_REFUSED = frozenset({"function_call", "audio"})
+_TOOL_CHOICE = "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
 # OpenAI's documented ranges; lmserve's own (temperature: any finite value >= 0, as over gRPC) with
 # the extension field `lmserve_ranges: true`
 MAX_OPENAI_TEMPERATURE = 2.0
@@ -93,6 +96,11 @@ class OpenAIRequest:
     logprobs: bool = False  # return log-probabilities (chat: logprobs true; completions: logprobs set)
     user: str | None = None  # also a conversation key for load balancers (deploy/nginx)
     n: int = 1  # choices: samples of the same prompt
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the answer may hold tool calls, to be read out of its text."""
+        return self.input.tools is not None and self.input.tools.calls_allowed
 
 
 def parse_body(raw: bytes) -> dict:
@@ -179,9 +187,15 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
         logit_bias=_logit_bias(r.get("logit_bias", dict)),
     )
     if chat:
-        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params)
+        tools = _tool_use(r.get("tools", list), body.get("tool_choice"), r.get("parallel_tool_calls", bool))
+        r.seen.add("tool_choice")
+        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params,
+                            tools=tools)
     else:
-        r.seen.add("prompt")
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, []):
+                raise BodyError(name, "is served on /v1/chat/completions, not here")
+        r.seen.update(("prompt", "tools", "tool_choice", "parallel_tool_calls"))
         inp = _completion_input(body.get("prompt"), params)
     fields.unknown(sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT), endpoint)
     return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
@@ -228,8 +242,64 @@ def _prediction(prediction: dict | None) -> str:
     return _content(prediction["content"], "prediction.content", "user")
 
 
+def _tool_use(tools: list | None, choice, parallel: bool | None) -> ToolUse | None:
+    """tools, tool_choice and parallel_tool_calls -> ToolUse; None when no tools are offered."""
+    if not tools:
+        if choice in (None, "none", "auto"):
+            return None
+        raise BodyError("tool_choice", "needs tools to choose from")
+    if len(tools) > MAX_TOOLS:
+        raise BodyError("tools", f"at most {MAX_TOOLS} functions, got {len(tools)}")
+    parsed = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise BodyError(f"{where}.type", "must be 'function' (the only kind of tool served)")
+        f = t.get("function")
+        if not isinstance(f, dict):
+            raise BodyError(f"{where}.function", f"must be an object, got {_json_type(f)}")
+        r = _Reader(f, f"{where}.function.")
+        name = r.get("name", str, required=True)
+        if not NAME.fullmatch(name):
+            raise BodyError(f"{where}.function.name", f"must be 1 to 64 letters, digits, '_' or '-', got {name[:80]!r}")
+        if any(p.name == name for p in parsed):
+            raise BodyError(f"{where}.function.name", f"{name!r} is defined twice")
+        r.get("strict", bool)  # calls always follow the schema here
+        parsed.append(Tool(name, r.get("description", str) or "", r.get("parameters", dict)))
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolUse(tuple(parsed), choice or "auto", parallel=_or(parallel, True))
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        raise BodyError("tool_choice", _TOOL_CHOICE)
+    name = choice["function"].get("name")
+    if not any(t.name == name for t in parsed):
+        raise BodyError("tool_choice.function.name", f"{str(name)[:80]!r} is not a function in tools "
+                                                     f"({', '.join(t.name for t in parsed[:8])})")
+    return ToolUse(tuple(parsed), "function", name, parallel=_or(parallel, True))
+
+
+def _tool_calls(raw, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls -> ToolCalls (arguments as JSON text)."""
+    if not isinstance(raw, list):
+        raise BodyError(where, f"must be an array, got {_json_type(raw)}")
+    calls = []
+    for j, c in enumerate(raw):
+        at = f"{where}[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise BodyError(at, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}')
+        call_id = _Reader(c, f"{at}.").get("id", str, required=True)
+        f = _Reader(c["function"], f"{at}.function.")
+        arguments = c["function"].get("arguments")
+        if isinstance(arguments, dict):  # some clients send the object itself
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        elif not isinstance(arguments, str):
+            raise BodyError(f"{at}.function.arguments", f"must be a string of JSON, got {_json_type(arguments)}")
+        calls.append(ToolCall(call_id, f.get("name", str, required=True), arguments))
+    return tuple(calls)
+
+
 def _messages(raw: list, fields: FieldPolicy) -> list[ChatTurn]:
     turns = []
+    call_ids: set[str] = set()
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -243,7 +313,16 @@ def _messages(raw: list, fields: FieldPolicy) -> list[ChatTurn]:
         role = m.get("role")
         if role not in _ROLES:
             raise BodyError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {str(role)[:32]!r}")
-        turns.append(ChatTurn(_ROLES[role], _content(m.get("content"), f"{where}.content", role)))
+        calls, call_id = (), None
+        if role == "assistant" and m.get("tool_calls") is not None:
+            calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            call_ids.update(c.id for c in calls)
+        if role == "tool":
+            call_id = _Reader(m, f"{where}.").get("tool_call_id", str, required=True)
+            if call_id not in call_ids:
+                raise BodyError(f"{where}.tool_call_id", f"{call_id[:80]!r} matches no call of an earlier assistant "
+                                                         "message")
+        turns.append(ChatTurn(_ROLES[role], _content(m.get("content"), f"{where}.content", role), calls, call_id))
     return turns
 
 

@@ -14,6 +14,7 @@ from ..edge_errors import Problem
 from ..engine.outputs import TokenLogprob, Usage
 from ..engine.request import FinishReason
 from .errors import error_body
+from ..tools.parser import CallParser, Delta, ParsedCall
 from .openai_requests import OpenAIRequest
 
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -78,12 +79,30 @@ def logprobs_of(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0)
             "top_logprobs": [{dec([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
-def choice_body(req: OpenAIRequest, index: int, text: str, finish: FinishReason, logprobs: dict | None) -> dict:
-    """One choice of a whole response."""
+def finish_name(finish: FinishReason, calls: CallParser | None = None) -> str:
+    """OpenAI's finish_reason: `tool_calls` where the answer ended after complete calls (or at a repeat)."""
+    if calls is not None and (calls.repeated or (calls.complete_calls and finish in (FinishReason.EOS,
+                                                                                     FinishReason.STOP))):
+        return "tool_calls"
+    return FINISH.get(finish, "stop")
+
+
+def choice_body(req: OpenAIRequest, index: int, text: str, finish: FinishReason, logprobs: dict | None,
+                calls: CallParser | None = None) -> dict:
+    """One choice of a whole response; `calls`: a chat answer's text read for calls (it replaces `text`)."""
+    if calls is not None:
+        message = {"role": "assistant", "content": calls.content or (None if calls.calls else "")}
+        if calls.calls:
+            message["tool_calls"] = [call_body(c) for c in calls.calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_name(finish, calls)}
     if req.chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": FINISH.get(finish, "stop")}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, "stop")}
+
+
+def call_body(call: ParsedCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def completion_body(req: OpenAIRequest, rid: str, created: int, choices: list[dict], usage: Usage | None) -> bytes:
@@ -132,6 +151,23 @@ class StreamEvents:
         lp = "null" if logprobs is None else _dumps(logprobs)
         return (f'{self._head}{{"index":{index},{self._text_key}{_dumps(text)}{self._text_end},"logprobs":{lp},'
                 f'"finish_reason":{fr}}}{self._tail}').encode()
+
+    def delta(self, delta: Delta, logprobs: dict | None = None, index: int = 0) -> bytes:
+        """A chat choice's content or tool-call delta (OpenAI's delta.tool_calls: a call's index, id, type and
+        name first, then pieces of its arguments)."""
+        if delta.index is None:
+            return self.piece(delta.content, logprobs, None, index)
+        if delta.id is not None:
+            call = {"index": delta.index, "id": delta.id, "type": "function",
+                    "function": {"name": delta.name, "arguments": ""}}
+        else:
+            call = {"index": delta.index, "function": {"arguments": delta.arguments}}
+        return (f'{self._head}{{"index":{index},"delta":{{"tool_calls":[{_dumps(call)}]}},'
+                f'"logprobs":{"null" if logprobs is None else _dumps(logprobs)},"finish_reason":null}}{self._tail}').encode()
+
+    def finish(self, reason: str, index: int = 0) -> bytes:
+        """A choice's last event: no new text, its finish_reason."""
+        return f'{self._head}{{"index":{index},"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}{self._tail}'.encode()
 
     def usage(self, usage: Usage | None) -> bytes:
         """With stream_options.include_usage: a last event with no choices and the usage."""

@@ -100,3 +100,10 @@ def stub(server):
 def sp(trained_model_dir):
     """The trained model's own sentencepiece model: an independent tokenizer oracle."""
     return spm.SentencePieceProcessor(model_file=str(trained_model_dir / "tokenizer.model"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_http(start_session_server, smollm2_gguf_path):
+    """SmolLM2 for the tool-calling and client-library tests, shared by their modules: up to 24 requests
+    decode together (a set of schemas is sent at once)."""
+    return start_session_server(smollm2_gguf_path, threads=2, max_batch=24, metrics_port=None)

@@ -203,7 +203,7 @@ def test_a_bad_or_unsupported_parameter_is_a_400_naming_it(client, model_id, kwa
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(tools=[{"type": "web_search"}]), "tools[0].type"),  # function tools only
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema.schema"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
                                                                                          "if": {}}}}),
