@@ -10,7 +10,8 @@ Otherwise (SmolLM2's template, and most templates of models not trained for tool
 - a system message, or the text appended to the first one, lists the functions as JSON and shows the
   call envelope (`FALLBACK_INTRO`, `FALLBACK_FORMAT`); under `required` or a named function it says a
   call is expected; under `none` nothing is added;
-- an assistant message's calls are appended to its content as the envelope the model writes;
+- an assistant message's calls are appended to its content in words, `I called NAME(ARGUMENTS).` (shown
+  as envelopes, SmolLM2 copies its last call again instead of answering from its result);
 - `tool` messages become `user` messages saying what the call returned (consecutive results in one
   message), since such templates may refuse or mangle a `tool` role (and SmolLM2, given a `tool` turn
   or a `<tool_response>` block, repeats it instead of answering from it).
@@ -32,6 +33,7 @@ FALLBACK_INTRO = "You can call functions. These are available, as JSON schemas:"
 FALLBACK_FORMAT = ("To call a function, reply with the call and nothing else, in this form:\n"
                    '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
 FALLBACK_PARALLEL = "For several calls at once, write one such block after another."
+FALLBACK_CALLED = "I called {name}({arguments})."
 FALLBACK_RESULT = "The call {name} returned:\n{result}"
 _WHEN = {"auto": "Call a function when it helps to answer; otherwise answer in text.",
          "required": "Answer with a function call.",
@@ -130,7 +132,8 @@ def _fallback(turns, use: ToolUse | None) -> list[dict]:
             continue
         content = t.content
         if calls:
-            content = "\n".join(([content] if content else []) + [c.envelope() for c in calls])
+            called = " ".join(FALLBACK_CALLED.format(name=c.name, arguments=c.arguments) for c in calls)
+            content = f"{content}\n{called}" if content else called
         messages.append({"role": t.role, "content": content})
     for m in messages:
         m.pop("results", None)

@@ -150,7 +150,7 @@ def test_the_generation_schema_closes_objects_only_where_every_output_stays_vali
     jsonschema.validate(example, {k: v for k, v in gen.items() if k != "x-guidance"})
 
 
-def test_the_fallback_prompt_lists_the_tools_and_writes_earlier_calls_as_envelopes():
+def test_the_fallback_prompt_lists_the_tools_and_writes_earlier_calls_in_words():
     use = ToolUse((WEATHER, ADD), "required")
     call = ToolCall("call_1", "add", '{"a": 1, "b": 2}')
     turns = [ChatTurn("system", "Be brief."), ChatTurn("user", "1+2?"), ChatTurn("assistant", "", (call,)),
@@ -162,7 +162,7 @@ def test_the_fallback_prompt_lists_the_tools_and_writes_earlier_calls_as_envelop
     assert system.startswith("Be brief.\n\n") and FALLBACK_FORMAT in system and "Answer with a function call." in system
     listed = [json.loads(line) for line in system.splitlines() if line.startswith('{"name": "')]
     assert [t["name"] for t in listed] == ["get_weather", "add"] and listed[1]["parameters"] == ADD.parameters
-    assert messages[2]["content"] == call.envelope()
+    assert messages[2]["content"] == 'I called add({"a": 1, "b": 2}).'
     assert messages[3]["content"] == "The call add returned:\n3\n\nThe call add returned:\nok"
     none, _ = template_input([ChatTurn("user", "hi")], ToolUse((WEATHER,), "none"), native=False)
     assert none == [{"role": "user", "content": "hi"}]
