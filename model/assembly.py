@@ -115,19 +115,20 @@ def _linear_weights(shapes: Mapping[str, tuple]) -> set[str]:
 
 def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], dtype: torch.dtype,
                 device: torch.device | str, prepare: bool = True, plan=None, q41: dict | None = None,
-                q80: dict | None = None) -> LlamaForCausalLM:
+                q80: dict | None = None, fused_ops=None, native_lib=None) -> LlamaForCausalLM:
     """Check names and shapes against the config, then build the model (no random init).
 
     weights: tensors or sources by Hugging Face name (q41 / q80: GGUF Q4_0-Q4_1 / Q8_0 blocks of
     in-memory tensors, by name). prepare: fuse the linear layers and build them for serving
     (LlamaForCausalLM.prepare_for_inference): with a plan (tuning.precision.Plan), each role on its
     planned kernel straight from its sources, one role at a time; without, the default kernel for
-    dtype from the materialized weights.
+    dtype from the materialized weights. fused_ops, native_lib: the fused elementwise ops and the
+    library for steps in one native call (loader.native_parts); None: the torch ops, eager layers.
     """
     sources = as_sources(cfg, weights, q41, q80)
     shapes = check_shapes(cfg, sources)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, fused_ops)
     streamed = prepare and plan is not None
     # a streamed build reads the linears role by role below; everything else is read now, in dtype
     eager = [n for n in shapes if not (streamed and n in _linear_weights(shapes))]
@@ -140,9 +141,9 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], 
     model = model.eval().requires_grad_(False)
     if streamed:
         sourced = _Sourced(model, sources, cfg.tie_word_embeddings)
-        model.prepare_for_inference(sourced.releasing(planned_linears(plan.kernels, dtype, sourced)))
+        model.prepare_for_inference(sourced.releasing(planned_linears(plan.kernels, dtype, sourced)), native_lib)
     elif prepare:
-        model.prepare_for_inference(fuse_linears)
+        model.prepare_for_inference(fuse_linears, native_lib)
     model.model.rotary.build(device, dtype)
     return model
 

@@ -21,17 +21,18 @@ from torch import Tensor, nn
 from .attention.backend import StepAttention
 from .config import LongRopeScaling, ModelConfig, rope_inv_freq
 from .linear.serving import fuse_linears, held_bytes
+from .native import step as native_step
 from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
-    fused = None  # fused_ops.FusedOps: bfloat16 rows on CPU in one native pass (use_fused_ops)
-
-    def __init__(self, dim: int, eps: float, gemma: bool = False):
+    def __init__(self, dim: int, eps: float, gemma: bool = False, fused=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.gemma = gemma  # scaled by (1 + weight) in float32, then cast (config.norm_style "gemma")
+        # linear/fused_ops.FusedOps: bfloat16 rows on CPU in one native pass (Llama-style norms of hidden rows)
+        self.fused = None if gemma else fused
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None and self.fused.applies(x):
@@ -111,9 +112,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    fused = None  # fused_ops.FusedOps: RoPE of bfloat16 q|k on CPU in one native pass
-
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, fused=None):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -129,6 +128,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
+        # linear/fused_ops.FusedOps: RoPE of bfloat16 q|k on CPU in one native pass (without q/k norms)
+        self.fused = fused if self.q_norm is None else None
 
     def fuse_projections(self, make=fuse_linears) -> None:
         self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
@@ -163,11 +164,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = None  # fused_ops.FusedOps: SiLU(gate) * up of bfloat16 rows on CPU in one native pass
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused=None):
         super().__init__()
         self.act = cfg.hidden_act  # "silu" or "gelu_tanh"
+        # linear/fused_ops.FusedOps: SiLU(gate) * up of bfloat16 rows on CPU in one native pass
+        self.fused = fused if self.act == "silu" else None
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -192,18 +193,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, fused=None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, fused)
+        self.mlp = MLP(cfg, fused)
         gemma = cfg.norm_style == "gemma"
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, fused)
         # without sandwich norms: the MLP's input norm; with them: the attention output's norm
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, fused)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, fused)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, fused)
         self.rope_kind = cfg.rope_kind(layer)  # which of Rotary.all_tables it takes
 
     def forward(self, x, rope, meta, cache):
@@ -231,11 +232,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style == "gemma")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, fused) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style == "gemma", fused)
         self.rotary = Rotary(cfg)
         self.embed_scale = cfg.embed_scale
 
@@ -261,24 +262,30 @@ class Segment:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`fused_ops` (linear/fused_ops.FusedOps): bfloat16 RMSNorm, RoPE and SwiGLU on CPU in native
+    passes where a layer is what they compute (Llama-style norms of hidden rows, RoPE of q|k without
+    q/k norms, SiLU); None: the torch ops."""
+
+    def __init__(self, cfg: ModelConfig, fused_ops=None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, fused_ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
-        self.native_step = None  # native_step.NativeStep: a step's layers in one native call
+        self.native_step = None  # native/step.NativeStep: a step's layers in one native call (prepare_for_inference)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
             self.model.rotary.build(self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype)
 
     @torch.no_grad()
-    def prepare_for_inference(self, make=fuse_linears) -> "LlamaForCausalLM":
-        """Fuse same-input projections and rebuild every linear for serving (see inference_linear).
+    def prepare_for_inference(self, make=fuse_linears, native_lib=None) -> "LlamaForCausalLM":
+        """Fuse same-input projections and rebuild every linear for serving (see linear/serving.py).
 
         make(role, *linears) -> module computing the linears' concatenated outputs; role is one of
         kernels.ROLES. The default keeps the dtype and prepacks float32 on CPU for oneDNN.
+        native_lib (native/build.py's library): a step's layers run in one native call (native/step.py)
+        when every layer can (native.step.why_not).
         One-way: the result serves forward passes only (no training, no HF-named state_dict).
         """
         if not self.prepared:
@@ -287,6 +294,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.fuse_projections(make)
             self.lm_head = make("head", self.lm_head)
             self.prepared = True
+        if native_lib is not None and native_step.why_not(self) is None:
+            self.native_step = native_step.NativeStep(native_lib, self)
         return self
 
     def weight_bytes(self) -> int:
@@ -296,18 +305,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def uses_fused_ops(self) -> bool:
         return self.model.norm.fused is not None
-
-    def use_fused_ops(self, ops) -> None:
-        """Route bfloat16 RMSNorm, RoPE and SwiGLU on CPU through fused_ops.FusedOps (None: torch ops), where
-        the layer is what they compute: Llama-style norms over hidden rows, RoPE of q|k without q/k norms,
-        SiLU."""
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = ops if not m.gemma and m.weight.shape[0] == self.config.hidden_size else None
-            elif isinstance(m, Attention):
-                m.fused = ops if m.q_norm is None else None
-            elif isinstance(m, MLP):
-                m.fused = ops if m.act == "silu" else None
 
     def freeze_attributes(self) -> "LlamaForCausalLM":
         """Serving: every module's submodules, parameters and buffers also become plain instance

@@ -14,11 +14,14 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointNotFoundError
-from .attention.backend import SdpaBackend, choose_backend
+from .attention.backend import NativeCpuBackend, SdpaBackend, choose_backend
 from .tuning.compile import CompileResult, compile_model
 from .assembly import CheckpointModes, build_model, expected_shapes  # noqa: F401 - build_model, expected_shapes: public here too
 from .checkpoints.hf_dir import open_hf_dir
+from .linear import fused_ops
 from .llama import LlamaForCausalLM
+from .native import build as native
+from .native import step as native_step
 from .cache_dir import default_cache_dir
 from .tuning.precision import Plan, parse_dtype, resolve_plan
 from .text.tokenizer import Tokenizer
@@ -38,7 +41,6 @@ class LoadedModel:
     compiled: CompileResult | None = None  # whether the layers' non-attention work is compiled (compile.py)
     attention: SdpaBackend | None = None  # the attention backend (attention/backend.py); None: SDPA
     batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
-    kv_int8_measured: object = None  # an int8 KV cache's (quality, decode speed-up), measured once (server/engine/kv_choice.py)
     cache_dir: Path | None = None  # where measurements of this machine are cached (precision.py, kv_choice.py)
 
     def __post_init__(self):
@@ -167,29 +169,41 @@ def _stored_dtype(src) -> torch.dtype:
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(src.stored_as, torch.float32)
 
 
-def attention_and_fused_ops(model: LlamaForCausalLM, device: torch.device, cache_dir: Path, dtype: torch.dtype,
-                            cfg: ModelConfig, batch_invariant: bool) -> SdpaBackend:
-    """The attention backend for this device, and on CPU the fused elementwise ops (native/build.py) where
-    they apply; what was chosen is logged."""
-    if device.type != "cpu":
-        return choose_backend(device, dtype, cfg, batch_invariant)
-    from .linear import fused_ops
-    from .native import build as native
-    from .native import step as native_step
-    from .attention.backend import NativeCpuBackend
+@dataclass(frozen=True)
+class NativeParts:
+    """What this device's native library gives a served model, chosen before it is built (native_parts)."""
 
+    attention: SdpaBackend  # the attention backend
+    fused_ops: object = None  # linear/fused_ops.FusedOps for bfloat16 RMSNorm/RoPE/SwiGLU, or None
+    step_lib: object = None  # the library for steps in one native call (where the model can take them), or None
+    why: str = ""  # how the library came to be, or why there is none
+
+    def log(self, model: LlamaForCausalLM) -> None:
+        """One INFO line: the library, the attention backend, the elementwise ops and the step path."""
+        why_not = native_step.why_not(model) if self.step_lib is not None else "no native attention"
+        if model.native_step is not None:
+            steps = "in one native call"
+        elif why_not is not None:
+            steps = f"eager ({why_not})"
+        else:
+            steps = "through the compiled layers (--compile true)"
+        log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU; steps %s", self.why,
+                 self.attention.describe(), "fused" if self.fused_ops is not None else "torch", steps)
+
+
+def native_parts(device: torch.device, cache_dir: Path, dtype: torch.dtype, cfg: ModelConfig,
+                 batch_invariant: bool) -> NativeParts:
+    """The attention backend for this device, and on CPU the fused elementwise ops (native/build.py's
+    library) where they apply and the library for steps in one native call where attention is native."""
+    if device.type != "cpu":
+        return NativeParts(choose_backend(device, dtype, cfg, batch_invariant))
     lib, why = native.build(cache_dir)
     backend = choose_backend(device, dtype, cfg, batch_invariant, lib)
     fused = (lib is not None and dtype == torch.bfloat16
              and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))
-    if fused:
-        model.use_fused_ops(fused_ops.FusedOps(lib))
-    step_why = native_step.why_not(model) if fused and isinstance(backend, NativeCpuBackend) else "no native attention"
-    if step_why is None:
-        model.native_step = native_step.NativeStep(lib, model)
-    log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU; steps %s", why, backend.describe(),
-             "fused" if fused else "torch", "in one native call" if step_why is None else f"eager ({step_why})")
-    return backend
+    if not fused:
+        return NativeParts(backend, why=why)
+    return NativeParts(backend, fused_ops.FusedOps(lib), lib if isinstance(backend, NativeCpuBackend) else None, why)
 
 
 @dataclass
@@ -275,17 +289,19 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         modes = CheckpointModes(cfg, ckpt.sources)
         plan = resolve_plan(modes, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir)
         release_freed_memory()  # what measuring held
-        model = build_model(cfg, ckpt.sources, plan.mode.dtype, device, plan=plan)
-    attention = attention_and_fused_ops(model, device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
+        parts = native_parts(device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
+        # --compile true: the compiled layers serve every step, not the native step
+        model = build_model(cfg, ckpt.sources, plan.mode.dtype, device, plan=plan, fused_ops=parts.fused_ops,
+                            native_lib=None if compile == "true" else parts.step_lib)
+    if device.type == "cpu":
+        parts.log(model)
     release_freed_memory()
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
     model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes
     compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
-    if compiled.compiled:
-        model.native_step = None  # compiled layers serve every step
     if compiled.compiled or compiled.timings:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
-                       device=device, plan=plan, compiled=compiled, attention=attention,
+                       device=device, plan=plan, compiled=compiled, attention=parts.attention,
                        batch_invariant=batch_invariant, cache_dir=cache_dir)

@@ -104,16 +104,14 @@ def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> CacheQuality:
 def measured(loaded) -> tuple[CacheQuality, float]:
     """(measure_int8, decode_speedup) of this loaded model: read from the disk cache where this machine
     already checked this checkpoint in this mode, else measured (~3 s for SmolLM2-135M on 2 cores, the
-    float32 reference included) and written there; kept on the loaded model either way."""
-    if loaded.kv_int8_measured is None:
-        path = cache_path(loaded)
-        found = _read(path) if path is not None else None
-        if found is None:
-            found = (measure_int8(loaded), decode_speedup(loaded))
-            if path is not None:
-                _write(path, found)
-        loaded.kv_int8_measured = found
-    return loaded.kv_int8_measured
+    float32 reference included) and written there."""
+    path = cache_path(loaded)
+    found = _read(path) if path is not None else None
+    if found is None:
+        found = (measure_int8(loaded), decode_speedup(loaded))
+        if path is not None:
+            _write(path, found)
+    return found
 
 
 def cache_path(loaded) -> Path | None:

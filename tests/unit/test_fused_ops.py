@@ -88,14 +88,16 @@ def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops):
     cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
                       intermediate_size=256, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).init_weights(generator=torch.Generator().manual_seed(0)).to(BF16)
+    with_ops = LlamaForCausalLM(cfg, fused_ops=ops).to(BF16)
+    with_ops.load_state_dict(model.state_dict())
     model.prepare_for_inference()
+    with_ops.prepare_for_inference()
+    assert with_ops.uses_fused_ops and not model.uses_fused_ops
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(12).expand(2, 12)
     meta = AttentionMetadata.fresh(torch.tensor([12, 9]), 12)
     with torch.inference_mode():
         plain = model(ids, pos, meta).float()
-        model.use_fused_ops(ops)
-        fused = model(ids, pos, meta).float()
-        model.use_fused_ops(None)
+        fused = with_ops(ids, pos, meta).float()
     assert torch.equal(plain.argmax(-1)[0], fused.argmax(-1)[0])
     assert (plain - fused).abs().max() < 0.05 * plain.abs().max()

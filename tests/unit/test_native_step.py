@@ -22,7 +22,7 @@ from lmserve.model.linear import quant_matmul as QM
 from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import Segment
-from lmserve.model.loader import attention_and_fused_ops, build_model
+from lmserve.model.loader import build_model, native_parts
 
 BF16 = torch.bfloat16
 PROMPTS = [37, 5, 120, 64]  # prompt lengths of slots 0..3
@@ -48,9 +48,10 @@ def served(gguf, kernel_dir, layers: str, head: str, windows: tuple[int, ...] = 
     quant = "int4" if layers.endswith("int4") else "int8"
     plan = P.Plan(P.Mode(BF16, quant), {r: head if r == "head" else layers for r in K.ROLES})
     cfg = dataclasses.replace(gguf.config, layer_windows=windows)
-    model = build_model(cfg, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80)
-    backend = attention_and_fused_ops(model, torch.device("cpu"), kernel_dir, BF16, cfg, True)
-    return model.freeze_attributes(), backend
+    parts = native_parts(torch.device("cpu"), kernel_dir, BF16, cfg, True)
+    model = build_model(cfg, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80,
+                        fused_ops=parts.fused_ops, native_lib=parts.step_lib)
+    return model.freeze_attributes(), parts.attention
 
 
 SLIDING = tuple(16 if i % 3 else 0 for i in range(30))  # SmolLM2's 30 layers, two of three with a 16-key window
@@ -178,8 +179,9 @@ def test_it_is_built_only_where_every_layer_linear_is_native(gguf, kernel_dir):
     assert torch_layers.native_step is None
     assert "not the native quantized kernel" in native_step.why_not(torch_layers)
     plan = P.reference_plan()
-    f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan)
-    attention_and_fused_ops(f32, torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
+    parts = native_parts(torch.device("cpu"), kernel_dir, torch.float32, gguf.config, True)
+    f32 = build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=plan, fused_ops=parts.fused_ops,
+                      native_lib=parts.step_lib)
     assert f32.native_step is None and "not fused" in native_step.why_not(f32)
 
 
