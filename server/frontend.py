@@ -101,7 +101,7 @@ class Frontend:
         submitted next copy the K/V instead of each computing it: a one-token greedy request run to its
         end (a step's work beyond the prompt's). Its usage, or None where nothing is shared: no prefix
         cache, or a prompt shorter than one of its blocks."""
-        cache = self.engine.scheduler.prefix_cache
+        cache = self.engine.scheduler.kv.prefix_cache
         if cache is None or len(request.prompt_ids) <= cache.block:
             return None
         prompt = Request(prompt_ids=request.prompt_ids, params=SamplingParams(max_new_tokens=1, speculate=False),

@@ -324,13 +324,11 @@ class InputConverter:
         params = self._params(req.params, len(ids))
         if compiled is not None:
             params = replace(params, constraint=compiled.constraint)
-        request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin,
-                          compiled=compiled)
+        request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin)
         try:
-            self.engine.validate(request)
+            return self.engine.validate(request, compiled)  # a ValidRequest: the engine does not check it again
         except RequestValidationError as exc:  # name fields as the proto does
             raise RequestValidationError([(_field_path(f, kind), d) for f, d in exc.violations]) from None
-        return request
 
     def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
         if req.WhichOneof("input") == "messages":

@@ -1,10 +1,11 @@
 """The engine: a thread that loops `batch = scheduler.schedule()`, `out = runner.run(batch)`,
-`scheduler.postprocess(batch, out)`, and an asyncio API in front of it.
+`processor.postprocess(scheduler, step)`, and an asyncio API in front of it.
 
 Who owns what: the scheduler (scheduler.py) plans steps and owns each sequence's lifecycle
-(admission, KV pages, recorded tokens, finishing); the runner (runner.py) builds a step's tensors,
-runs the model and samples; the output processor (processor.py) turns recorded tokens into chunks
-(stops, detokenizing). The event loop never calls torch. Requests cross into the engine thread
+(admission, preemption, recorded tokens, finishing); the KV manager (kv_manager.py) its slots,
+pages and prefix-cache entries; the runner (runner.py) builds a step's tensors, runs the model and
+samples; the output processor (processor.py) records a step's tokens and turns them into chunks
+(stops, detokenizing). A launched step is one `scheduler.InFlight` record until its tokens are in. The event loop never calls torch. Requests cross into the engine thread
 under a lock; results cross back with `loop.call_soon_threadsafe`.
 """
 
@@ -15,7 +16,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
@@ -25,15 +25,15 @@ from lmserve.model.config import LongRopeScaling
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
 
-from .constraints.compiler import ConstraintCompiler
+from .constraints.compiler import CompiledConstraint, ConstraintCompiler
 from .kv_choice import choose_kv_dtype
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
 from .errors import RequestValidationError
-from .request import FinishReason, Request, SamplingParams
-from .runner import ModelRunner, RunOutput
-from .scheduler import PrefillChunk, ScheduledBatch, Scheduler
+from .request import FinishReason, Request, SamplingParams, ValidRequest
+from .runner import ModelRunner
+from .scheduler import InFlight, PrefillChunk, ScheduledBatch, Scheduler
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation, word_classes
@@ -77,24 +77,6 @@ class PhaseTimes:
         base = since or PhaseTimes()
         steps = max(1, self.steps - base.steps)
         return {k: 1e3 * (v - base.seconds[k]) / steps for k, v in self.seconds.items()}
-
-
-@dataclass
-class _Launched:
-    batch: ScheduledBatch
-    run: RunOutput
-    seconds: float  # the call's host time (the whole step where the call computes it); after wait(), the step's
-    timing: tuple | None = None  # CUDA events around an overlapped step, whose launch returns at once
-
-    def wait(self) -> None:
-        """Until the step ran and its tokens are back (at once where the call computed it); its
-        duration then comes from its CUDA events."""
-        if self.timing is not None:
-            start, end = self.timing
-            end.synchronize()
-            self.seconds, self.timing = start.elapsed_time(end) / 1e3, None
-        if self.run.out is not None:
-            _ = self.run.out.token_ids  # reads the copy back
 
 
 class EngineUnavailableError(Exception):
@@ -187,15 +169,50 @@ class Engine:
         self.loaded = loaded
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
-        # On CPU slots are virtual (memory is committed per page written): max_batch for running requests
-        # and as many again for prefix-cache entries. Dense (CUDA): the slots the budget holds, at most
-        # max_batch, which prefix entries share with running requests (a graph-replayed decode step
-        # attends over every slot, so more slots would cost every step).
-        slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
         self.kv_choice = choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
-        self.cache = KVCache.from_budget(cfg, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
+        self.cache, kv_pages = self._kv_cache(s, loaded)
         c = self.cache
+        self.max_batch = min(c.num_slots, s.max_batch or c.num_slots)  # requests admitted at once (what clients are told)
+        # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
+        self.step_pacer = None if s.max_step_ms == 0 else StepPacer(s.max_step_ms)
+        # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
+        # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
+        self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
+        # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
+        self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
+        self.runner = ModelRunner(loaded.model, c, loaded.device, loaded.attention, self._decode_graphs(s, loaded),
+                                  rope_offset=self._rope_regime(loaded))
+        if self.step_pacer is not None:
+            self._seed_step_costs()
+        self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
+        # long_prompt, a quarter of the context: the prompts that would make short neighbours read many empty keys
+        self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
+                                   max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
+                                   prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
+                                   step_pacer=self.step_pacer, speculation=self._speculation(s, loaded),
+                                   prefix_tag=self._rope_regime(loaded))
+        self.processor = OutputProcessor(loaded.tokenizer)
+        self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._sinks: dict[str, Sink | ChunkStream] = {}
+        self.phase_times = PhaseTimes()  # host time per step phase, for benchmarks
+        self._delivering = 0  # finished requests whose final chunk is being handed off
+        self._cancels: list[Sequence] = []
+        self._thread: threading.Thread | None = None
+        self._step_started: float | None = None
+        self._accepting = True
+
+    def _kv_cache(self, s: EngineSettings, loaded: LoadedModel) -> tuple[KVCache, int]:
+        """The KV cache in the chosen dtype, and its memory in pages. On CPU slots are virtual (memory is
+        committed per page written): max_batch for running requests and as many again for prefix-cache
+        entries. Dense (CUDA): the slots the budget holds, at most max_batch, which prefix entries share
+        with running requests (a graph-replayed decode step attends over every slot, so more slots
+        would cost every step)."""
+        self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
+        slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
+        c = KVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
         if not c.virtual:  # allocated up front: the budget is what the slots took
             self.kv_cache_bytes = c.nbytes
         kv_pages = budget // c.bytes_per_page if c.virtual else c.num_slots * c.pages(c.max_len)
@@ -203,48 +220,19 @@ class Engine:
             raise ValueError(f"KV memory of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
                              f"({c.pages(self.max_model_len) * c.bytes_per_page / 2**20:.0f} MiB); raise "
                              "--kv-cache-gb or lower --max-model-len")
-        # learns this device's step costs and sizes prefill chunks to a target step time (0: off)
-        self.step_pacer = None if s.max_step_ms == 0 else StepPacer(s.max_step_ms)
-        # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
-        # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
-        self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
-        # a quarter of the context: the prompts that would make short neighbours read many empty keys
-        self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
-                                   max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
-                                   prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_pacer=self.step_pacer, outputs=OutputProcessor(loaded.tokenizer),
-                                   speculation=None, prefix_tag=self._rope_regime(loaded))
-        self.max_batch = self.scheduler.max_batch  # requests admitted at once (what clients are told)
-        # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
-        self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
-        graphs = None
-        if s.cuda_graphs and loaded.device.type == "cuda" and self._rope_regime(loaded) is None:
-            from .cuda_graphs import DecodeGraphs
+        return c, kv_pages
 
-            try:
-                graphs = DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots))
-            except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
-                raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
-                                   "start with --cuda-graphs false to decode eagerly") from exc
-        self.runner = ModelRunner(loaded.model, self.cache, loaded.device, loaded.attention, graphs,
-                                  rope_offset=self._rope_regime(loaded))
-        if self.step_pacer is not None:
-            self._seed_step_costs()
-        self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
-        self.scheduler.speculation = self._speculation(s, loaded)
-        self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._sinks: dict[str, Sink | ChunkStream] = {}
-        # overlapped steps launched and not yet postprocessed (one between loop turns, two for a moment)
-        self._inflight: deque[_Launched] = deque()
-        self.phase_times = PhaseTimes()  # host time per step phase, for benchmarks
-        self._delivering = 0  # finished requests whose final chunk is being handed off
-        self._cancels: list[Sequence] = []
-        self._thread: threading.Thread | None = None
-        self._step_started: float | None = None
-        self._accepting = True
+    def _decode_graphs(self, s: EngineSettings, loaded: LoadedModel):
+        """Decode steps captured as CUDA graphs (cuda_graphs.DecodeGraphs) where asked for on CUDA, else None."""
+        if not (s.cuda_graphs and loaded.device.type == "cuda" and self._rope_regime(loaded) is None):
+            return None
+        from .cuda_graphs import DecodeGraphs
+
+        try:
+            return DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots))
+        except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
+            raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
+                               "start with --cuda-graphs false to decode eagerly") from exc
 
     def _speculation(self, s: EngineSettings, loaded: LoadedModel) -> Speculation | None:
         """Prompt-lookup speculation, or None. It needs the sequential loop (drafts are built from tokens
@@ -385,19 +373,26 @@ class Engine:
         self.shutdown()
 
     # ---- requests ---------------------------------------------------------------------
-    def validate(self, request: Request) -> None:
-        """Raise RequestValidationError naming every bad field; compiles the request's constraint (the
-        caller's thread: the edge calls this on its worker threads, never on the event loop)."""
+    def validate(self, request: Request, compiled: CompiledConstraint | None = None) -> ValidRequest:
+        """The request checked against the served model, its constraint compiled for it (`compiled`:
+        compiled already by the caller, as the edge's tool-call grammar is); raises
+        RequestValidationError naming every bad field. On the caller's thread: the edge calls this on
+        its worker threads, never on the event loop. A ValidRequest is returned as it is."""
+        if isinstance(request, ValidRequest):
+            return request
         request.validate(self.loaded.config.vocab_size, self.max_model_len, self.settings.max_new_tokens_cap)
-        if request.params.constraint is not None and request.compiled is None:
-            request.compiled = self.constraints.compile(request.params.constraint)
+        constraint = request.params.constraint
+        if compiled is None and constraint is not None:
+            compiled = self.constraints.compile(constraint)
+        return ValidRequest.of(request, compiled)
 
     def submit(self, request: Request, sink: Sink) -> None:
-        """Queue a validated request; its chunks go to `sink` (called on the engine thread).
+        """Queue a request (validated here unless it is a ValidRequest already); its chunks go to `sink`
+        (called on the engine thread).
 
         Raises RequestValidationError, QueueFullError or EngineUnavailableError; nothing is queued then.
         """
-        self.validate(request)
+        request = self.validate(request)
         if not self._accepting or not self.health().alive:
             raise EngineUnavailableError("the engine is not accepting requests")
         with self._lock:
@@ -451,26 +446,26 @@ class Engine:
         """A consistent snapshot. A request counts as running from admission until its outcome is
         recorded and delivered, not only while it holds a slot, so "nothing running" also means
         every finished request is already counted by the observers."""
-        sch, pc = self.scheduler, self.scheduler.prefix_cache
+        sch, kv, pc = self.scheduler, self.scheduler.kv, self.scheduler.kv.prefix_cache
         with self._lock:
             in_flight, waiting = len(self._sinks) + self._delivering, len(sch.waiting)
             return EngineStats(
                 running=in_flight - waiting, waiting=waiting, slots_used=len(sch.running),
-                max_batch=sch.max_batch, slots_allocated_total=sch.request_slots_total,
-                slots_freed_total=sch.request_slots_returned_total, kv_cache_bytes=self.kv_cache_bytes,
+                max_batch=sch.max_batch, slots_allocated_total=kv.request_slots_total,
+                slots_freed_total=kv.request_slots_returned_total, kv_cache_bytes=self.kv_cache_bytes,
                 cached_tokens=sum(s.num_cached for s in sch.running), steps=self.phase_times.steps,
-                kv_pages_used=sch.pages_used, kv_pages_capacity=sch.kv_pages, kv_page_bytes=self.cache.bytes_per_page,
-                kv_pages_allocated_total=sch.pages_allocated_total, kv_pages_freed_total=sch.pages_freed_total,
+                kv_pages_used=kv.pages_used, kv_pages_capacity=kv.kv_pages, kv_page_bytes=self.cache.bytes_per_page,
+                kv_pages_allocated_total=kv.pages_allocated_total, kv_pages_freed_total=kv.pages_freed_total,
                 prefix_cache_entries=len(pc) if pc else 0, prefix_cache_pages=pc.pages_held if pc else 0,
                 prefix_cache_evictions_total=pc.evicted_total if pc else 0,
-                prefix_queried_tokens_total=sch.prefix_queried_tokens_total,
-                prefix_hit_tokens_total=sch.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total,
+                prefix_queried_tokens_total=kv.prefix_queried_tokens_total,
+                prefix_hit_tokens_total=kv.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total,
                 drafted_tokens_total=sch.drafted_tokens_total, accepted_tokens_total=sch.accepted_tokens_total)
 
     def drop_prefix_cache(self) -> int:
         """Evict every prefix-cache entry (their memory goes back); returns how many."""
         with self._lock:
-            return self.scheduler.drop_prefix_cache()
+            return self.scheduler.kv.drop_prefix_cache()
 
     # ---- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -539,12 +534,12 @@ class Engine:
             step = self._launch(batch)
             if step is not None:
                 with self._lock:
-                    self.scheduler.advance(batch)
-                self._inflight.append(step)
+                    self.scheduler.advance(step)
         outputs = []
-        if len(self._inflight) > (1 if step is not None else 0):  # the step before: its tokens, read back now
+        in_flight = self.scheduler.in_flight  # launched, tokens not read back: one between loop turns, two for a moment
+        if len(in_flight) > (1 if step is not None else 0):  # the step before: its tokens, read back now
             self._wait_oldest()
-            outputs = self._postprocess(self._inflight.popleft())
+            outputs = self._postprocess(in_flight[0])
         self._deliver_step(outputs, retired)
         if not batch.empty and step is None:
             self._fail_batch(batch)
@@ -563,12 +558,13 @@ class Engine:
         """Until the oldest launched step ran (submissions and scrapes, which take the lock, never wait
         on the device); counted as a running step, so a device that hangs shows as a stuck engine."""
         self._step_started = time.monotonic()
-        self._inflight[0].wait()
+        self.scheduler.in_flight[0].wait()
         self._step_started = None
 
-    def _launch(self, batch: ScheduledBatch) -> "_Launched | None":
+    def _launch(self, batch: ScheduledBatch) -> InFlight | None:
         """Run (overlapped: launch) a step; None if it failed."""
-        previous = self._inflight[-1].run if self._inflight else None
+        in_flight = self.scheduler.in_flight
+        previous = in_flight[-1].run if in_flight else None
         timing = None
         if self.overlap and self.loaded.device.type == "cuda":  # the step's device time, read after its tokens
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -589,16 +585,16 @@ class Engine:
         self.phase_times.add("model", run.model_seconds)
         self.phase_times.add("sample", run.sample_seconds)
         self.phase_times.steps += 1
-        return _Launched(batch, run, seconds, timing)
+        return InFlight(batch, run, seconds, timing)
 
-    def _postprocess(self, step: "_Launched") -> list[StepOutput]:
-        """A launched step's tokens read back, recorded and turned into chunks (scheduler.postprocess)."""
+    def _postprocess(self, step: InFlight) -> list[StepOutput]:
+        """A launched step's tokens read back, recorded and turned into chunks (processor.postprocess)."""
         step.wait()
         t0 = time.perf_counter()
         with self._lock:
             for obs in self.observers:
                 obs.on_step(step.seconds, step.batch)
-            outputs = self.scheduler.postprocess(step.batch, step.run.out)
+            outputs = self.processor.postprocess(self.scheduler, step)
         self.phase_times.add("process", time.perf_counter() - t0)
         return outputs
 
@@ -658,7 +654,7 @@ class Engine:
         slot's positions back (KVCache.release: they read as zeros again, so non-finite K/V of a
         poisoned prompt cancelled mid-prefill never reach the next owner), or kept them as a
         prefix-cache entry after a normal finish."""
-        final = OutputProcessor.final(seq, reason, time.monotonic(), chunk, error)
+        final = self.processor.final(seq, reason, time.monotonic(), chunk, error)
         for obs in self.observers:
             obs.on_finish(seq, final)
         return final

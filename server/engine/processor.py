@@ -1,16 +1,26 @@
-"""Turns a sequence's newly recorded token into its stream chunk: stop checks, detokenizing, timings."""
+"""A step's sampled tokens turned into stream chunks: recorded (through the scheduler), stop checks,
+detokenizing, and each finished request's last chunk with its usage and timings. The engine calls
+it and nothing else does."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lmserve.model.text.detokenizer import make_detokenizer
 from lmserve.model.text.tokenizer import Tokenizer
 
-from .outputs import GenerationChunk, OutputState, Timings, TokenLogprob, Usage
+from .ngram import kept
+from .outputs import GenerationChunk, OutputState, Timings, TokenLogprob, Usage, merge_chunks
 from .request import FinishReason
-from .sequence import Sequence
+from .sequence import Sequence, SeqStatus
 from .stopping import StopStringMatcher
+
+if TYPE_CHECKING:
+    from .scheduler import InFlight, Scheduler
+
+log = logging.getLogger("lmserve.engine")
 
 
 @dataclass(frozen=True)
@@ -25,12 +35,63 @@ class StepOutput:
 
 
 class OutputProcessor:
-    """Owns stops and detokenizing (the scheduler records tokens and retires sequences)."""
+    """Owns stops and detokenizing; the scheduler records the tokens and retires the sequences it says
+    are done."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         _ = tokenizer.token_bytes  # built now (~0.1 s for 50k ids), not on the first request's first token
         self.eos_ids = frozenset(tokenizer.eos_ids)
+
+    def postprocess(self, scheduler: "Scheduler", step: "InFlight") -> list[StepOutput]:
+        """A launched step's sampled tokens (one row per sampled sequence, k + 1 rows for one verifying
+        k drafts; none when no row sampled): recorded, each turned into its chunk (stops,
+        detokenizing), and the sequences that are done (a stop, the length, a non-finite row, a
+        processing error) retired.
+
+        A verifying row keeps its drafts up to the first one that differs from the model's own greedy
+        token at that position, then the model's token there: exactly the tokens decoding one at a
+        time would give (scheduler.verified rewinds the rest); tokens after a stop are dropped too."""
+        scheduler.land(step)
+        batch, out = step.batch, step.run.out if step.run is not None else None
+        now = scheduler.clock()
+        results, row = [], 0
+        for seq, draft in zip(batch.sampled(), batch.sampled_drafts()):
+            rows = range(row, row + 1 + len(draft))
+            row += len(rows)
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled while the step ran, or (overlapped steps) done at the step before
+            if not out.ok[rows[0]]:
+                scheduler.finish(seq, FinishReason.ERROR)
+                results.append(StepOutput(seq, None, FinishReason.ERROR))
+                continue
+            keep = kept(out.token_ids, out.ok, rows[0], draft)  # drafts accepted
+            if draft:
+                scheduler.verified(seq, len(draft), keep)
+            chunk = reason = None
+            for r in rows[: keep + 1]:
+                scheduler.append(seq, out.token_ids[r], now)
+                try:
+                    piece, reason = self.on_token(seq, out.token_ids[r], out.logprobs[r])
+                except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
+                    log.exception("output processing failed for %s", seq.request_id)
+                    chunk, reason = None, FinishReason.ERROR
+                    break
+                chunk = piece if chunk is None else merge_chunks(chunk, piece)
+                if reason is not None:
+                    break
+            if draft:
+                scheduler.trim_to_output(seq)  # a stop inside the accepted run
+            if chunk is None:
+                scheduler.finish(seq, FinishReason.ERROR)
+                results.append(StepOutput(seq, None, FinishReason.ERROR))
+                continue
+            if reason is not None:
+                scheduler.finish(seq, reason)
+            gap = None if seq.last_token_time is None else now - seq.last_token_time
+            seq.last_token_time = now
+            results.append(StepOutput(seq, chunk, reason, gap))
+        return results
 
     def on_token(self, seq: Sequence, token: int, logprob) -> tuple[GenerationChunk, FinishReason | None]:
         """The chunk for a newly recorded token, and the finish reason if the sequence is done.

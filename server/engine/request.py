@@ -6,8 +6,8 @@ import enum
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, ClassVar
 
 from .constraints.spec import Constraint
 from .errors import RequestValidationError
@@ -154,8 +154,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
     arrival: float = field(default_factory=time.monotonic)
     origin: str = ""  # which edge sent it ("grpc", "http"): a metrics label, nothing in the engine reads it
-    # params.constraint compiled for the served model (Engine.validate does it, off the engine thread)
-    compiled: "CompiledConstraint | None" = field(default=None, repr=False)
+    compiled: ClassVar[None] = None  # not compiled yet: a ValidRequest carries its constraint compiled
 
     def validate(self, vocab_size: int, max_context: int, max_new_tokens_cap: int | None = None) -> None:
         """Raise RequestValidationError listing every bad field."""
@@ -174,3 +173,16 @@ class Request:
         v += self.params.violations(vocab_size, max_new_tokens_cap)
         if v:
             raise RequestValidationError(v)
+
+
+@dataclass
+class ValidRequest(Request):
+    """A request checked against the served model by Engine.validate, its params.constraint compiled
+    for it (on the edge's worker thread, off the engine thread): what the engine queues. A copy
+    (dataclasses.replace) with another id or seed stays valid."""
+
+    compiled: "CompiledConstraint | None" = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, request: Request, compiled: "CompiledConstraint | None") -> "ValidRequest":
+        return cls(**{f.name: getattr(request, f.name) for f in fields(request)}, compiled=compiled)

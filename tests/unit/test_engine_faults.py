@@ -278,14 +278,14 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(random_ti
 async def test_an_output_processing_error_fails_only_its_request(random_tiny):
     prompts = prompts_for(random_tiny, 6, (5, 9))
     with running(random_tiny, max_batch=2) as engine:
-        inner = engine.scheduler.outputs.on_token
+        inner = engine.processor.on_token
 
         def on_token(seq, token, logprob):
             if seq.request_id == "bad" and len(seq.output_ids) + seq.pending >= 2:
                 raise ValueError("injected detokenizer failure")
             return inner(seq, token, logprob)
 
-        engine.scheduler.outputs.on_token = on_token
+        engine.processor.on_token = on_token
         results = await results_of(engine, [Request(prompts[0], greedy(12, ignore_eos=True), request_id="bad"),
                                             Request(prompts[1], greedy(12, ignore_eos=True), request_id="good")])
         alive = engine.health().alive
@@ -575,7 +575,7 @@ async def test_a_dying_loop_ends_every_request_in_flight(random_tiny, victims):
     suspect); each request still gets exactly one final chunk, at once, and new ones are refused.
     (No block accounting check afterwards: the failed hand-back is lost by design.)"""
     with Engine(random_tiny, EngineSettings(max_batch=4, prefix_cache=False)) as engine:
-        real_release, calls = engine.scheduler._release, []
+        real_release, calls = engine.scheduler.kv._release, []
 
         def failing_release(slot, n):
             calls.append(slot)
@@ -583,14 +583,14 @@ async def test_a_dying_loop_ends_every_request_in_flight(random_tiny, victims):
                 raise RuntimeError("injected: handing a KV slot back failed")
             return real_release(slot, n)
 
-        engine.scheduler._release = failing_release
+        engine.scheduler.kv._release = failing_release
         short = asyncio.ensure_future(collect(engine, Request([5, 6, 7], greedy(2, ignore_eos=True), request_id="a")))
         long_ = asyncio.ensure_future(collect(engine, Request([8, 9], greedy(100, ignore_eos=True), request_id="b")))
         (res_a, chunks_a), (res_b, chunks_b) = await asyncio.wait_for(asyncio.gather(short, long_), 30)
         await wait_until(lambda: not engine.health().alive, "the loop to be reported dead")
         with pytest.raises(EngineUnavailableError):
             engine.generate(Request([5, 6], greedy(2)))
-        engine.scheduler._release = real_release
+        engine.scheduler.kv._release = real_release
     # "a" reached its length as the loop died: its end is either that or the shutdown
     assert res_a.finish_reason in (FinishReason.LENGTH, FinishReason.SHUTDOWN)
     assert res_b.finish_reason is FinishReason.SHUTDOWN and "shutting down" in res_b.error

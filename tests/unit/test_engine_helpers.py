@@ -135,10 +135,10 @@ def assert_kv_returned(engine: Engine) -> None:
     s = engine.stats()
     assert s.slots_used == 0 and s.slots_allocated_total == s.slots_freed_total
     assert s.kv_pages_used == s.prefix_cache_pages == s.kv_pages_allocated_total - s.kv_pages_freed_total
-    engine.scheduler.drop_prefix_cache()
+    engine.drop_prefix_cache()
     s = engine.stats()
     assert s.kv_pages_used == 0 and s.kv_pages_allocated_total == s.kv_pages_freed_total
-    assert s.prefix_cache_entries == 0 and engine.scheduler.slots.used == 0
+    assert s.prefix_cache_entries == 0 and engine.scheduler.kv.slots.used == 0
 
 
 async def collect(engine: Engine, request: Request) -> tuple[GenerationResult, list[GenerationChunk]]:

@@ -83,13 +83,13 @@ async def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(ra
     for overlap in (False, True):
         with running(random_tiny, overlap_steps=overlap) as engine:
             events, fed = [], []
-            postprocess = engine.scheduler.postprocess
+            postprocess = engine.processor.postprocess
 
-            def recorded(batch, out, postprocess=postprocess, events=events):
+            def recorded(scheduler, step, postprocess=postprocess, events=events):
                 events.append("record")
-                return postprocess(batch, out)
+                return postprocess(scheduler, step)
 
-            engine.scheduler.postprocess = recorded
+            engine.processor.postprocess = recorded
             wrap_step(engine, before=lambda batch, events=events, fed=fed: (
                 events.append("launch"), fed.append(sum(s.pending for s in batch.decode))))
             (res,) = await results_of(engine, [Request(prompt, greedy(6, ignore_eos=True))])

@@ -97,14 +97,14 @@ def test_cancel_waiting_and_running_frees_slot():
     s = Scheduler(num_slots=1, max_queue=10, token_budget=100)
     a, b = s.add(req(3, "a")), s.add(req(3, "b"))
     run_step(s)
-    assert a.status is SeqStatus.RUNNING and s.slots.used == 1
+    assert a.status is SeqStatus.RUNNING and s.kv.slots.used == 1
     s.finish(s.get("b"), FinishReason.CANCELLED)  # what the engine does with a cancel
     assert b.status is SeqStatus.FINISHED and b.finish_reason is FinishReason.CANCELLED and not s.waiting
     s.finish(s.get("a"), FinishReason.CANCELLED)
-    assert s.slots.used == 0 and not s.running
-    assert s.slots.allocated_total == s.slots.freed_total == 1
+    assert s.kv.slots.used == 0 and not s.running
+    assert s.kv.slots.allocated_total == s.kv.slots.freed_total == 1
     s.finish(a, FinishReason.CANCELLED)  # idempotent
-    assert s.get("a") is None and a.finish_reason is FinishReason.CANCELLED and s.slots.freed_total == 1
+    assert s.get("a") is None and a.finish_reason is FinishReason.CANCELLED and s.kv.slots.freed_total == 1
 
 
 def test_deadline_drops_before_compute():
@@ -121,7 +121,7 @@ def test_deadline_drops_before_compute():
     s.record(batch, {a: 1})
     clock.t = 6.0
     batch = s.schedule()
-    assert a in batch.dropped and batch.empty and s.slots.used == 0
+    assert a in batch.dropped and batch.empty and s.kv.slots.used == 0
 
 
 def test_fairness_many_requests_all_finish_in_order():
@@ -137,7 +137,7 @@ def test_fairness_many_requests_all_finish_in_order():
                 s.finish(seq, FinishReason.LENGTH)
                 order.append(seq)
     assert order == seqs  # equal work finishes first-come first-served
-    assert s.slots.allocated_total == s.slots.freed_total == 10 and s.slots.used == 0
+    assert s.kv.slots.allocated_total == s.kv.slots.freed_total == 10 and s.kv.slots.used == 0
 
 
 def test_lowest_free_slot_keeps_slots_dense():

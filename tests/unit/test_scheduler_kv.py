@@ -2,7 +2,7 @@
 
 from lmserve.server.engine.prefix_cache import PrefixCache
 from lmserve.server.engine.request import FinishReason, Request
-from lmserve.server.engine.scheduler import Scheduler
+from lmserve.server.engine.scheduler import InFlight, Scheduler
 from lmserve.server.engine.sequence import SeqStatus
 
 
@@ -33,9 +33,9 @@ def run_step(s, outputs, token_of=lambda seq: 7):
 
 def balanced(s):
     """Blocks in use are exactly the running sequences' plus the prefix entries', and allocated - freed."""
-    entries = s.prefix_cache.pages_held if s.prefix_cache else 0
-    running = sum(s._pages(max(q.num_cached, 1)) <= s._held[q] for q in s.running) == len(s.running)
-    return running and s.pages_used == sum(s._held.values()) + entries == s.pages_allocated_total - s.pages_freed_total
+    entries = s.kv.prefix_cache.pages_held if s.kv.prefix_cache else 0
+    running = sum(s.kv.pages(max(q.num_cached, 1)) <= s.kv._held[q] for q in s.running) == len(s.running)
+    return running and s.kv.pages_used == sum(s.kv._held.values()) + entries == s.kv.pages_allocated_total - s.kv.pages_freed_total
 
 
 def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
@@ -49,7 +49,7 @@ def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
     for _ in range(60):
         b = run_step(s, outputs, token_of=lambda seq: 100 + next(counter))
         preempted += b.preempted
-        assert s.pages_used <= 6 and balanced(s)
+        assert s.kv.pages_used <= 6 and balanced(s)
         for seq in b.sampled():
             if len(seq.output_ids) == 6:
                 s.finish(seq, FinishReason.LENGTH)
@@ -61,9 +61,9 @@ def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
     for seq in seqs:
         assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 6
         assert outputs[seq.request_id] == seq.output_ids  # each token sampled once: none lost or repeated
-    assert s.pages_used == 0 and s.pages_allocated_total == s.pages_freed_total
-    assert s.request_slots_total == s.request_slots_returned_total == 3 + len(preempted)
-    assert s.slots.used == 0 and s.preemptions_total == len(preempted)
+    assert s.kv.pages_used == 0 and s.kv.pages_allocated_total == s.kv.pages_freed_total
+    assert s.kv.request_slots_total == s.kv.request_slots_returned_total == 3 + len(preempted)
+    assert s.kv.slots.used == 0 and s.preemptions_total == len(preempted)
 
 
 def test_a_preempted_request_is_prefilled_again_with_prompt_and_output_then_samples():
@@ -95,13 +95,13 @@ def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
     run_step(s, out)
     run_step(s, out)
     s.finish(first, FinishReason.EOS)  # 23 positions cached: prompt + first output
-    assert len(s.prefix_cache) == 1 and s.request_slots_returned_total == 1 and s.slots.used == 1
+    assert len(s.kv.prefix_cache) == 1 and s.kv.request_slots_returned_total == 1 and s.kv.slots.used == 1
     second = s.add(req(system + [40, 41, 42], "second"))
     batch = s.schedule()
     (chunk,) = batch.prefill
     assert batch.kv_copies == ((first.slot, second.slot, 20),) and second.slot != first.slot
     assert (chunk.start, chunk.length) == (20, 3) and second.num_cached == 20
-    assert s.prefix_hit_tokens_total == 20 and s.prefix_queried_tokens_total == 22 + 23
+    assert s.kv.prefix_hit_tokens_total == 20 and s.kv.prefix_queried_tokens_total == 22 + 23
     s.record(batch, {second: 9})
     # the whole prompt cached: at least one token is still computed, so the hit stops one short
     third = s.add(req(system + [40, 41, 42], "third"))
@@ -110,8 +110,8 @@ def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
     assert batch.kv_copies[0][2] == 22 and batch.prefill[0].start == 22 and batch.prefill[0].length == 1
     s.record(batch, {third: 9})
     s.finish(third, FinishReason.CANCELLED)  # not kept: a cancelled request's K/V may be incomplete
-    assert len(s.prefix_cache) == 2 and balanced(s)
-    assert s.drop_prefix_cache() == 2 and s.pages_used == 0 and s.slots.used == 0
+    assert len(s.kv.prefix_cache) == 2 and balanced(s)
+    assert s.kv.drop_prefix_cache() == 2 and s.kv.pages_used == 0 and s.kv.slots.used == 0
 
 
 def test_entries_are_evicted_lru_when_admission_needs_their_blocks_or_slots():
@@ -126,14 +126,14 @@ def test_entries_are_evicted_lru_when_admission_needs_their_blocks_or_slots():
         s.finish(seq, FinishReason.EOS)
         done.append(seq)
     # 8 blocks: the third entry already needed the first one's blocks
-    assert [e.slot for e in s.prefix_cache.entries()] == [done[1].slot, done[2].slot]
+    assert [e.slot for e in s.kv.prefix_cache.entries()] == [done[1].slot, done[2].slot]
     assert rel.calls[-1] == (done[0].slot, 12)
-    s.prefix_cache.touch(s.prefix_cache.entries()[0])  # e1 used again: e2 is now the oldest
+    s.kv.prefix_cache.touch(s.kv.prefix_cache.entries()[0])  # e1 used again: e2 is now the oldest
     big = s.add(req(range(500, 520), "big"))  # 5 blocks: one entry must go
     run_step(s, out)
     assert big.status is SeqStatus.RUNNING
-    assert [e.tokens[0] for e in s.prefix_cache.entries()] == [101]
-    assert balanced(s) and s.pages_used <= 8
+    assert [e.tokens[0] for e in s.kv.prefix_cache.entries()] == [101]
+    assert balanced(s) and s.kv.pages_used <= 8
 
 
 def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
@@ -149,7 +149,7 @@ def test_an_entry_being_copied_from_is_not_evicted_in_the_same_step():
     assert [c.seq for c in batch.prefill] == [a] and batch.kv_copies and b.status is SeqStatus.WAITING
     s.record(batch, {a: 1})
     batch = s.schedule()  # the copy has run: now the entry may go
-    assert [c.seq for c in batch.prefill] == [b] and len(s.prefix_cache) == 0
+    assert [c.seq for c in batch.prefill] == [b] and len(s.kv.prefix_cache) == 0
 
 
 def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_an_unknown_one():
@@ -165,7 +165,7 @@ def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_
         batch = s.schedule()
         for c in batch.prefill:
             assert c.start + c.length <= len(c.seq.all_tokens), f"{c.seq.request_id} prefilled past its known tokens"
-        s.advance(batch)
+        s.advance(InFlight(batch))
         preempted += batch.preempted
         if in_flight is not None:  # the step before this one, read back now
             done, toks = in_flight
@@ -175,7 +175,7 @@ def test_overlapped_steps_preempt_and_resume_with_every_token_and_never_prefill_
                 if len(seq.output_ids) == 6 and seq.status is not SeqStatus.FINISHED:
                     s.finish(seq, FinishReason.LENGTH)
         in_flight = (batch, {seq: 100 + next(counter) for seq in batch.sampled()})
-        assert s.pages_used <= 6 and balanced(s)
+        assert s.kv.pages_used <= 6 and balanced(s)
         if not s.num_unfinished:
             break
     assert preempted and any(p.resume_len > p.prompt_len for p in preempted)
