@@ -30,6 +30,25 @@ HEALTH_CHECK_INTERVAL = 0.5
 EXIT_ENGINE_DIED = 3
 
 
+READY_LINE_CHARS = 200  # the ready line's most characters (for hosts of up to an IPv6 address's length)
+
+
+def ready_line(host: str, port: int, *, tls: bool, http_port: int | None, metrics: tuple[str, int] | None,
+               model: str, mode: str, kv_gib: float, kv_dtype: str, seconds: float) -> str:
+    """The line logged when the server is ready: where it listens (the HTTP API on `host` too, metrics
+    on their (host, port): a port alone on `host`), what it serves, its KV memory and how long the
+    start took. A model name too long for READY_LINE_CHARS keeps its end (the file or directory name).
+    Why each choice was made goes on its own INFO lines and in `lmserve info`."""
+    where = "off" if metrics is None else f":{metrics[1]}" if metrics[0] == host else f"{metrics[0]}:{metrics[1]}"
+    head = (f"lmserve listening on {host}:{port} ({'TLS' if tls else 'plaintext'}), "
+            f"HTTP {f':{http_port}' if http_port else 'off'}, metrics {where}; model ")
+    tail = f", {mode}, KV {kv_gib:.1f} GiB {kv_dtype}, ready in {seconds:.1f}s"
+    room = max(READY_LINE_CHARS - len(head) - len(tail), 8)
+    if len(model) > room:
+        model = "..." + model[len(model) - room + 3:]
+    return head + model + tail
+
+
 def grpc_options(s: ServerSettings) -> list[tuple[str, int]]:
     opts = [
         ("grpc.max_receive_message_length", s.max_receive_message_bytes),
@@ -163,18 +182,23 @@ class Server:
             self._metrics_http = self.metrics.serve(s.metrics_port, s.metrics_host or s.host)
         await self._set_health(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
+        self._log_choices()
         lm = self.engine.loaded
-        log.info("lmserve listening on %s:%d (%s, HTTP API %s, model %s on %s/%s, kernels %s [%s], max batch %d, "
-                 "KV memory %.1f GiB in %s [%s], %s steps, speculation %s, metrics %s) ready in %.1fs",
-                 s.host, self.port, "TLS" if s.tls_cert else "plaintext",
-                 f"{'https' if s.tls_cert else 'http'}://{s.host}:{self.http_port}/v1" if self.http else "off",
-                 s.model, lm.device.type,
-                 lm.mode, lm.kernels, lm.choice, s.engine.max_batch,
-                 self.engine.kv_cache_bytes / 2**30, self.engine.kv_choice.name, self.engine.kv_choice.reason,
-                 "overlapped" if self.engine.overlap else "sequential",
-                 self.engine.speculation_summary(),
-                 f"http://{s.metrics_host or s.host}:{s.metrics_port}/metrics" if s.metrics_port else "off",
-                 time.monotonic() - t0)
+        log.info("%s", ready_line(
+            s.host, self.port, tls=bool(s.tls_cert), http_port=self.http_port,
+            metrics=(s.metrics_host or s.host, s.metrics_port) if s.metrics_port else None,
+            model=self.service.model_name, mode=f"{lm.mode} on {lm.device.type}",
+            kv_gib=self.engine.kv_cache_bytes / 2**30, kv_dtype=self.engine.kv_choice.name, seconds=time.monotonic() - t0))
+
+    def _log_choices(self) -> None:
+        """What was chosen at start and why, one INFO line each (`lmserve info` shows them too)."""
+        lm, engine = self.engine.loaded, self.engine
+        log.info("kernels: %s", lm.kernels)
+        log.info("precision: %s %s", lm.mode, lm.choice)
+        log.info("KV cache: %.1f GiB in %s (%s)", engine.kv_cache_bytes / 2**30, engine.kv_choice.name,
+                 engine.kv_choice.reason)
+        log.info("steps: %s, max batch %d, speculation %s", "overlapped" if engine.overlap else "sequential",
+                 engine.max_batch, engine.speculation_summary())
 
     def _load(self):
         import torch

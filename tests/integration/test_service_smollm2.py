@@ -106,3 +106,16 @@ def test_prompt_special_tokens_are_text_unless_the_request_opts_in(stub):
     opted = stub.Generate(pb.GenerateRequest(prompt=text, parse_special_tokens=True,
                                              params=pb.SamplingParams(max_new_tokens=1)), timeout=60)
     assert (plain.usage.prompt_tokens, opted.usage.prompt_tokens) == (len(as_text.token_ids), len(parsed.token_ids))
+
+
+def test_the_ready_line_is_short_and_each_choice_has_its_own_line_as_lmserve_info_reports_it(started, stub):
+    srv, _ = started
+    messages = [line.split(" lmserve.server: ", 1)[1] for line in srv.log.splitlines() if " lmserve.server: " in line]
+    ready = [m for m in messages if m.startswith("lmserve listening on ")]
+    assert len(ready) == 1 and len(ready[0]) <= 200, ready
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert f"kernels: {info.kernels}" in messages
+    assert any(m.startswith("precision: ") and m.endswith(info.precision_choice) for m in messages)
+    assert any(m.startswith("KV cache: ") and m.endswith(f"in {info.kv_cache_dtype} ({info.kv_cache_choice})")
+               for m in messages)
+    assert f" GiB {info.kv_cache_dtype}, ready in " in ready[0] and info.kernels not in ready[0]
