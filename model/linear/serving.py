@@ -44,7 +44,9 @@ def own_weight(layer: nn.Linear) -> WeightSource:
 def fuse_linears(role: str, *layers: nn.Linear, source_of=own_weight) -> nn.Module:
     """One default serving layer computing the concatenation of the outputs of `layers` (same input)."""
     src = WeightSource.cat([source_of(m) for m in layers])
-    weight = src.floats(src.weight.dtype if src.weight is not None else torch.float32)
+    held = layers[0].weight
+    # the layers' own dtype (a joined source holds no weight of its own to read it from); float32 from a file
+    weight = src.floats(held.dtype if not held.is_meta else torch.float32)
     return inference_linear(weight, src.bias)
 
 
