@@ -125,15 +125,41 @@ def _refuse_constant(name: str):
 
 
 def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> OpenAIRequest:
-    """A parsed body of /v1/chat/completions (chat) or /v1/completions -> OpenAIRequest."""
+    """A parsed body of /v1/chat/completions (chat) or /v1/completions -> OpenAIRequest.
+
+    The fields are read in a fixed order, so that a body with several faults is always refused for the
+    same one."""
     fields = fields or FieldPolicy()
-    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     r = _Reader(body)
     model = r.get("model", str, required=True)
+    _refuse_unsupported(body)
+    max_name, max_tokens = _max_tokens(r, chat)
+    stop = _stop(r.get("stop", (str, list)))
+    want_logprobs, logprobs = _logprobs(r, chat)
+    n = _or(r.get("n", int, low=1, high=MAX_CHOICES), 1)
+    constraint = _response_format(r.get("response_format", dict))
+    stream, include_usage = _streaming(r)
+    r.get("user", str)
+    params = _params(r, chat, max_tokens, stop, logprobs, constraint)
+    inp = _chat_input(r, params, fields) if chat else _prompt_input(r, params)
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    fields.unknown(sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT), endpoint)
+    return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
+                         include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"), n=n)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """A 400 naming the first known parameter this server does not implement, unless null or its default."""
     for name in sorted(UNSUPPORTED & body.keys()):
         value = body[name]
         if value is not None and _HARMLESS_DEFAULTS.get(name, object()) != value:
             raise BodyError(name, _WHY_NOT.get(name, "is not supported by this server"))
+
+
+def _max_tokens(r: _Reader, chat: bool) -> tuple[str, int | None]:
+    """The name the client used for the token limit (answers name it too) and the limit: None leaves it to
+    the server (chat); completions default to OpenAI's 16."""
+    body = r.body
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = r.get(max_name, int, low=1)
     if max_name == "max_completion_tokens" and body.get("max_tokens") is not None:
@@ -141,33 +167,58 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
     r.seen.update(("max_tokens", "max_completion_tokens"))
     if not chat and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    stop = r.get("stop", (str, list))
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(_strings(stop, "stop"))
-    if chat:
-        want_logprobs = bool(r.get("logprobs", bool))
-        top = r.get("top_logprobs", int)
-        if top is not None and not want_logprobs:
-            raise BodyError("top_logprobs", "needs logprobs: true")
-        logprobs = (top or 0) if want_logprobs else None
-    else:
+    return max_name, max_tokens
+
+
+def _stop(stop: str | list | None) -> tuple[str, ...]:
+    """stop: one string or a list of them -> a tuple of stop strings."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(_strings(stop, "stop"))
+
+
+def _logprobs(r: _Reader, chat: bool) -> tuple[bool, int | None]:
+    """Whether to answer with log-probabilities, and how many alternatives per token (None: no logprobs).
+    Chat asks with logprobs: true and top_logprobs: k; completions with logprobs: k."""
+    if not chat:
         logprobs = r.get("logprobs", int)
-        want_logprobs = logprobs is not None
-    n = _or(r.get("n", int, low=1, high=MAX_CHOICES), 1)
-    constraint = _response_format(r.get("response_format", dict))
+        return logprobs is not None, logprobs
+    want = bool(r.get("logprobs", bool))
+    top = r.get("top_logprobs", int)
+    if top is not None and not want:
+        raise BodyError("top_logprobs", "needs logprobs: true")
+    return want, (top or 0) if want else None
+
+
+def _streaming(r: _Reader) -> tuple[bool, bool]:
+    """stream, and stream_options.include_usage (only allowed when streaming)."""
     stream = bool(r.get("stream", bool))
     options = r.get("stream_options", dict)
     if options is not None and not stream:
         raise BodyError("stream_options", "is only allowed with stream: true")
-    include_usage = bool(_Reader(options or {}, "stream_options.").get("include_usage", bool))
-    r.get("user", str)
-    wide = bool(r.get("lmserve_ranges", bool))  # lmserve's own ranges instead of OpenAI's documented ones
-    # the lower bounds, and the penalties' range, are the engine's own (one message for both edges)
+    return stream, bool(_Reader(options or {}, "stream_options.").get("include_usage", bool))
+
+
+def _temperature_top_p(r: _Reader) -> tuple[float, float | None]:
+    """temperature (OpenAI's range unless lmserve_ranges: true) and top_p; top_p 0 means greedy decoding.
+    The lower bounds are the engine's own (one message for both edges)."""
+    wide = bool(r.get("lmserve_ranges", bool))
     temperature = _or(r.get("temperature", float, high=None if wide else MAX_OPENAI_TEMPERATURE,
                             beyond="; lmserve_ranges: true accepts more"), 1.0)  # OpenAI's default is 1
     top_p = r.get("top_p", float)
-    if top_p == 0.0:  # only the most likely token: greedy decoding
-        top_p, temperature = None, 0.0
-    params = InputParams(
+    if top_p == 0.0:  # only the most likely token
+        return 0.0, None
+    return temperature, top_p
+
+
+def _params(r: _Reader, chat: bool, max_tokens: int | None, stop: tuple[str, ...], logprobs: int | None,
+            constraint: tuple[str, object] | None) -> InputParams:
+    """The sampling and stopping parameters; their values' ranges (and the penalties') are the engine's
+    to check."""
+    temperature, top_p = _temperature_top_p(r)
+    return InputParams(
         max_new_tokens=max_tokens or 0,
         temperature=temperature,
         top_p=top_p,
@@ -186,20 +237,23 @@ def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> Open
         constraint=constraint,
         logit_bias=_logit_bias(r.get("logit_bias", dict)),
     )
-    if chat:
-        tools = _tool_use(r.get("tools", list), body.get("tool_choice"), r.get("parallel_tool_calls", bool))
-        r.seen.add("tool_choice")
-        inp = GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params,
-                            tools=tools)
-    else:
-        for name in ("tools", "tool_choice"):
-            if body.get(name) not in (None, []):
-                raise BodyError(name, "is served on /v1/chat/completions, not here")
-        r.seen.update(("prompt", "tools", "tool_choice", "parallel_tool_calls"))
-        inp = _completion_input(body.get("prompt"), params)
-    fields.unknown(sorted(body.keys() - r.seen - UNSUPPORTED - NO_EFFECT), endpoint)
-    return OpenAIRequest(chat=chat, model=model, input=inp, names=OpenAINames(chat, max_name), stream=stream,
-                         include_usage=include_usage, logprobs=want_logprobs, user=body.get("user"), n=n)
+
+
+def _chat_input(r: _Reader, params: InputParams, fields: FieldPolicy) -> GenerateInput:
+    """messages, tools, tool_choice and parallel_tool_calls of a chat body."""
+    tools = _tool_use(r.get("tools", list), r.body.get("tool_choice"), r.get("parallel_tool_calls", bool))
+    r.seen.add("tool_choice")
+    return GenerateInput(messages=_messages(r.get("messages", list, required=True), fields), params=params,
+                         tools=tools)
+
+
+def _prompt_input(r: _Reader, params: InputParams) -> GenerateInput:
+    """The prompt of a completions body; tools are a chat matter."""
+    for name in ("tools", "tool_choice"):
+        if r.body.get(name) not in (None, []):
+            raise BodyError(name, "is served on /v1/chat/completions, not here")
+    r.seen.update(("prompt", "tools", "tool_choice", "parallel_tool_calls"))
+    return _completion_input(r.body.get("prompt"), params)
 
 
 def _response_format(fmt: dict | None) -> tuple[str, object] | None:
