@@ -273,6 +273,8 @@ def parse_model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
         precision_choice=msg.precision_choice,
         kv_cache_dtype=msg.kv_cache_dtype,
         kv_cache_choice=msg.kv_cache_choice,
+        speculation=msg.speculation,
+        speculation_verify_cost=msg.speculation_verify_cost if msg.HasField("speculation_verify_cost") else None,
     )
 
 

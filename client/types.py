@@ -231,6 +231,9 @@ class ModelInfo:
     precision_choice: str = ""  # how the precision mode was chosen and why (GetModelInfoResponse.precision_choice)
     kv_cache_dtype: str = ""  # what the KV cache holds: the model's dtype or "int8"
     kv_cache_choice: str = ""  # why (GetModelInfoResponse.kv_cache_choice)
+    speculation: str = ""  # speculative decoding as served and why (GetModelInfoResponse.speculation)
+    # a step verifying a full draft over a plain decode step, as measured at start; None where not measured
+    speculation_verify_cost: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""

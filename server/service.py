@@ -199,9 +199,11 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             num_parameters=lm.num_parameters, server_version=lmserve.__version__, limits=self._server_limits(),
             quantization=lm.plan.mode.quantization if lm.plan else "none", kernels=lm.kernels,
             precision_choice=lm.choice, kv_cache_dtype=self.engine.kv_choice.name,
-            kv_cache_choice=self.engine.kv_choice.reason)
+            kv_cache_choice=self.engine.kv_choice.reason, speculation=self.engine.speculation_summary())
         if self.tokenizer.bos_id is not None:
             info.bos_token_id = self.tokenizer.bos_id
+        if self.engine.verify_cost is not None:
+            info.speculation_verify_cost = self.engine.verify_cost
         return info
 
     def _server_limits(self) -> pb.ServerLimits:

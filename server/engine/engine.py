@@ -265,7 +265,8 @@ class Engine:
         return spec
 
     def speculation_summary(self) -> str:
-        """For the startup line: "ngram (...)" or "off", with the measured cost of verifying when auto."""
+        """For the startup log and GetModelInfo: "ngram (...)" or "off (...)", with the measured cost of
+        verifying when auto."""
         spec = self.scheduler.speculation
         cost = f", verifying {self.verify_cost:.2f}x a decode step" if self.verify_cost is not None else ""
         if spec is None:

@@ -128,6 +128,7 @@ def test_info_describes_the_checkpoint(server, trained_model_dir, trained_server
     assert proc.returncode == 0
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
     assert lines["vocab_size"] == str(cfg["vocab_size"]) and lines.keys() == info.keys()
+    assert info["speculation"].startswith(("ngram (", "off (")) and lines["speculation"] == info["speculation"]
 
 
 def test_health_exit_codes(server):

@@ -225,6 +225,11 @@ def test_model_info_describes_checkpoint_and_limits(server, config, trained_serv
     # the KV cache holds the model's dtype or int8 codes, and says why; float32 (the token-exact reference) never int8
     assert info.kv_cache_dtype in (info.dtype, "int8") and info.kv_cache_choice.startswith(info.kv_cache_dtype)
     assert info.dtype != "float32" or info.kv_cache_dtype == "float32"
+    # speculation as served, with its cost where --speculation auto measured it (the server's own words)
+    assert info.speculation.startswith(("ngram (", "off ("))
+    cost = info.speculation_verify_cost
+    assert cost is None or (cost > 0 and f"verifying {cost:.2f}x a decode step" in info.speculation)
+    assert info.to_dict()["speculation_verify_cost"] == cost
 
 
 async def test_health_reports_serving(server):

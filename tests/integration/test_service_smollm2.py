@@ -119,3 +119,19 @@ def test_the_ready_line_is_short_and_each_choice_has_its_own_line_as_lmserve_inf
     assert any(m.startswith("KV cache: ") and m.endswith(f"in {info.kv_cache_dtype} ({info.kv_cache_choice})")
                for m in messages)
     assert f" GiB {info.kv_cache_dtype}, ready in " in ready[0] and info.kernels not in ready[0]
+
+
+def test_lmserve_info_gives_the_measured_cost_of_speculation_as_the_startup_log_does(started, stub):
+    from lmserve.server.engine.engine import AUTO_SPECULATION_MAX_BREAK_EVEN
+
+    srv, _ = started
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    # started with --speculation auto on the CPU's sequential loop in a batch-invariant mode: it was measured
+    assert info.HasField("speculation_verify_cost") and info.speculation_verify_cost > 0
+    cost = info.speculation_verify_cost
+    assert f"verifying {cost:.2f}x a decode step" in info.speculation
+    drafts = 8  # --draft-tokens' default
+    pays = (cost - 1.0) / drafts <= AUTO_SPECULATION_MAX_BREAK_EVEN
+    assert info.speculation.startswith(f"ngram (up to {drafts} drafts" if pays else "off (auto, verifying ")
+    messages = [line.split(" lmserve.server: ", 1)[1] for line in srv.log.splitlines() if " lmserve.server: " in line]
+    assert any(m.startswith("steps: ") and m.endswith(f", speculation {info.speculation}") for m in messages)

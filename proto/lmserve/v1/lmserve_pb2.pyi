@@ -225,7 +225,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version", "limits", "quantization", "kernels", "precision_choice", "kv_cache_dtype", "kv_cache_choice")
+    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version", "limits", "quantization", "kernels", "precision_choice", "kv_cache_dtype", "kv_cache_choice", "speculation", "speculation_verify_cost")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class GetModelInfoResponse(_message.Message):
     PRECISION_CHOICE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     context_length: int
@@ -266,7 +268,9 @@ class GetModelInfoResponse(_message.Message):
     precision_choice: str
     kv_cache_dtype: str
     kv_cache_choice: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., kernels: _Optional[str] = ..., precision_choice: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_choice: _Optional[str] = ...) -> None: ...
+    speculation: str
+    speculation_verify_cost: float
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., kernels: _Optional[str] = ..., precision_choice: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_choice: _Optional[str] = ..., speculation: _Optional[str] = ..., speculation_verify_cost: _Optional[float] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_request_id_chars", "max_input_chars", "max_messages", "max_prompt_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logprobs", "greedy_temperature_below", "min_repetition_penalty", "max_repetition_penalty", "max_abs_additive_penalty", "max_queue", "max_concurrent_rpcs", "max_concurrent_streams", "stream_idle_timeout_seconds", "max_receive_message_bytes", "max_health_watchers")
