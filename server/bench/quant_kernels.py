@@ -91,9 +91,27 @@ def run(args) -> dict:
     torch.manual_seed(0)
     bw = read_bandwidth()
     print("read bandwidth", bw, flush=True)
+    qm = QM.default_kernel()
+    sets, amx_modes = build_candidates(gguf, qm)
+    rounds = Rounds(sets, amx_modes, qm)
+    with torch.inference_mode():
+        rounds.warm_up()
+        for rnd in range(args.rounds):
+            rounds.measure(rnd)
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+    if qm is not None:
+        qm.set_amx(QM.AMX_BY_RULE)
+    report = summarize(rounds, bw, gguf.name, args.rounds)
+    print_summary(report)
+    return report
+
+
+def build_candidates(gguf, qm) -> tuple[dict, dict]:
+    """Each candidate's modules per role ({name: {role: [module per layer]}}) and the AMX mode its passes
+    run with; on a CPU whose native kernel uses AMX tiles, each native candidate again as `-vnni` (the
+    same modules, the tiles turned off)."""
     ck = read_gguf(gguf, keep_q41=True)
     sources = role_sources(ck)
-    qm = QM.default_kernel()
     sets = {}
     for name, (layer_kernel, head_kernel, dtype) in CANDIDATES.items():
         if name.startswith("native") and qm is None:
@@ -101,131 +119,124 @@ def run(args) -> dict:
         sets[name] = {r: [K.build(head_kernel if r == "head" else layer_kernel, s, dtype) for s in srcs]
                       for r, srcs in sources.items()}
     del ck, sources
-    amx_modes = {name: QM.AMX_BY_RULE for name in sets}  # what each candidate's passes run with
+    amx_modes = {name: QM.AMX_BY_RULE for name in sets}
     if qm is not None and qm.amx:
         for name in ("native-int4", "native-int8", "native-int4-a8", "native-int8-a8"):
             sets[f"{name}-vnni"], amx_modes[f"{name}-vnni"] = sets[name], QM.AMX_NEVER
-    nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
-    K_in = {m.in_features for s in sets.values() for ls in s.values() for m in ls}
-    xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in K_in}
-    flush = torch.ones(2 * last_level_cache_bytes() // 4)
-    samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")} for n in sets}
-    cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
-    calls = {n: {r: [] for r in ROWS} for n in sets if n.startswith("native")}  # cold, kernel calls alone
-    # the machine's bandwidth moves by up to 2x within minutes on a shared VM: read again every round,
-    # beside the kernels, so that each round's M=1 time is set against that round's bandwidth
-    bw_rounds: list[float] = []
-    peaks = None  # machine_peaks: products a second and the decode loop's read rate, over native-int4-a8's weights
-    step_read, products_rounds = [], []
-    if "native-int4-a8" in sets:
-        from . import machine_peaks as MP
+    return sets, amx_modes
 
-        layers = [m for role in K.ROLES for m in sets["native-int4-a8"][role]]
-        read_bufs = [m.packed for m in layers]
-        read_groups = [m.packed.numel() // (m.out_features // QM.GROUP_COLS) for m in layers]
-        try:
-            peaks = MP.Peaks()
-        except RuntimeError as exc:
-            print("machine peaks not measured:", exc, flush=True)
 
-    def run_pass(layers, rows):
+class Rounds:
+    """The timings of every candidate over the rounds, in which they take turns: whole-step passes
+    cold and warm (wall and CPU time), the native candidates' kernel calls alone, and beside them each
+    round's read bandwidth and, where machine_peaks runs, its product rate and the decode loop's read
+    rate."""
+
+    def __init__(self, sets: dict, amx_modes: dict, qm):
+        self.sets, self.amx_modes, self.qm = sets, amx_modes, qm
+        self.nbytes = {n: sum(m.nbytes for ls in s.values() for m in ls) for n, s in sets.items()}
+        in_features = {m.in_features for s in sets.values() for ls in s.values() for m in ls}
+        self.xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in in_features}
+        self.flush = torch.ones(2 * last_level_cache_bytes() // 4)
+        self.samples = {n: {mode: {r: {role: [] for role in K.ROLES} for r in ROWS} for mode in ("cold", "warm")}
+                        for n in sets}
+        self.cpu = {n: {mode: {r: [] for r in ROWS} for mode in ("cold", "warm")} for n in sets}
+        self.calls = {n: {r: [] for r in ROWS} for n in sets if n.startswith("native")}  # cold, kernel calls alone
+        self.outs: dict = {}  # (module, rows) -> its output, allocated once for the "calls" passes
+        # the machine's bandwidth moves by up to 2x within minutes on a shared VM: read again every round,
+        # beside the kernels, so that each round's M=1 time is set against that round's bandwidth
+        self.bw_rounds: list[float] = []
+        self.peaks = None  # machine_peaks: products a second and the decode loop's read rate, over native-int4-a8's
+        self.step_read: list[float] = []
+        self.products_rounds: list[float] = []
+        if "native-int4-a8" in sets:
+            from . import machine_peaks as MP
+
+            layers = [m for role in K.ROLES for m in sets["native-int4-a8"][role]]
+            self.read_bufs = [m.packed for m in layers]
+            self.read_groups = [m.packed.numel() // (m.out_features // QM.GROUP_COLS) for m in layers]
+            try:
+                self.peaks = MP.Peaks()
+            except RuntimeError as exc:
+                print("machine peaks not measured:", exc, flush=True)
+
+    def run_pass(self, layers, rows: int) -> float:
         t0 = time.perf_counter()
         for m in layers:
-            m(xs[m.in_features][:rows])
+            m(self.xs[m.in_features][:rows])
         return time.perf_counter() - t0
 
-    outs = {}  # (module, rows) -> its output, allocated once for the "calls" passes
-
-    def run_calls(layers, rows):
+    def run_calls(self, layers, rows: int) -> float:
         """The native modules' kernel calls alone (QuantMatmul's entry point, outputs reused)."""
         threads = torch.get_num_threads()
         args = []
         for m in layers:
-            x = xs[m.in_features][:rows]
-            y = outs.setdefault((m, rows), torch.empty(rows, m.out_features, dtype=x.dtype))
+            x = self.xs[m.in_features][:rows]
+            y = self.outs.setdefault((m, rows), torch.empty(rows, m.out_features, dtype=x.dtype))
             args.append((m.bits, int(m.precise), x.data_ptr(), rows, m.in_features, m.packed.data_ptr(),
                          m.out_features, y.data_ptr()))
-        fn = qm._fn
+        fn = self.qm._fn
         t0 = time.perf_counter()
         for bits, precise, xp, r, k, wp, n, yp in args:
             fn(bits, precise, xp, 1, r, k, wp, n, yp, 1, threads)
         return time.perf_counter() - t0
 
-    with torch.inference_mode():
-        for s in sets.values():  # warm-up: first calls, page faults of outputs
+    def warm_up(self) -> None:
+        """First calls and the outputs' page faults, out of the timings."""
+        for s in self.sets.values():
             for ls in s.values():
                 for r in ROWS:
-                    run_pass(ls, r)
-        for rnd in range(args.rounds):
-            bw_rounds.append(read_bandwidth(repeats=3)["median_gb_s"])
-            if peaks is not None:
-                step_read.append(peaks.read_gb_s(read_bufs, read_groups, torch.get_num_threads(), False, repeats=3))
-                products_rounds.append(peaks.products_per_second(torch.get_num_threads(), repeats=3))
-            for name, s in taking_turns(sets.items(), rnd):
-                if qm is not None:
-                    qm.set_amx(amx_modes[name])
-                for rows in ROWS:
-                    for mode in ("cold", "warm"):
-                        if mode == "cold":
-                            flush.sum()
-                        else:
-                            for ls in s.values():
-                                run_pass(ls, rows)  # the pass before: as a serving loop runs
-                        c0 = time.process_time()
-                        for role in K.ROLES:
-                            samples[name][mode][rows][role].append(run_pass(s[role], rows))
-                        cpu[name][mode][rows].append(time.process_time() - c0)
-                    if name in calls:
-                        flush.sum()
-                        calls[name][rows].append(sum(run_calls(s[role], rows) for role in K.ROLES))
-            print(f"round {rnd + 1}/{args.rounds}", flush=True)
-    if qm is not None:
-        qm.set_amx(QM.AMX_BY_RULE)
+                    self.run_pass(ls, r)
 
-    def med(v):
-        return round(statistics.median(v) * 1e3, 3)
+    def measure(self, rnd: int) -> None:
+        """One round: the machine's rates, then every candidate in this round's turn."""
+        self.bw_rounds.append(read_bandwidth(repeats=3)["median_gb_s"])
+        if self.peaks is not None:
+            threads = torch.get_num_threads()
+            self.step_read.append(self.peaks.read_gb_s(self.read_bufs, self.read_groups, threads, False, repeats=3))
+            self.products_rounds.append(self.peaks.products_per_second(threads, repeats=3))
+        for name, s in taking_turns(self.sets.items(), rnd):
+            if self.qm is not None:
+                self.qm.set_amx(self.amx_modes[name])
+            for rows in ROWS:
+                for mode in ("cold", "warm"):
+                    if mode == "cold":
+                        self.flush.sum()
+                    else:
+                        for ls in s.values():
+                            self.run_pass(ls, rows)  # the pass before: as a serving loop runs
+                    c0 = time.process_time()
+                    for role in K.ROLES:
+                        self.samples[name][mode][rows][role].append(self.run_pass(s[role], rows))
+                    self.cpu[name][mode][rows].append(time.process_time() - c0)
+                if name in self.calls:
+                    self.flush.sum()
+                    self.calls[name][rows].append(sum(self.run_calls(s[role], rows) for role in K.ROLES))
 
-    report = {"threads": torch.get_num_threads(), "native_path": qm.name if qm else None, "read_bandwidth": bw,
-              "gguf": gguf.name, "timing": "medians over rounds in which the candidates take turns; "
+
+def _med(v) -> float:
+    return round(statistics.median(v) * 1e3, 3)
+
+
+def summarize(m: Rounds, bw: dict, gguf_name: str, rounds: int) -> dict:
+    """The report: per candidate its step times (medians over the rounds), set against the bandwidth."""
+    report = {"threads": torch.get_num_threads(), "native_path": m.qm.name if m.qm else None, "read_bandwidth": bw,
+              "gguf": gguf_name, "timing": "medians over rounds in which the candidates take turns; "
               "per-role ms are summed over all layers", "candidates": {}}
-    report["read_bandwidth_rounds_gb_s"] = bw_rounds
-    if peaks is not None:
+    report["read_bandwidth_rounds_gb_s"] = m.bw_rounds
+    if m.peaks is not None:
         report["machine_peaks"] = {
-            "products_g_per_s_rounds": [round(r / 1e9, 1) for r in products_rounds],
-            "step_read_gb_s_rounds": [round(r, 1) for r in step_read],
+            "products_g_per_s_rounds": [round(r / 1e9, 1) for r in m.products_rounds],
+            "step_read_gb_s_rounds": [round(r, 1) for r in m.step_read],
             "note": "step read: native-int4-a8's packed weights read as the decode loop reads them (a parallel "
                     "region per linear), each round beside the sum over 512 MiB (read_bandwidth_rounds_gb_s)"}
-    gbs = bw["median_gb_s"]
-    for name in sets:
-        c = {"weight_mb": round(nbytes[name] / 1e6, 1), "bound_ms_at_bandwidth": round(nbytes[name] / gbs / 1e6, 3)}
+    for name in m.sets:
+        c = {"weight_mb": round(m.nbytes[name] / 1e6, 1),
+             "bound_ms_at_bandwidth": round(m.nbytes[name] / bw["median_gb_s"] / 1e6, 3)}
         for mode in ("cold", "warm"):
-            per = {}
-            for rows in ROWS:
-                roles = samples[name][mode][rows]
-                steps = [sum(roles[role][i] for role in K.ROLES) for i in range(args.rounds)]
-                per[rows] = {"step_ms": med(steps), "step_ms_min": round(min(steps) * 1e3, 3),
-                             "cpu_ms_all_threads": med(cpu[name][mode][rows]),
-                             "roles_ms": {role: med(v) for role, v in roles.items()}}
-            per1 = per[1]["step_ms"]
-            c[mode] = {"rows": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per1, 3),
-                       "m8_over_m1": round(per[8]["step_ms"] / per1, 3), "m32_over_m1": round(per[32]["step_ms"] / per1, 3)}
-        if name in calls:
-            per = {rows: med(calls[name][rows]) for rows in ROWS}
-            paired = [nbytes[name] / (b * 1e9) / t for b, t in zip(bw_rounds, calls[name][1])]
-            c["calls"] = {"step_ms": per, "m1_fraction_of_bandwidth": round(c["bound_ms_at_bandwidth"] / per[1], 3),
-                          "m1_fraction_of_bandwidth_same_round": round(statistics.median(paired), 3),
-                          "m8_over_m1": round(per[8] / per[1], 3), "m32_over_m1": round(per[32] / per[1], 3)}
-            if step_read:
-                c["calls"]["m1_fraction_of_step_read_same_round"] = round(statistics.median(
-                    nbytes[name] / (r * 1e9) / t for r, t in zip(step_read, calls[name][1])), 3)
-                # the least M=8 can take in each round (machine_peaks.bounds at that round's rates) over M=1's
-                per_row = sum(m.in_features * m.out_features * (2 if m.precise else 1)
-                              for ls in sets[name].values() for m in ls)
-                c["calls"]["m8_products_fraction_of_peak_same_round"] = round(statistics.median(
-                    8 * per_row / rate / t for rate, t in zip(products_rounds, calls[name][8])), 3)
-                c["calls"]["m8_over_m1_bound_same_round"] = round(statistics.median(
-                    MP.bounds(r, rate, nbytes[name], per_row)["m8_over_m1_bound"]
-                    for rate, r in zip(products_rounds, step_read)), 3)
+            c[mode] = _passes(m, name, mode, rounds, c["bound_ms_at_bandwidth"])
+        if name in m.calls:
+            c["calls"] = _calls(m, name, c["bound_ms_at_bandwidth"])
         report["candidates"][name] = c
     if "onednn-bf16" in report["candidates"]:
         ref = report["candidates"]["onednn-bf16"]
@@ -234,6 +245,49 @@ def run(args) -> dict:
                 c[mode]["m32_vs_onednn_bf16"] = round(ref[mode]["rows"][32]["step_ms"] / c[mode]["rows"][32]["step_ms"], 3)
             if "calls" in c:
                 c["calls"]["m32_vs_onednn_bf16"] = round(ref["cold"]["rows"][32]["step_ms"] / c["calls"]["step_ms"][32], 3)
+    return report
+
+
+def _passes(m: Rounds, name: str, mode: str, rounds: int, bound_ms: float) -> dict:
+    """A candidate's whole-step passes in one mode (cold or warm): step and per-role times per row count."""
+    per = {}
+    for rows in ROWS:
+        roles = m.samples[name][mode][rows]
+        steps = [sum(roles[role][i] for role in K.ROLES) for i in range(rounds)]
+        per[rows] = {"step_ms": _med(steps), "step_ms_min": round(min(steps) * 1e3, 3),
+                     "cpu_ms_all_threads": _med(m.cpu[name][mode][rows]),
+                     "roles_ms": {role: _med(v) for role, v in roles.items()}}
+    per1 = per[1]["step_ms"]
+    return {"rows": per, "m1_fraction_of_bandwidth": round(bound_ms / per1, 3),
+            "m8_over_m1": round(per[8]["step_ms"] / per1, 3), "m32_over_m1": round(per[32]["step_ms"] / per1, 3)}
+
+
+def _calls(m: Rounds, name: str, bound_ms: float) -> dict:
+    """A native candidate's kernel calls alone, against the bandwidth and (where measured) the machine's
+    peaks of the same round."""
+    nbytes, times = m.nbytes[name], m.calls[name]
+    per = {rows: _med(times[rows]) for rows in ROWS}
+    paired = [nbytes / (b * 1e9) / t for b, t in zip(m.bw_rounds, times[1])]
+    out = {"step_ms": per, "m1_fraction_of_bandwidth": round(bound_ms / per[1], 3),
+           "m1_fraction_of_bandwidth_same_round": round(statistics.median(paired), 3),
+           "m8_over_m1": round(per[8] / per[1], 3), "m32_over_m1": round(per[32] / per[1], 3)}
+    if m.step_read:
+        from . import machine_peaks as MP
+
+        out["m1_fraction_of_step_read_same_round"] = round(statistics.median(
+            nbytes / (r * 1e9) / t for r, t in zip(m.step_read, times[1])), 3)
+        # the least M=8 can take in each round (machine_peaks.bounds at that round's rates) over M=1's
+        per_row = sum(q.in_features * q.out_features * (2 if q.precise else 1)
+                      for ls in m.sets[name].values() for q in ls)
+        out["m8_products_fraction_of_peak_same_round"] = round(statistics.median(
+            8 * per_row / rate / t for rate, t in zip(m.products_rounds, times[8])), 3)
+        out["m8_over_m1_bound_same_round"] = round(statistics.median(
+            MP.bounds(r, rate, nbytes, per_row)["m8_over_m1_bound"]
+            for rate, r in zip(m.products_rounds, m.step_read)), 3)
+    return out
+
+
+def print_summary(report: dict) -> None:
     for name, c in report["candidates"].items():
         print(f"{name:12s} {c['weight_mb']:7.1f} MB  cold ms " +
               " ".join(f"M{r}={c['cold']['rows'][r]['step_ms']:.2f}" for r in ROWS) +
@@ -245,4 +299,3 @@ def run(args) -> dict:
                   + f"  bw {c['calls']['m1_fraction_of_bandwidth']:.2f}"
                   + f" (same round {c['calls']['m1_fraction_of_bandwidth_same_round']:.2f})"
                   + f"  m8/m1 {c['calls']['m8_over_m1']:.2f}")
-    return report
