@@ -18,7 +18,7 @@ from typing import Any
 from .request import timed_request
 from .stats import RequestRecord
 from .prompts import WorkItem
-from ..types import ChatMessage, SamplingParams
+from ..types import ChatMessage
 
 # Short common words: byte-level BPE vocabularies (SmolLM2, Llama 3, Qwen2) give each, with its leading
 # space, one token; sentencepiece vocabularies about the same. The report's prompt_tokens give the count.
