@@ -197,7 +197,7 @@ def native_parts(device: torch.device, cache_dir: Path, dtype: torch.dtype, cfg:
     library) where they apply and the library for steps in one native call where attention is native."""
     if device.type != "cpu":
         return NativeParts(choose_backend(device, dtype, cfg, batch_invariant))
-    lib, why = native.build(cache_dir)
+    lib, why = native.load(cache_dir)  # load(), not build(): the sampler's row max and mask find it there (loaded())
     backend = choose_backend(device, dtype, cfg, batch_invariant, lib)
     fused = (lib is not None and dtype == torch.bfloat16
              and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size))

@@ -72,3 +72,24 @@ def test_mask_logits_takes_the_native_kernel_on_cpu(kernel, monkeypatch):
     want = _reference(logits, rows, bits)
     S.mask_logits(logits, rows, bits)
     assert calls == [3] and torch.equal(logits, want)
+
+
+def test_a_model_loaded_on_cpu_leaves_its_library_to_the_sampler(monkeypatch, native_kernels_dir):
+    """The loader's native library is the one the sampler's mask and row max take (native.loaded()): a
+    served CPU engine masks and takes its greedy maxima in one native pass, not through torch."""
+    from lmserve.model.config import ModelConfig
+    from lmserve.model.loader import native_parts
+    from lmserve.server.engine import row_max as R
+
+    monkeypatch.setattr(native, "_LOADED", {})  # as in a fresh server process, before its model loads
+    monkeypatch.setattr(native, "_BOUND", {})
+    assert S._native_mask() is None
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=128, max_position_embeddings=64)
+    native_parts(torch.device("cpu"), native_kernels_dir, torch.bfloat16, cfg, True)
+    assert native.loaded() is not None
+    assert S._native_mask() is not None and native.bound(R._NativeRowMax) is not None
+    logits, rows, bits = _case(100, 3, 11, torch.bfloat16)
+    want = _reference(logits, rows, bits)
+    S.mask_logits(logits, rows, bits)  # through the loader's library
+    assert torch.equal(logits, want)
