@@ -131,6 +131,30 @@ def test_end_of_sequence_only_when_complete_and_rollback(compiler, smollm2_token
     assert state2.is_finished and set(allowed) <= set(compiler.vocabulary.eos_ids)
 
 
+def test_a_state_computing_masks_on_demand_answers_as_the_mask_does(compiler, smollm2_tokenizer):
+    """ahead=False (greedy rows): `allowed(t)` asks the matcher for one token until a mask is asked for;
+    along a walk over a schema, every id's answer is the mask's bit, end of sequence included."""
+    compiled = compiler.compile(Constraint.json_schema(PERSON))
+    ahead, lazy = compiled.new_state(), compiled.new_state(ahead=False)
+    rng = random.Random(3)
+    vocab = compiled.vocabulary.size
+    probe = sorted({*rng.sample(range(vocab), 300), *compiled.vocabulary.eos_ids, vocab, -1})
+    for _ in range(60):
+        bits = unpack(ahead.mask()[None], vocab)[0]
+        want = [0 <= t < vocab and bool(bits[t]) for t in probe]
+        assert [lazy.allowed(t) for t in probe] == want
+        allowed = bits.nonzero().flatten().tolist()
+        assert torch.equal(lazy.mask(), ahead.mask())  # asked for: computed here, the same
+        token = next((t for t in allowed if t not in compiled.vocabulary.eos_ids), None)
+        if token is None:
+            break
+        token = allowed[rng.randrange(len(allowed))] if rng.random() < 0.5 else token
+        if token in compiled.vocabulary.eos_ids:
+            break
+        ahead.advance(token)
+        lazy.advance(token)
+
+
 def test_mask_logits_masks_only_constrained_rows(compiler, smollm2_tokenizer):
     state = compiler.compile(Constraint.choice(["42"])).new_state()
     V = compiler.vocabulary.size

@@ -45,9 +45,10 @@ class CompiledConstraint:
     _initial: object = field(repr=False)  # the library's matcher at the start, never advanced
     _worker: MaskWorker = field(repr=False)
 
-    def new_state(self) -> ConstraintState:
-        """A fresh matcher for one request; its first mask starts computing at once."""
-        return ConstraintState(self._initial.deep_copy(), self.vocabulary, self._worker)
+    def new_state(self, ahead: bool = True) -> ConstraintState:
+        """A fresh matcher for one request; with `ahead`, its first mask starts computing at once (else
+        masks are computed when asked for: constraints/state.py)."""
+        return ConstraintState(self._initial.deep_copy(), self.vocabulary, self._worker, ahead)
 
 
 @dataclass

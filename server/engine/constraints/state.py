@@ -1,8 +1,16 @@
 """One request's matcher: the allowed-token mask for its next token, advanced on every accepted token.
 
-The mask for step k+1 starts computing on `MaskWorker`'s thread as soon as step k's token is
-accepted (`advance`), and the library releases the GIL while it computes, so the work overlaps the
-rest of the step and the next forward; `mask()` waits only for what is left of it.
+Computed ahead (`ahead=True`, for sampled rows, which need the whole mask): the mask for step k+1
+starts computing on `MaskWorker`'s thread as soon as step k's token is accepted (`advance`), and the
+library releases the GIL while it computes, so the work overlaps the rest of the step and the next
+forward; `mask()` waits only for what is left of it.
+
+On demand (`ahead=False`, for greedy rows): no mask is computed until one is asked for. A greedy row's
+token is the argmax of its allowed logits, which is the argmax of all of them whenever that token is
+allowed; the sampler asks `allowed(argmax)` (the matcher checks one token, a few microseconds) and
+computes the mask only when the model's choice is not allowed, and then has the next one computed
+ahead (`ahead` is the sampler's to set: disagreements come in runs). On a 2-core CPU a mask computed
+ahead is not free: its thread takes a core from the forward's.
 
 End of sequence is allowed exactly where the constraint is complete (the library puts the eos ids
 in the mask then, and only them once nothing can follow). `rollback(n)` undoes the last n tokens
@@ -13,6 +21,8 @@ speculative decoding needs to verify a draft and rewind the rejected part.
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -38,9 +48,17 @@ class MaskWorker:
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmserve-mask")
+        self._lock = threading.Lock()  # masks are counted from this thread and the sampler's
+        self.computed = 0  # masks computed by every state that uses this worker, ahead or on demand
+        self.seconds = 0.0  # their time
 
     def submit(self, fn) -> Future:
         return self._pool.submit(fn)
+
+    def count(self, seconds: float) -> None:
+        with self._lock:
+            self.computed += 1
+            self.seconds += seconds
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -53,20 +71,26 @@ class ConstraintError(RuntimeError):
 class ConstraintState:
     """The matcher of one request (not thread-safe: one sequence, one caller at a time)."""
 
-    def __init__(self, matcher, vocabulary: Vocabulary, worker: MaskWorker):
+    def __init__(self, matcher, vocabulary: Vocabulary, worker: MaskWorker, ahead: bool = True):
         self._m = matcher
         self._vocab = vocabulary
         self._worker = worker
+        self.ahead = ahead
         self._bits = new_bitmask(vocabulary.size)  # [1, W] int32, bit t of word t//32
         self._pending: Future | None = None
+        self._stale = True  # the bits are not this position's mask (nor being computed)
         self.tokens = 0  # accepted so far
         self._start_mask()
 
     def _fill(self) -> None:
+        t = time.perf_counter()
         fill_bitmask(self._m, self._bits)
+        self._worker.count(time.perf_counter() - t)
 
     def _start_mask(self) -> None:
-        self._pending = self._worker.submit(self._fill)
+        if self.ahead:
+            self._pending = self._worker.submit(self._fill)
+        self._stale = not self.ahead
 
     def _wait(self) -> None:
         if self._pending is not None:
@@ -77,13 +101,28 @@ class ConstraintState:
             self._pending = None
 
     def mask(self) -> Tensor:
-        """[W] int32 bitmask of the ids allowed next (waits for its computation if it is still running)."""
+        """[W] int32 bitmask of the ids allowed next (waits for its computation if it is still running;
+        computes it here if none was started)."""
         self._wait()
+        if self._stale:
+            try:
+                self._fill()
+            except Exception:  # noqa: BLE001 - as in _wait: nothing is allowed, the row fails alone
+                self._bits.zero_()
+            self._stale = False
         return self._bits[0]
 
     def allowed(self, token: int) -> bool:
+        """Whether `token` may come next: read from the mask where it is computed (or being computed),
+        else asked of the matcher for this one token."""
+        if not 0 <= token < self._vocab.size:
+            return False
+        if self._stale and self._pending is None:
+            if token in self._vocab.eos_ids:  # the mask allows end of sequence exactly where the output is
+                return self._m.is_accepting()  # complete; validate_tokens refuses it even there
+            return self._m.validate_tokens([int(token)]) == 1
         row = self.mask()
-        return 0 <= token < self._vocab.size and bool((int(row[token // 32]) >> (token % 32)) & 1)
+        return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
     def advance(self, token: int) -> None:
         """Accept `token` and start computing the next mask. Raises ConstraintError if the constraint
