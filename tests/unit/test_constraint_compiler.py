@@ -73,6 +73,18 @@ def test_json_schema_walks_validate(compiler, smollm2_tokenizer):
         jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_json_schema_outputs_keep_the_schemas_property_order(compiler, smollm2_tokenizer):
+    """Properties are written in the order the schema declares them (as OpenAI's structured outputs
+    write them), not sorted: every walk's keys come in PERSON's order ('name' before 'age'), and the
+    same schema given as text or as a dict is one constraint."""
+    order = list(PERSON["properties"])
+    assert Constraint.json_schema(PERSON) == Constraint.json_schema(json.dumps(PERSON, indent=2))
+    compiled = compiler.compile(Constraint.json_schema(PERSON))
+    for seed in range(6):
+        keys = list(json.loads(walk(compiled, smollm2_tokenizer, seed)))
+        assert keys[:2] == ["name", "age"] and keys == sorted(keys, key=order.index), keys
+
+
 def test_json_object_accepts_objects_only(compiler, smollm2_tokenizer):
     compiled = compiler.compile(Constraint.json_object())
     for text, ok in (('{"a": [1, 2.5, "x"], "b": {"c": null}}', True), ("[1, 2]", False), ('"s"', False),

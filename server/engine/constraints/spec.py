@@ -39,7 +39,7 @@ class ConstraintLimits:
 
 @dataclass(frozen=True)
 class Constraint:
-    """One request's output constraint. `source` is the schema (canonical JSON text), the regex, the
+    """One request's output constraint. `source` is the schema (compact JSON text), the regex, the
     grammar, or the choices (a JSON list); json_object has none."""
 
     kind: ConstraintKind
@@ -54,7 +54,8 @@ class Constraint:
                 schema = json.loads(schema)
             except (ValueError, RecursionError):  # not JSON, or nested past what the parser recurses into
                 return cls(ConstraintKind.JSON_SCHEMA, schema)
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # keys in the schema's own order: the matcher writes properties in the order they are declared
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> "Constraint":
