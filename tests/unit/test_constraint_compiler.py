@@ -17,7 +17,7 @@ import torch
 from lmserve.model.text.tokenizer import Tokenizer
 from lmserve.server.engine.constraints.compiler import ConstraintCompiler
 from lmserve.server.engine.constraints.spec import Constraint
-from lmserve.server.engine.constraints.state import ConstraintError, mask_logits, unpack
+from lmserve.server.engine.constraints.state import ConstraintError, ConstraintState, mask_logits, unpack
 from lmserve.server.engine.errors import RequestValidationError
 
 PERSON = {
@@ -143,28 +143,35 @@ def test_end_of_sequence_only_when_complete_and_rollback(compiler, smollm2_token
     assert state2.is_finished and set(allowed) <= set(compiler.vocabulary.eos_ids)
 
 
-def test_a_state_computing_masks_on_demand_answers_as_the_mask_does(compiler, smollm2_tokenizer):
-    """ahead=False (greedy rows): `allowed(t)` asks the matcher for one token until a mask is asked for;
-    along a walk over a schema, every id's answer is the mask's bit, end of sequence included."""
-    compiled = compiler.compile(Constraint.json_schema(PERSON))
-    ahead, lazy = compiled.new_state(), compiled.new_state(ahead=False)
+LAZY_CASES = [Constraint.json_schema(PERSON), Constraint.regex(r"\(\d{3}\) \d{3}-\d{4}"), Constraint.grammar(ARITH),
+              Constraint.choice(["red", "green", "dark purple"]), Constraint.json_object()]
+
+
+@pytest.mark.parametrize("constraint", LAZY_CASES, ids=[c.kind.value for c in LAZY_CASES])
+def test_a_state_computing_masks_on_demand_answers_as_the_mask_does(compiler, constraint):
+    """ahead=False (greedy rows): `allowed(t)` asks the matcher about one token (and what the grammar
+    forces next) until a mask is asked for. Along a walk, each id a fresh on-demand state is asked
+    about answers as the mask's bit: every id the matcher would accept in some split (a superset of
+    the mask's), the mask's own, end of sequence, ids outside the vocabulary, and random others."""
+    compiled = compiler.compile(constraint)
+    ahead = compiled.new_state()
     rng = random.Random(3)
     vocab = compiled.vocabulary.size
-    probe = sorted({*rng.sample(range(vocab), 300), *compiled.vocabulary.eos_ids, vocab, -1})
-    for _ in range(60):
+    eos = compiled.vocabulary.eos_ids
+    for _ in range(40):
         bits = unpack(ahead.mask()[None], vocab)[0]
-        want = [0 <= t < vocab and bool(bits[t]) for t in probe]
-        assert [lazy.allowed(t) for t in probe] == want
         allowed = bits.nonzero().flatten().tolist()
+        accepted = [t for t in range(vocab) if ahead._m.validate_tokens([t]) == 1]
+        probe = {*rng.sample(accepted, min(300, len(accepted))), *allowed[:300], *eos, *rng.sample(range(vocab), 100),
+                 vocab, -1}
+        for t in sorted(probe):
+            lazy = ConstraintState(ahead._m.deep_copy(), compiled.vocabulary, compiler.worker, ahead=False)
+            assert lazy.allowed(t) == (0 <= t < vocab and bool(bits[t])), (t, ahead.tokens)
         assert torch.equal(lazy.mask(), ahead.mask())  # asked for: computed here, the same
-        token = next((t for t in allowed if t not in compiled.vocabulary.eos_ids), None)
-        if token is None:
+        text = [t for t in allowed if t not in eos]
+        if not text:
             break
-        token = allowed[rng.randrange(len(allowed))] if rng.random() < 0.5 else token
-        if token in compiled.vocabulary.eos_ids:
-            break
-        ahead.advance(token)
-        lazy.advance(token)
+        ahead.advance(text[0] if rng.random() < 0.3 else text[rng.randrange(len(text))])
 
 
 def test_mask_logits_masks_only_constrained_rows(compiler, smollm2_tokenizer):

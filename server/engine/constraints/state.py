@@ -7,10 +7,12 @@ forward; `mask()` waits only for what is left of it.
 
 On demand (`ahead=False`, for greedy rows): no mask is computed until one is asked for. A greedy row's
 token is the argmax of its allowed logits, which is the argmax of all of them whenever that token is
-allowed; the sampler asks `allowed(argmax)` (the matcher checks one token, a few microseconds) and
-computes the mask only when the model's choice is not allowed, and then has the next one computed
-ahead (`ahead` is the sampler's to set: disagreements come in runs). On a 2-core CPU a mask computed
-ahead is not free: its thread takes a core from the forward's.
+allowed; the sampler asks `allowed(argmax)` (the matcher checks one token and what the grammar forces
+next, ~1 + 15 us against ~50 us for a mask of SmolLM2's vocabulary) and computes the mask only when
+the model's choice is not allowed, and then has the next one computed ahead (`ahead` is the
+sampler's to set: disagreements come in runs). On a 2-core CPU a mask computed ahead is not free: its
+thread takes a core from the forward's. `allowed` answers as the mask's bit does; a test holds every
+id's answer to the mask along walks over each kind of constraint (llguidance is pinned).
 
 End of sequence is allowed exactly where the constraint is complete (the library puts the eos ids
 in the mask then, and only them once nothing can follow). `rollback(n)` undoes the last n tokens
@@ -120,7 +122,16 @@ class ConstraintState:
         if self._stale and self._pending is None:
             if token in self._vocab.eos_ids:  # the mask allows end of sequence exactly where the output is
                 return self._m.is_accepting()  # complete; validate_tokens refuses it even there
-            return self._m.validate_tokens([int(token)]) == 1
+            if self._m.validate_tokens([int(token)]) != 1:
+                return False
+            # where the grammar forces the next bytes, the mask holds only their first token as the
+            # tokenizer writes them (validate_tokens would take any split of them), or, where no whole
+            # token is forced, the tokens extending them: that mask is computed below
+            forced = self._m.compute_ff_tokens()
+            if forced:
+                return token == forced[0]
+            if not self._m.compute_ff_bytes():
+                return True
         row = self.mask()
         return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
