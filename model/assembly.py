@@ -92,16 +92,14 @@ class _Sourced:
             name = "model.embed_tokens"
         src = self.sources[name + ".weight"]
         self.used.append(src)
-        blocks = src.blocks()
         bias = linear.bias.detach() if linear.bias is not None and not linear.bias.is_meta else None
-        return K.WeightSource(None, bias, blocks if type(blocks).__name__ == "Q41Blocks" else None,
-                              blocks if type(blocks).__name__ == "Q80Blocks" else None,
-                              parts=row_slices(src), shape=tuple(src.shape))
+        return K.WeightSource.of(None, bias, src.blocks(), parts=row_slices(src), shape=tuple(src.shape))
 
-    def releasing(self, make):
-        """`make` that hands back the pages of the sources each role read, once the role is built."""
+    def releasing(self, make, device: torch.device | str = "cpu"):
+        """`make` that puts each role's module on `device` (the file is read into host memory) and hands
+        back the pages of the sources the role read."""
         def built(role: str, *layers: nn.Linear) -> nn.Module:
-            module = make(role, *layers)
+            module = make(role, *layers).to(device)
             for src in self.used:
                 src.release()
             self.used.clear()
@@ -141,7 +139,7 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], 
     model = model.eval().requires_grad_(False)
     if streamed:
         sourced = _Sourced(model, sources, cfg.tie_word_embeddings)
-        model.prepare_for_inference(sourced.releasing(planned_linears(plan.kernels, dtype, sourced)), native_lib)
+        model.prepare_for_inference(sourced.releasing(planned_linears(plan.kernels, dtype, sourced), device), native_lib)
     elif prepare:
         model.prepare_for_inference(fuse_linears, native_lib)
     model.model.rotary.build(device, dtype)
@@ -197,9 +195,7 @@ class _RoleSamples(Mapping):
                 blocks = blocks.rows(index)
             s.release()
             bias = self.sources.get(name.replace(".weight", ".bias"))
-            parts.append(K.WeightSource(w, None if bias is None else bias.read(),
-                                        blocks if type(blocks).__name__ == "Q41Blocks" else None,
-                                        blocks if type(blocks).__name__ == "Q80Blocks" else None))
+            parts.append(K.WeightSource.of(w, None if bias is None else bias.read(), blocks))
         return K.WeightSource.cat(parts)
 
     def _read(self, role: str) -> list[K.WeightSource]:
@@ -217,6 +213,12 @@ class CheckpointModes:
         self.config = cfg
         self.sources = as_sources(cfg, weights, q41, q80)
         check_shapes(cfg, self.sources)
+
+    def stored_types(self) -> dict[str, str]:
+        """Each decoder layer's linear weight as the file names it, with the type it is stored in
+        ("blk.1.ffn_up.weight": "F32"; a safetensors file's tensors by their Hugging Face names)."""
+        linears = _linear_weights(expected_shapes(self.config)) - {"lm_head.weight"}
+        return {self.sources[n].meta.get("gguf_name", n): self.sources[n].stored_as for n in sorted(linears)}
 
     def timing_sources(self, max_bytes: int) -> tuple[Mapping[str, list[K.WeightSource]], dict[str, float]]:
         """Float32 weights (and the file's blocks) of each role for the first layers, about max_bytes of
@@ -261,8 +263,7 @@ class CheckpointModes:
         for r0 in range(0, cfg.vocab_size, HEAD_ROWS):
             index = torch.arange(r0, min(cfg.vocab_size, r0 + HEAD_ROWS))
             part = blocks.rows(index) if blocks is not None else None
-            ws = K.WeightSource(head.rows(index), None, part if type(part).__name__ == "Q41Blocks" else None,
-                                part if type(part).__name__ == "Q80Blocks" else None)
+            ws = K.WeightSource.of(head.rows(index), None, part)
             out[:, r0:r0 + len(index)] = K.build(plan.kernels["head"], ws, dtype)(h).float()
         head.release()
         return out

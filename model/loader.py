@@ -73,7 +73,7 @@ class LoadedModel:
     def kernels(self) -> str:
         """The linear kernels served, e.g. "onednn" or "int4 (qkv/o/gate_up/down), int8 (head)"."""
         text = self.plan.describe() if self.plan else "default"
-        if "native-int" in text:  # which build of the native quantized kernel runs: avx512-vnni+amx, avx2, ...
+        if "native-" in text:  # which build of the native quantized kernel runs: avx512-vnni+amx, avx2, ...
             from .linear import quant_matmul
             qm = quant_matmul.default_kernel()
             text += f" on {qm.name}" if qm is not None else ""

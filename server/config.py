@@ -18,7 +18,7 @@ class ServerSettings:
     model: str = "smollm2"
     models_dir: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU measured with --quantization (model/tuning/precision.py)
-    quantization: str = "auto"  # auto, none, int8 or int4 (weight-only; CPU)
+    quantization: str = "auto"  # auto, none, int8, int4 or kquant (weight-only; CPU)
     batch_invariant: bool = True  # only kernels whose output rows do not depend on the batch
     compile: str = "auto"  # compile the layers' work between attentions (CPU): auto = measured, cached
     cache_dir: str | None = None  # kernel choices (and compiled code) per machine; None = $XDG_CACHE_HOME/lmserve
@@ -93,7 +93,7 @@ def served_names(value: str) -> tuple[str, ...]:
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "kquant")
 
 
 HELP = {
@@ -101,8 +101,9 @@ HELP = {
     "models_dir": "where pulled models live (default: $XDG_CACHE_HOME/lmserve/models)",
     "dtype": "auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA, on CPU the fastest mode within the "
              "quality bounds, measured at first start and cached (float32 is the token-exact reference)",
-    "quantization": "auto, none, int8 or int4: weight-only quantization on CPU (computes in bfloat16; "
-                    "GGUF Q4_1 weights are served as they are); auto measures, as for --dtype",
+    "quantization": "auto, none, int8, int4 or kquant: weight-only quantization on CPU (computes in bfloat16; "
+                    "a GGUF file's Q4_0/Q4_1 weights are served as they are in int4, Q8_0 in int8, and its "
+                    "Q4_K/Q5_K/Q6_K tensors each in its own type in kquant); auto measures, as for --dtype",
     "batch_invariant": "serve only kernels whose rows do not depend on the batch (a request's greedy tokens "
                        "are then the same alone or batched): true or false",
     "compile": "auto, true or false: compile the decoder layers' work between attentions on CPU (torch.compile, "

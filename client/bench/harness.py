@@ -33,7 +33,7 @@ SHARED: dict[str, dict[str, Any]] = {
     "model": dict(help="catalog name, .gguf file or Hugging Face directory"),
     "models_dir": dict(help="where catalog models are found or pulled (default: as the server finds them)"),
     "dtype": dict(help="auto, float32, bfloat16 or float16 (auto: measured, as the server chooses)"),
-    "quantization": dict(help="auto, none, int8 or int4 (auto: measured, as the server chooses)"),
+    "quantization": dict(help="auto, none, int8, int4 or kquant (auto: measured, as the server chooses)"),
     "device": dict(help="cpu, cuda or cuda:N (default: cuda when available)"),
     "threads": dict(type=int, help="torch threads, in this process and in any server it starts (default: torch's)"),
     "concurrency": dict(type=int, nargs="+", help="requests in flight: one measurement each"),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +197,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bo
             ckpt.tensors[name] = src.read(dtype)
             blocks = src.blocks() if keep_q41 else None
             if blocks is not None:
-                (ckpt.q80 if type(blocks).__name__ == "Q80Blocks" else ckpt.q41)[name] = blocks
+                {"Q80Blocks": ckpt.q80, "Q41Blocks": ckpt.q41}.get(type(blocks).__name__, {})[name] = blocks
             src.release()
     finally:
         ckpt.close()
@@ -294,13 +293,12 @@ def _source(file: MappedFile, info: TensorInfo, name: str, unpermute_heads: int 
 
     def blocks():
         found = _quant_blocks(file.buf, info) if len(info.ne) == 2 else None
-        if found is not None and unpermute_heads is not None:  # every field is [N, ...] by output row
-            found = type(found)(*(llama_cpp_unpermute(getattr(found, f.name), unpermute_heads).contiguous()
-                                  for f in dataclasses.fields(found)))
+        if found is not None and unpermute_heads is not None:  # the blocks' rows in the unpermuted order
+            found = found.rows(llama_cpp_unpermute(torch.arange(info.ne[1]), unpermute_heads))
         return found
 
     return TensorSource(name, info.torch_shape, _type_name(info), row_bytes * n_rows, read, rows, blocks,
-                        lambda: file.release(info.offset, row_bytes * n_rows))
+                        lambda: file.release(info.offset, row_bytes * n_rows), meta={"gguf_name": info.name})
 
 
 def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
@@ -309,12 +307,16 @@ def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
 
 
 def _quant_blocks(buf, info: TensorInfo):
-    """A Q4_0/Q4_1 (quant.Q41Blocks) or Q8_0 (quant.Q80Blocks) tensor's own codes and steps, or None
-    for other types."""
+    """A Q4_0/Q4_1 (formats.Q41Blocks) or Q8_0 (formats.Q80Blocks) tensor's own codes and steps, a
+    Q4_K/Q5_K/Q6_K tensor's bytes as stored (formats.KQuantBlocks), or None for other types."""
     from gguf import GGMLQuantizationType as T
 
-    from ..linear.formats import Q41Blocks, Q80Blocks
+    from ..linear.formats import KQUANT_BLOCK_BYTES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks
 
+    if info.type_id in KQUANT_BLOCK_BYTES:
+        row_bytes = info.ne[0] // QK_K * KQUANT_BLOCK_BYTES[info.type_id]
+        raw = np.frombuffer(buf, np.uint8, row_bytes * info.ne[1], info.offset).reshape(info.ne[1], row_bytes)
+        return KQuantBlocks.from_raw(raw, info.type_id)
     read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw)}
     if info.type_id not in read:
         return None

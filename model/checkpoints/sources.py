@@ -62,7 +62,8 @@ class TensorSource:
     read(dtype): the tensor in that dtype (dequantized when the file stores blocks): a fresh tensor
         read from the file, or the tensor itself for a source already in memory (never write to it);
     rows(index): only some rows of a 2-D tensor (an embedding's looked-up rows, a head's slice);
-    blocks(): the file's own blocks where a kernel serves them as they are (GGUF Q4_0/Q4_1/Q8_0), else None;
+    blocks(): the file's own blocks where a kernel serves them as they are (GGUF Q4_0/Q4_1/Q8_0 and
+        Q4_K/Q5_K/Q6_K), else None;
     release(): hand back the file pages the reads touched.
     """
 
@@ -102,12 +103,12 @@ class TensorSource:
 
         n = stop - start
         return TensorSource(name, (n, *self.shape[1:]), self.stored_as, self.nbytes * n // self.shape[0],
-                            lambda: self._read()[start:stop].contiguous(), rows, blocks, self._release)
+                            lambda: self._read()[start:stop].contiguous(), rows, blocks, self._release, self.meta)
 
     def mapped(self, fn: Callable[[Tensor], Tensor]) -> "TensorSource":
         """This source with `fn` applied to every read (its blocks, no longer what it reads, dropped)."""
         return TensorSource(self.name, self.shape, self.stored_as, self.nbytes, lambda: fn(self._read()),
-                            lambda index: fn(self.rows(index)), _release=self._release)
+                            lambda index: fn(self.rows(index)), _release=self._release, meta=self.meta)
 
     @staticmethod
     def of(name: str, tensor: Tensor, blocks=None) -> "TensorSource":

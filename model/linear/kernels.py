@@ -21,6 +21,9 @@ are measured here, on the model's real shapes, at load:
           products), for the LM head, whose output the int8 step barely moves. Q8_0 blocks (a step
           per 32 weights) are finer than torch int8's step per row: the mode's quality check
           (precision.py) covers the kernels chosen.
+- native-kquant / native-kquant-a8: the same kernel's K-quant path (kquant_matmul.cpp) on a GGUF
+          file's own Q4_K, Q5_K and Q6_K blocks, a fused weight's parts each in its own type, with
+          two activation codes or one.
 
 Invariance: a kernel is batch-invariant when every output row is bitwise the same whatever other
 rows share the call (1 row, a decode batch, a packed prompt). Some GEMMs change their blocking or
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import quant_matmul as QM
-from .formats import GROUP, Q41Blocks, Q80Blocks, int4_pack, int8_per_channel, quantize_q41, quantize_q80
+from .formats import GROUP, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, int4_pack, int8_per_channel, quantize_q41, quantize_q80
 
 ROLES = ("qkv", "o", "gate_up", "down", "head")
 DECODE_BUCKETS = (1, 8, 32)  # batch sizes the choice is timed at
@@ -206,20 +209,24 @@ def native_qmm_eager(x: Tensor, packed: Tensor, bits: int, n: int, precise: bool
 
 
 class NativeQuantLinear(ServingLinear):
-    """GGUF-style blocks on the native kernel (quant_matmul.py): Q4_0/Q4_1 (bits 4) or Q8_0 (bits 8);
-    precise: activations as two int8 codes (~16 bits), else one."""
+    """GGUF-style blocks on the native kernel (quant_matmul.py): Q4_0/Q4_1 (bits 4), Q8_0 (bits 8), or
+    K-quant tensors fused along N, each in its own type (Q4_K/Q5_K/Q6_K: bits KQUANT_BITS); precise:
+    activations as two int8 codes (~16 bits), else one."""
 
-    def __init__(self, blocks: Q41Blocks | Q80Blocks, bias: Tensor | None, precise: bool = True):
-        super().__init__(*blocks.q.shape, bias)
+    def __init__(self, blocks: Q41Blocks | Q80Blocks | list[KQuantBlocks], bias: Tensor | None, precise: bool = True):
+        kquant = isinstance(blocks, list)
+        n, k = (sum(b.shape[0] for b in blocks), blocks[0].shape[1]) if kquant else tuple(blocks.q.shape)
+        super().__init__(n, k, bias)
         if QM.default_kernel() is None:
             raise RuntimeError("the native quantized kernel is not built here")
-        if not QM.QuantMatmul.supports(self.out_features, self.in_features):
-            raise ValueError(f"the native quantized kernel needs N % {QM.GROUP_COLS} and K % {GROUP} to be 0")
-        self.bits = 4 if isinstance(blocks, Q41Blocks) else 8
+        if not QM.QuantMatmul.supports(n, k) or (kquant and k % QK_K):
+            raise ValueError(f"the native quantized kernel needs N % {QM.GROUP_COLS} and K % {QK_K if kquant else GROUP} "
+                             f"to be 0, got N={n}, K={k}")
+        self.bits = QM.KQUANT_BITS if kquant else 4 if isinstance(blocks, Q41Blocks) else 8
         self.precise = precise
-        self.kernel = f"native-int{self.bits}" + ("" if precise else "-a8")
-        packed = QM.pack_q4(blocks) if self.bits == 4 else QM.pack_q8(blocks)
-        self.register_buffer("packed", packed, persistent=False)  # [N/16 * K/32 * 320 or 544] uint8
+        self.kernel = ("native-kquant" if kquant else f"native-int{self.bits}") + ("" if precise else "-a8")
+        packed = QM.pack_kquant(blocks) if kquant else QM.pack_q4(blocks) if self.bits == 4 else QM.pack_q8(blocks)
+        self.register_buffer("packed", packed, persistent=False)  # uint8, the kernel's layout
 
     def forward(self, x: Tensor) -> Tensor:
         return weight_only(self, x, native_qmm, native_qmm_eager, self.packed, self.bits, self.out_features,
@@ -228,8 +235,8 @@ class NativeQuantLinear(ServingLinear):
 
 @dataclass
 class WeightSource:
-    """What a serving linear is built from: the weight [N, K] and, for GGUF Q4_0/Q4_1 or Q8_0 tensors,
-    their blocks. The weight is either held (float32) or read from its checkpoint when a kernel needs
+    """What a serving linear is built from: the weight [N, K] and, for GGUF Q4_0/Q4_1, Q8_0 or K-quant
+    tensors, their blocks (K-quants: one per part of a fused weight, each in its own type). The weight is either held (float32) or read from its checkpoint when a kernel needs
     floats (`parts`: a reader per row block, e.g. q, k and v of a fused projection), so that building a
     kernel from a file's own blocks reads no floats at all, and quantizing a role holds one part's floats
     at a time."""
@@ -238,6 +245,7 @@ class WeightSource:
     bias: Tensor | None = None
     q41: Q41Blocks | None = None
     q80: Q80Blocks | None = None
+    kq: list[KQuantBlocks] | None = None
     parts: tuple = ()  # readers () -> float32 [n_i, K] of the row blocks, when the weight is not held
     shape: tuple[int, int] | None = None
 
@@ -245,6 +253,14 @@ class WeightSource:
         if self.weight is not None:
             self.shape = tuple(self.weight.shape)
             self.parts = (lambda: self.weight,)
+
+    @staticmethod
+    def of(weight: Tensor | None, bias: Tensor | None, blocks, **kw) -> "WeightSource":
+        """A source whose file blocks (a TensorSource's blocks(): Q41Blocks, Q80Blocks, KQuantBlocks or
+        None) go to the field of their format."""
+        fields = {Q41Blocks: "q41", Q80Blocks: "q80", KQuantBlocks: "kq"}
+        held = {} if blocks is None else {fields[type(blocks)]: [blocks] if isinstance(blocks, KQuantBlocks) else blocks}
+        return WeightSource(weight, bias, **held, **kw)
 
     def floats(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [N, K] in `dtype` (each part read and converted in turn)."""
@@ -267,8 +283,9 @@ class WeightSource:
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         q41 = Q41Blocks.cat([p.q41 for p in parts]) if all(p.q41 is not None for p in parts) else None
         q80 = Q80Blocks.cat([p.q80 for p in parts]) if all(p.q80 is not None for p in parts) else None
+        kq = [b for p in parts for b in p.kq] if all(p.kq is not None for p in parts) else None
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-        return WeightSource(None, bias, q41, q80, parts=tuple(r for p in parts for r in p.parts), shape=shape)
+        return WeightSource(None, bias, q41, q80, kq, parts=tuple(r for p in parts for r in p.parts), shape=shape)
 
 
 def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
@@ -291,6 +308,10 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
     if kernel in ("native-int4", "native-int4-a8"):
         blocks = src.q41 if src.q41 is not None else src.quantized(lambda w: quantize_q41(w).half_steps())
         return NativeQuantLinear(blocks, bias, precise=kernel == "native-int4")
+    if kernel in ("native-kquant", "native-kquant-a8"):
+        if src.kq is None:
+            raise ValueError("native-kquant serves a GGUF file's own Q4_K/Q5_K/Q6_K blocks; this weight has none")
+        return NativeQuantLinear(src.kq, bias, precise=kernel == "native-kquant")
     if kernel in ("native-int8", "native-int8-a8"):
         return NativeQuantLinear(src.q80 if src.q80 is not None else src.quantized(quantize_q80), bias,
                                  precise=kernel == "native-int8")
@@ -313,6 +334,10 @@ def candidates(quantization: str, dtype: torch.dtype, role: str, device: torch.d
     """Kernels that compute `role` in this mode: the same product up to rounding, but for the native
     ones' GGUF blocks and int8-coded activations (see above; quality is checked per plan)."""
     native = device.type == "cpu" and QM.default_kernel() is not None
+    if quantization == "kquant":  # the file's own K-quant blocks, one activation code or two; the head may be int8
+        if role != "head":
+            return ["native-kquant", "native-kquant-a8"] if native else []
+        return [*(["native-kquant-a8"] if native else []), "int8", *(["native-int8-a8"] if native else [])]
     if role == "head" and quantization in ("int8", "int4"):  # the LM head stays int8 in int4 mode (GGUF: Q8_0)
         return ["int8", *(["native-int8-a8"] if native else [])]
     if quantization == "int8":

@@ -63,7 +63,7 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
     from ..linear import quant_matmul as QM
     from ..attention.decode import DecodeAttention
 
-    return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4")
+    return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4", "kquant")
             and cfg.is_plain_llama and QM.default_kernel() is not None
             and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
             and DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))

@@ -1,7 +1,8 @@
 """Precision modes and the per-machine choice of mode and kernels, measured at load and cached on disk.
 
 A mode is (compute dtype, weight quantization): float32, bfloat16, float16, bfloat16+int8,
-bfloat16+int4. `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
+bfloat16+int4, and on a GGUF file whose layers are K-quants bfloat16+kquant (its Q4_K/Q5_K/Q6_K blocks
+served as they are, each tensor in its own type). `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
 mode's linear layers are timed on the model's real weights at the decode batch buckets, each
 kernel is checked for batch invariance (kernels.py), and the fastest mode whose quality on the
 held-out text stays within quality.py's bounds (against this checkpoint in float32) wins.
@@ -28,7 +29,8 @@ from ..errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "kquant")  # kquant: a GGUF file's own Q4_K/Q5_K/Q6_K blocks
+KQUANT_STORED = ("Q4_K", "Q5_K", "Q6_K")  # the types bfloat16+kquant serves
 TIMED_BYTES = 256 << 20  # float32 weight bytes of the layers timed: far beyond any last-level cache, so the
 # timing streams weights from memory as serving does (4 SmolLM2 layers fit a 32 MB L3 in bfloat16 and
 # made bfloat16 look faster than int4 on a machine where it is 3x slower)
@@ -85,31 +87,40 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def candidate_modes(device: torch.device, dtype, quantization: str | None) -> list[Mode]:
-    """The modes a request allows on this device, or PrecisionError saying why none is possible."""
+def candidate_modes(device: torch.device, dtype, quantization: str | None,
+                    stored: dict[str, str] | None = None) -> list[Mode]:
+    """The modes a request allows on this device, or PrecisionError saying why none is possible.
+    stored: each layer weight's type in the checkpoint (ModeBuilder.stored_types), which decides
+    whether bfloat16+kquant can serve it; None before the checkpoint is read, to check a request alone."""
     dt = parse_dtype(dtype)
     q = quantization or "auto"
     if q not in (*QUANTIZATIONS, "auto"):
-        raise PrecisionError(f"--quantization {q!r}: expected auto, none, int8 or int4")
+        raise PrecisionError(f"--quantization {q!r}: expected auto, none, int8, int4 or kquant")
     if device.type != "cpu":
-        if q in ("int8", "int4"):
-            raise PrecisionError(f"--quantization {q} is served on CPU only (torch's weight-only CPU kernels); "
+        if q in ("int8", "int4", "kquant"):
+            raise PrecisionError(f"--quantization {q} is served on CPU only (weight-only CPU kernels); "
                                  f"on {device.type} use --quantization none with bfloat16 or float16")
         return [Mode(dt or torch.bfloat16)]
-    if q in ("int8", "int4"):
+    not_kquant = [f"{name} ({t})" for name, t in (stored or {}).items() if t not in KQUANT_STORED]
+    file_modes = [Mode(torch.bfloat16, "kquant")] if stored and not not_kquant else []
+    if q in ("int8", "int4", "kquant"):
         if dt not in (None, torch.bfloat16):
-            raise PrecisionError(f"--quantization {q} computes in bfloat16 on CPU (torch's {q} kernel has no fast "
+            raise PrecisionError(f"--quantization {q} computes in bfloat16 on CPU (its kernels have no fast "
                                  f"path for {str(dt).removeprefix('torch.')} activations); use --dtype bfloat16 or auto")
+        if q == "kquant" and not_kquant:
+            raise PrecisionError("--quantization kquant serves a GGUF file's Q4_K, Q5_K and Q6_K tensors as they are; "
+                                 f"this checkpoint stores {not_kquant[0]} (use auto, int8 or int4)")
         return [Mode(torch.bfloat16, q)]
     if q == "none":
         return [Mode(dt)] if dt is not None else [Mode(torch.float32), Mode(torch.bfloat16)]
     if dt is None:  # both auto
-        modes = [Mode(torch.float32), Mode(torch.bfloat16), Mode(torch.bfloat16, "int8"), Mode(torch.bfloat16, "int4")]
+        modes = [Mode(torch.float32), Mode(torch.bfloat16), Mode(torch.bfloat16, "int8"), Mode(torch.bfloat16, "int4"),
+                 *file_modes]
         if K.onednn_supports(torch.float16):  # native float16 arithmetic on this CPU
             modes.append(Mode(torch.float16))
         return modes
     if dt == torch.bfloat16:
-        return [Mode(dt), Mode(dt, "int8"), Mode(dt, "int4")]
+        return [Mode(dt), Mode(dt, "int8"), Mode(dt, "int4"), *file_modes]
     return [Mode(dt)]
 
 
@@ -133,8 +144,9 @@ def cpu_identity() -> dict:
 # measured again (2: native linears were timed with ~70 us of lookup overhead a call; 3: a tie goes to
 # the quantized mode that serves the file's own blocks before int8; 4: int4 may take one centred
 # activation code, native-int4-a8, within the quality bounds; 5: the head timed on a slice of its rows,
-# candidates checked for invariance over their first layers and their quality streamed a layer at a time).
-CHOICE_VERSION = 5
+# candidates checked for invariance over their first layers and their quality streamed a layer at a time;
+# 6: bfloat16+kquant on K-quant files).
+CHOICE_VERSION = 6
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -166,6 +178,9 @@ class ModeBuilder(Protocol):
 
     config: Any
 
+    def stored_types(self) -> dict[str, str]:
+        """Each decoder layer's linear weight by its name in the file, with its stored type ("Q4_K", "F32", ...)."""
+
     def timing_sources(self, max_bytes: int) -> tuple[dict[str, list[K.WeightSource]], dict[str, float]]:
         """Each role's weights for the first layers (and rows of the head), and the factor to the whole model."""
 
@@ -179,12 +194,15 @@ class ModeBuilder(Protocol):
 INVARIANCE_LAYERS = 2  # decoder layers of a candidate checked end to end for batch invariance
 
 
-ONE_CODE_KERNELS = frozenset({"native-int4-a8"})
+# kernels that take one int8 code per activation where a precise sibling takes two: a plan whose layers
+# fail the quality bounds with them is measured again without them (_acceptable). The LM head keeps one
+# code in every mode (its output barely moves with it), so these rules leave it alone.
+ONE_CODE_KERNELS = frozenset({"native-int4-a8", "native-kquant-a8"})
 
 
 def uses_one_code(kernels: dict[str, str]) -> bool:
-    """Whether a plan's kernels (role -> kernel) include one that takes one int8 code per activation."""
-    return not ONE_CODE_KERNELS.isdisjoint(kernels.values())
+    """Whether a plan's layer kernels (role -> kernel) include one that takes one int8 code per activation."""
+    return not ONE_CODE_KERNELS.isdisjoint(k for role, k in kernels.items() if role != "head")
 
 
 def measure_mode(config, mode: Mode, batch_invariant: bool, device: torch.device,
@@ -197,7 +215,8 @@ def measure_mode(config, mode: Mode, batch_invariant: bool, device: torch.device
     detail = {}
     in_loop = native_step.possible(config, mode.dtype, mode.quantization, device)
     for role in K.ROLES:
-        kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device) if k not in exclude]
+        kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device)
+                   if role == "head" or k not in exclude]
         if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
             kernels = [k for k in kernels if k.startswith("native")] or kernels
         ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
@@ -256,17 +275,17 @@ def model_batch_invariant(model, ids: list[int], device: torch.device | str = "c
 
 
 TIE = 0.10  # modes whose speed scores are this close count as equally fast
-_BITS = {"none": 0, "int8": 1, "int4": 2}
+_BITS = {"none": 0, "int8": 1, "int4": 2, "kquant": 2}
 
 
 def file_exact_modes(sources: dict[str, list[K.WeightSource]], modes) -> frozenset:
     """The quantized modes that serve every layer's own blocks from the file (int4: Q4_0/Q4_1,
-    int8: Q8_0) instead of quantizing its dequantized weights again. On a Q4_1 GGUF int4 is the
+    int8: Q8_0, kquant: Q4_K/Q5_K/Q6_K) instead of quantizing its dequantized weights again. On a Q4_1 GGUF int4 is the
     file itself and int8 adds a rounding (SmolLM2: mean KL 0.0017 in int4 against 0.0032 in int8)."""
     layer_roles = [r for r in K.ROLES if r != "head"]
 
     def exact(md) -> bool:
-        field = {"int4": "q41", "int8": "q80"}.get(md.quantization)
+        field = {"int4": "q41", "int8": "q80", "kquant": "kq"}.get(md.quantization)
         return field is not None and all(getattr(s, field) is not None for r in layer_roles for s in sources[r])
     return frozenset(md for md in modes if exact(md))
 
@@ -435,7 +454,7 @@ def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, prob
 def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
                  batch_invariant: bool, cache_dir: Path | None) -> Plan:
     """The plan to serve: from the disk cache when this machine already measured this request."""
-    modes = candidate_modes(device, dtype, quantization)
+    modes = candidate_modes(device, dtype, quantization, builder.stored_types())
     if device.type != "cpu":
         return Plan(modes[0], {r: "dense" for r in K.ROLES})
     request = {"dtype": str(dtype), "quantization": quantization or "auto", "batch_invariant": batch_invariant,
