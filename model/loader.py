@@ -53,6 +53,13 @@ class LoadedModel:
         return self.model.weight_bytes()
 
     @property
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights a batch-1 decode step reads (the serving linears, the LM head included)."""
+        from .linear.serving import step_bytes
+
+        return step_bytes(self.model)
+
+    @property
     def num_parameters(self) -> int:
         """The checkpoint's parameter count (a tied matrix once), however the weights are stored."""
         return sum(math.prod(s) for s in expected_shapes(self.config).values())

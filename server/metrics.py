@@ -154,6 +154,8 @@ class _LiveCollector:
                      st.accepted_tokens_total),
             _gauge("lmserve_batch_size", "Sequences in the last engine step", self.m._last_batch),
             _gauge("lmserve_model_weights_bytes", "Bytes of model parameters", lm.weight_bytes),
+            _gauge("lmserve_model_step_weight_bytes", "Bytes of weights a batch-1 decode step reads (every linear, "
+                   "the LM head included)", lm.step_weight_bytes),
             _gauge("lmserve_step_target_seconds", "Step time the prefill budget aims at while requests decode "
                    "(NaN: none now: no decode rows, not measured yet, or --max-step-ms 0)", _target_seconds(eng)),
             _gauge("lmserve_process_peak_resident_memory_bytes", "Peak resident set size of the process",

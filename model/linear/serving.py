@@ -71,5 +71,11 @@ def held_bytes(module: nn.Module) -> int:
     return sum(seen.values()) + extra
 
 
-__all__ = ["inference_linear", "fuse_linears", "planned_linears", "held_bytes",
+def step_bytes(module: nn.Module) -> int:
+    """Bytes of the serving linears' weight layouts: what a batch-1 decode step reads from memory (every
+    linear, the LM head included; an embedding table is only gathered from)."""
+    return sum(m.nbytes for m in module.modules() if isinstance(m, ServingLinear))
+
+
+__all__ = ["inference_linear", "fuse_linears", "planned_linears", "held_bytes", "step_bytes",
            "onednn_available", "own_weight"]

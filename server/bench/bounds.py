@@ -10,7 +10,10 @@ numbers so a target can be checked against what the hardware allows.
 
 from __future__ import annotations
 
+import json
+import struct
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,3 +106,42 @@ def kernel_bounds(cfg, tensors: dict, q41: dict, rows=(1, 32), prefill_rows: int
     best = {str(r): min(out, key=lambda k: out[k]["decode_step_ms"][str(r)]) for r in rows}
     return {"by_kernel": out, "fastest": best,
             "bound_tokens_per_s": {str(r): r / (out[best[str(r)]]["decode_step_ms"][str(r)] / 1e3) for r in rows}}
+
+
+# ---------------------------------------------------------------- the read-bandwidth bound of a batch-1 step
+
+EMBEDDINGS = {"token_embd.weight": "output.weight", "model.embed_tokens.weight": "lm_head.weight"}  # table: head
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of a checkpoint as stored: a GGUF file's blocks, or the tensors of a safetensors
+    file or of every one in a Hugging Face directory (read from their headers)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        import gguf
+
+        return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    out = {}
+    for file in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        out |= {name: end - start for name, t in header.items() if name != "__metadata__"
+                for start, end in [t["data_offsets"]]}
+    return out
+
+
+def step_read_bytes(tensors: dict[str, int]) -> int:
+    """Bytes a batch-1 decode step reads of these tensors: all of them, but an embedding table only when it
+    is also the LM head (tied); an untied table is only gathered from, a row a token."""
+    return sum(n for name, n in tensors.items() if not (name in EMBEDDINGS and EMBEDDINGS[name] in tensors))
+
+
+def read_bound(step_bytes: int, gb_s: float, c1_tok_s: float | None = None) -> dict:
+    """A batch-1 step reading `step_bytes` at `gb_s`: the least time a token takes and the most tokens a
+    second, and the share of that bound `c1_tok_s` (a measured single-stream rate) reached."""
+    bound = gb_s * 1e9 / step_bytes
+    out = {"step_mb": round(step_bytes / 1e6, 1), "bound_ms_per_token": round(1e3 / bound, 3),
+           "bound_tok_s_c1": round(bound, 1)}
+    if c1_tok_s:
+        out["chat_c1_share_of_bound"] = round(c1_tok_s / bound, 3)
+    return out

@@ -129,10 +129,18 @@ def step_buffers(shapes: list[tuple[int, int, int]]) -> tuple[list[torch.Tensor]
     return bufs, gbytes
 
 
+def decoder_step(hidden: int, q: int, kv: int, ffn: int, layers: int, vocab: int,
+                 bits: int = 4) -> list[tuple[int, int, int]]:
+    """A Llama-family decoder's linears in a decode step's order (q and kv: the widths of the query and
+    of each of key and value): `layers` times fused qkv, o, fused gate_up, down at `bits`, then the LM
+    head in int8 (as the native modes serve it)."""
+    return [(q + 2 * kv, hidden, bits), (hidden, q, bits), (2 * ffn, hidden, bits), (hidden, ffn, bits)] * layers \
+        + [(vocab, hidden, 8)]
+
+
 def smollm2_step(bits: int = 4) -> list[tuple[int, int, int]]:
-    """SmolLM2-135M's linears in a decode step's order: 30 layers of qkv, o, gate_up, down, then
-    the LM head in int8 (as the native modes serve it)."""
-    return [(960, 576, bits), (576, 576, bits), (3072, 576, bits), (576, 1536, bits)] * 30 + [(49152, 576, 8)]
+    """SmolLM2-135M's decode step (hidden 576, 9 query and 3 key/value heads of 64, 30 layers)."""
+    return decoder_step(576, 576, 192, 1536, 30, 49152, bits)
 
 
 def run(args) -> dict:

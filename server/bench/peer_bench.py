@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
 
 
-def _bench(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
+def drive(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
     """chat: EOS ignored, every request decodes max_new tokens; repeat: the answer as a user gets it (to EOS)."""
     from lmserve.client.bench.load import wave
     from lmserve.client.bench.prompts import repeating_workload, synthetic_workload
@@ -61,6 +61,11 @@ def _bench(where: str, api: str, workload: str, concurrency: int, requests: int,
            "ttft_p50_ms": round(1e3 * agg.ttft.p50, 1) if agg.ttft else None}
     print(json.dumps(out), flush=True)
     return out
+
+
+def peer_flags(threads: int) -> list[str]:
+    """llama-server's flags in every comparison: the threads lmserve has, 32 slots of 1,024 tokens each."""
+    return ["-t", str(threads), "-np", "32", "-c", str(32 * 1024)]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -120,7 +125,7 @@ def _repeat_rounds(starts: dict, rounds: int, max_new: int) -> dict[str, dict]:
         for _ in range(rounds):
             for name, (s, api) in live.items():
                 time.sleep(1.0)  # the previous server's worker threads stop spinning
-                rows[name].append(_bench(s.grpc_target if api == "lmserve" else s.http_url, api, "repeat", 1, 6,
+                rows[name].append(drive(s.grpc_target if api == "lmserve" else s.http_url, api, "repeat", 1, 6,
                                          max_new))
     out = {}
     for name, rs in rows.items():
@@ -149,28 +154,18 @@ def _step_profile(models_dir) -> dict | None:
     return {k: r[k] for k in ("mode", "kernels", "linear_weight_bytes", "summary")}
 
 
-def _gguf_tensor_bytes(path: Path) -> int:
-    """Bytes of a GGUF's tensors: what llama.cpp streams per decode step (SmolLM2 ties the LM head to the
-    embedding table, which the head reads whole)."""
-    import gguf
-
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
-
-
 def _bounds(servers: dict, nbytes: dict[str, int], gb_s: float) -> dict:
     """Each server's batch-1 bound on this machine: its decode step's bytes at the read bandwidth, as
     tokens a second, and the share of it chat at c=1 reached."""
-    out = {}
-    for name, b in nbytes.items():
-        tok_s = gb_s * 1e9 / b
-        row = {"step_mb": round(b / 1e6, 1), "bound_ms_per_token": round(b / (gb_s * 1e9) * 1e3, 3),
-               "bound_tok_s_c1": round(tok_s, 1)}
-        chat = next((r["tok_s"] for r in servers.get(name, {}).get("runs", [])
-                     if r["workload"] == "chat" and r["concurrency"] == 1), None)
-        if chat:
-            row["chat_c1_share_of_bound"] = round(chat / tok_s, 3)
-        out[name] = row
-    return out
+    from .bounds import read_bound
+
+    return {name: read_bound(b, gb_s, rate(servers.get(name, {}), "chat", 1)) for name, b in nbytes.items()}
+
+
+def rate(server: dict, workload: str, concurrency: int) -> float | None:
+    """A server record's tok/s for one workload and concurrency (None: not run)."""
+    return next((r["tok_s"] for r in server.get("runs", [])
+                 if r["workload"] == workload and r["concurrency"] == concurrency), None)
 
 
 def _model_id(http_url: str) -> str:
@@ -189,10 +184,11 @@ def run(args) -> dict:
     def runs(where: str, api: str) -> list[dict]:
         if "chat" in args.skip:
             return []
-        return [_bench(where, api, "chat", 1, n1, args.max_new_tokens),
-                _bench(where, api, "chat", 32, n32, args.max_new_tokens)]
+        return [drive(where, api, "chat", 1, n1, args.max_new_tokens),
+                drive(where, api, "chat", 32, n32, args.max_new_tokens)]
 
     from . import machine_peaks as MP
+    from .bounds import step_read_bytes, tensor_bytes
     from .quant_kernels import read_bandwidth
 
     memory = {"read_bandwidth_before": read_bandwidth()}
@@ -205,7 +201,7 @@ def run(args) -> dict:
                                   "runs": runs(s.grpc_target, "lmserve")}
             if "json" not in args.skip:
                 servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
-    base = ["-t", str(args.threads), "-np", "32", "-c", str(32 * 1024)]
+    base = peer_flags(args.threads)
     if "llama.cpp" not in args.skip:
         with served.llama_server(args.llama_server, gguf, base) as s:
             servers["llama.cpp"] = {"flags": base, "runs": runs(s.http_url, "openai")}
@@ -226,12 +222,6 @@ def run(args) -> dict:
             servers.setdefault(name, {"flags": starts[name][2], "runs": []})
             servers[name]["runs"].append(row)
 
-    def rate(server: str, workload: str, c: int) -> float | None:
-        for r in servers.get(server, {}).get("runs", []):
-            if r["workload"] == workload and r["concurrency"] == c:
-                return r["tok_s"]
-        return None
-
     ratios = {}
     for name, (a, b, w, c) in {
         "chat_c1_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 1),
@@ -240,7 +230,7 @@ def run(args) -> dict:
         "repeat_c1_lmserve_over_llama_cpp_ngram_simple": ("lmserve", "llama.cpp --spec-type ngram-simple", "repeat", 1),
         "repeat_c1_lmserve_over_llama_cpp_ngram_mod": ("lmserve", "llama.cpp --spec-type ngram-mod", "repeat", 1),
     }.items():
-        x, y = rate(a, w, c), rate(b, w, c)
+        x, y = rate(servers.get(a, {}), w, c), rate(servers.get(b, {}), w, c)
         if x and y:
             ratios[name] = round(x / y, 2)
     memory["read_bandwidth_after"] = read_bandwidth()
@@ -249,7 +239,7 @@ def run(args) -> dict:
     except RuntimeError as exc:  # no native build here: the sum's bandwidth still bounds every server
         memory["machine_peaks"] = f"not measured: {exc}"
     profile = None if "profile" in args.skip else _step_profile(args.models_dir)
-    nbytes = {"llama.cpp": _gguf_tensor_bytes(gguf)}
+    nbytes = {"llama.cpp": step_read_bytes(tensor_bytes(gguf))}
     if profile is not None:
         nbytes["lmserve"] = profile["linear_weight_bytes"]
     # the higher reading: a bound is the most the machine showed, so a share of it is not flattered

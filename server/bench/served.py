@@ -27,12 +27,43 @@ class Served:
     pid: int
     ready_seconds: float  # from the process's start to serving
 
+    def memory(self) -> dict[str, int]:
+        """The server process's resident memory now and at its peak, as the kernel counts it."""
+        return process_memory(self.pid)
+
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of one /metrics scrape, by name."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
         return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """Resident bytes of a live process from the kernel's own accounting (/proc/<pid>/status): now
+    (VmRSS) and its peak since it started (VmHWM, the high-water mark ru_maxrss reports at exit)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            number, unit = value.split()
+            fields[key] = int(number) * {"kB": 1024}[unit]
+    return {"resident_bytes": fields["VmRSS"], "peak_resident_bytes": fields["VmHWM"]}
+
+
+class StartFailed(RuntimeError):
+    """A server that exited, or was not ready in time, before serving."""
+
+    def __init__(self, name: str, returncode: int | None, seconds: float, log_tail: str, memory: dict | None):
+        how = "timed out" if returncode is None else f"exited with status {returncode}"
+        super().__init__(f"{name} did not become ready ({how} after {seconds:.0f}s):\n{log_tail}")
+        self.returncode, self.seconds, self.log_tail, self.memory = returncode, seconds, log_tail, memory
+
+    def record(self) -> dict:
+        """What a report keeps of the failure: how it ended, the log's last lines, the last memory read."""
+        return {"failed": "timed out" if self.returncode is None else f"exited with status {self.returncode}",
+                "seconds": round(self.seconds, 1), "log_tail": self.log_tail.splitlines()[-12:],
+                "memory_last_read": self.memory}
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -70,11 +101,15 @@ def _started(name: str, cmd: list[str], ready, startup_timeout: float):
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    memory = None  # the last reading while it started: what a process killed for memory had reached
     try:
         deadline = time.monotonic() + startup_timeout
         while (served := ready(log, proc.pid, t0)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not become ready:\n{log.read_text(errors='replace')[-3000:]}")
+                raise StartFailed(name, proc.returncode, time.perf_counter() - t0,
+                                  log.read_text(errors="replace")[-3000:], memory)
+            with contextlib.suppress(OSError, KeyError):  # gone, or a zombie without memory
+                memory = process_memory(proc.pid)
             time.sleep(0.2)
         yield served
     finally:
@@ -120,4 +155,4 @@ def llama_server(binary: Path, gguf: Path, flags: list[str], startup_timeout: fl
     return _started("llama-server", cmd, ready, startup_timeout)
 
 
-__all__ = ["Served", "llama_server", "lmserve"]
+__all__ = ["Served", "StartFailed", "llama_server", "lmserve", "process_memory"]

@@ -191,8 +191,6 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
 def run(args) -> dict:
     import torch
 
-    from lmserve.model.linear import kernels as K
-
     loaded = load_from_arguments(args)
     prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
     step = loaded.model.native_step  # the native decode loop, when this mode has it
@@ -215,7 +213,7 @@ def run(args) -> dict:
     report = {"threads": torch.get_num_threads(), "mode": loaded.mode, "kernels": loaded.kernels,
               # what a decode step streams from memory: every linear's weights (the head's included; the
               # embedding table is only gathered from)
-              "linear_weight_bytes": sum(m.nbytes for m in loaded.model.modules() if isinstance(m, K.ServingLinear)),
+              "linear_weight_bytes": loaded.step_weight_bytes,
               "prompt_tokens": len(prompt), "summary": summary,
               "rounds": {f"{way}_{'timed' if on else 'plain'}": r for (way, on), r in rows.items()},
               "op_profile": ops}

@@ -18,7 +18,8 @@ COUNTERS = ("lmserve_requests", "lmserve_prompt_tokens", "lmserve_generated_toke
             "lmserve_preemptions")
 GAUGES = ("lmserve_running_requests", "lmserve_waiting_requests", "lmserve_kv_slots_used",
           "lmserve_kv_slots_capacity", "lmserve_kv_cache_bytes", "lmserve_batch_size", "process_resident_memory_bytes",
-          "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes", "lmserve_prefix_cache_entries")
+          "lmserve_kv_cache_committed_bytes", "lmserve_prefix_cache_bytes", "lmserve_prefix_cache_entries",
+          "lmserve_model_step_weight_bytes")
 PER_REQUEST = ("lmserve_time_to_first_token_seconds", "lmserve_request_duration_seconds",
                "lmserve_queue_time_seconds", "lmserve_request_prompt_tokens", "lmserve_request_generated_tokens")
 
@@ -53,6 +54,12 @@ def test_static_values_follow_the_checkpoint_and_flags(server, trained_model_dir
     (info,) = m.labels("lmserve_model_info")
     assert info["architecture"] == "llama" and info["dtype"] == "float32" and info["device"] == "cpu"
     assert info["context_length"] == str(ctx) and info["model"]
+    # a float32 step reads every linear's weights once, 4 bytes each: q|k|v, o, gate|up, down, the head
+    h, heads, f = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // heads
+    q, kv = heads * d, cfg.get("num_key_value_heads", heads) * d
+    linears = cfg["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * f * h) + cfg["vocab_size"] * h
+    assert m.get("lmserve_model_step_weight_bytes") == 4 * linears
 
 
 def test_values_move_by_exactly_what_was_served(server, stub, training_prompts):

@@ -137,8 +137,28 @@ def test_peer_bounds_are_each_servers_step_bytes_at_the_bandwidth_and_the_share_
 
 
 def test_the_peer_streams_the_ggufs_tensors_which_are_nearly_the_whole_file(smollm2_gguf_path):
-    from lmserve.server.bench.peer_bench import _gguf_tensor_bytes
+    from lmserve.server.bench.bounds import step_read_bytes, tensor_bytes
 
-    n = _gguf_tensor_bytes(smollm2_gguf_path)
+    tensors = tensor_bytes(smollm2_gguf_path)
+    n = step_read_bytes(tensors)
     size = smollm2_gguf_path.stat().st_size
+    assert n == sum(tensors.values())  # tied: the embedding table is the head, read every step
     assert 0.9 * size < n < size  # the rest is metadata (the tokenizer's vocabulary and merges)
+
+
+def test_a_safetensors_directorys_step_leaves_out_an_untied_embedding_table(tmp_path):
+    from safetensors.torch import save_file
+
+    from lmserve.server.bench.bounds import step_read_bytes, tensor_bytes
+
+    embed = torch.zeros(100, 16, dtype=torch.bfloat16)
+    layer = {"model.layers.0.mlp.down_proj.weight": torch.zeros(16, 48, dtype=torch.bfloat16),
+             "model.norm.weight": torch.ones(16)}
+    save_file({"model.embed_tokens.weight": embed, **layer}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": torch.zeros(100, 16, dtype=torch.float16)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    tensors = tensor_bytes(tmp_path)
+    assert tensors == {"model.embed_tokens.weight": 3200, "model.layers.0.mlp.down_proj.weight": 1536,
+                       "model.norm.weight": 64, "lm_head.weight": 3200}
+    assert step_read_bytes(tensors) == 1536 + 64 + 3200  # the head, not the gathered table
+    del tensors["lm_head.weight"]
+    assert step_read_bytes(tensors) == 3200 + 1536 + 64  # tied: the table is the head
