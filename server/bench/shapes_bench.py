@@ -2,7 +2,7 @@
 model_shapes.py), beside llama.cpp's `llama-server` on the same files, in one run.
 
     lmserve bench shapes --llama-server /path/to/llama-server \\
-        --shapes llama-3.2-1b,llama-3.2-3b,llama-3.1-8b --formats q4_k_m,q4_0
+        --shapes llama-3.2-1b:q4_k_m+q4_0,llama-3.2-3b:q4_k_m,llama-3.1-8b:q4_k_m
 
 Each checkpoint is written once into --shapes-dir and reused. For each shape and format:
 - lmserve starts twice with its default flags (plus any --lmserve-flag): first on an empty cache folder
@@ -218,8 +218,8 @@ def entry_ratios(entry: dict, best: dict | None) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _gib(memory: dict | None, key: str = "peak_resident_bytes") -> str:
-    return f"{memory[key] / GiB:.2f}" if memory else "-"
+def _gib(memory: dict | None) -> str:
+    return f"{memory['peak_resident_bytes'] / GiB:.2f}" if memory else "-"
 
 
 def _ready(start: dict | None) -> str:
@@ -237,7 +237,7 @@ def _pair(a, b, ratio=None) -> str:
 
 def table(shapes: list[dict]) -> str:
     """The report as a markdown table: a row per shape and format."""
-    head = ("| shape | format (file GB) | lmserve mode | ready cold / cached s | peak RSS at ready / after load GiB "
+    head = ("| shape | format (file GB) | lmserve mode | ready cold / cached s | peak RSS cold / cached / after load GiB "
             "| chat c=1 lmserve / llama.cpp | chat c=32 lmserve / llama.cpp | llama.cpp best c=1 (format) "
             "| c=1 bound: served / file bytes | c=1 share of served bound |")
     rows = [head, "| " + " | ".join(["---"] * 3 + ["---:"] * 7) + " |"]
@@ -247,10 +247,8 @@ def table(shapes: list[dict]) -> str:
             lm, peer = e.get("lmserve", {}), e.get("llama.cpp", {})
             cold, cached = lm.get("cold"), lm.get("cached") or {}
             ready = " / ".join(_ready(s) for s in (cold, cached))
-            peaks = [(s.get("memory_at_ready") or s.get("memory_last_read") or {}).get("peak_resident_bytes")
-                     for s in (cold, cached) if s]
-            peak_ready = max(filter(None, peaks), default=None)
-            rss = f"{peak_ready / GiB:.2f} / {_gib(lm.get('after_load'))}" if peak_ready else "-"
+            at_ready = [s and (s.get("memory_at_ready") or s.get("memory_last_read")) for s in (cold, cached)]
+            rss = " / ".join(_gib(m) for m in (*at_ready, lm.get("after_load")))
             r = e.get("ratios", {})
             b = e.get("bounds", {})
             served_b, file_b = b.get("lmserve_served", {}), b.get("file", {})

@@ -101,12 +101,12 @@ def test_the_table_has_a_row_per_shape_and_format_and_dashes_for_what_did_not_ru
                       "peer_best": None}])
     lines = text.splitlines()
     assert len(lines) == 5 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 11
-    assert lines[2] == ("| llama-3.2-1b | q4_k_m (0.67) | bfloat16+int4 | 18.0 / 4.0 | 2.00 / 1.50 | 30.0 / 20.0 (1.50x) "
+    assert lines[2] == ("| llama-3.2-1b | q4_k_m (0.67) | bfloat16+int4 | 18.0 / 4.0 | 2.00 / 1.00 / 1.50 | 30.0 / 20.0 (1.50x) "
                         "| 400.0 / 100.0 (4.00x) | 25.0 (q4_0) | 50.0 / 38.5 | 0.60 |")
-    assert lines[3] == ("| llama-3.1-8b (load only) | q4_k_m (4.90) | bfloat16+int4 | - / 60.0 | 6.00 / 6.00 | - | - "
+    assert lines[3] == ("| llama-3.1-8b (load only) | q4_k_m (4.90) | bfloat16+int4 | - / 60.0 | - / 6.00 / 6.00 | - | - "
                         "| - | - | - |")
     assert lines[4] == ("| llama-3.1-8b (load only) | bf16 (16.00) | - | failed (exited with status -9, 95 s) / - "
-                        "| 21.00 / - | - | - | - | - | - |")  # the last memory read before the kernel killed it
+                        "| 21.00 / - / - | - | - | - | - | - |")  # the last memory read before the kernel killed it
 
 
 def test_flags_take_comma_separated_shapes_and_formats_and_name_the_choices_on_a_typo(capsys):
