@@ -38,12 +38,19 @@ def native_kernels_dir(tmp_path_factory) -> Path:
 def quant_kernel(native_kernels_dir):
     """The native quantized kernel (quant_matmul.py, K-quants included), built once into the session's
     kernels cache and pointed at for the module (as the loader points it at its own); skips the module
-    where it cannot be built."""
+    where it cannot be built (no compiler, no AVX2), fails it where it should build and does not."""
+    import shutil
+
     from lmserve.model.linear import quant_matmul as QM
+    from lmserve.model.native import build as native
 
     QM.use_cache_dir(native_kernels_dir)
     if QM.default_kernel() is None:
-        pytest.skip("no C++ compiler or no AVX2 here")
+        _, why = native.load(native_kernels_dir)
+        buildable = shutil.which(os.environ.get("CXX", "g++")) and "avx2" in Path("/proc/cpuinfo").read_text()
+        if buildable:
+            pytest.fail(f"the native kernels did not build on a machine that has a compiler and AVX2: {why}")
+        pytest.skip(f"no native quantized kernel here: {why}")
     yield QM.default_kernel()
     QM.use_cache_dir(None)
 

@@ -11,7 +11,7 @@ its blocks in one fixed order from its own row and column: batch-invariant by co
 Weights are repacked at load (pack_q4 / pack_q8) into the layout the kernel streams; GGUF Q4_0,
 Q4_1 and Q8_0 codes and float16 steps are served as the file holds them. GGUF's K-quants (Q4_K,
 Q5_K, Q6_K) go to kquant_matmul.cpp, through the same entry point with bits = KQUANT_BITS: pack_kquant
-lays their bytes out for it (the same bytes, moved), with a table of segments so that a fused weight
+lays their bytes out for it (the same bytes, moved; lm_kquant_pack in C++), with a table of segments so that a fused weight
 mixing them (q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K) is one call in its own types.
 """
 
@@ -25,7 +25,7 @@ from torch import Tensor
 
 import numpy as np
 
-from .formats import GROUP, KQUANT_TYPES, Q5_K, Q6_K, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, kquant_codes
+from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
@@ -50,6 +50,9 @@ class QuantMatmul:
         fn.argtypes = [i32, i32, p, i32, i64, i64, p, i64, p, i32, i32]
         fn.restype = i32
         self._fn = fn
+        self._pack = lib.lm_kquant_pack
+        self._pack.argtypes = [p, i64, i64, i32, p, i32]
+        self._pack.restype = i32
 
     def set_amx(self, mode: int) -> int:
         """Which calls take the AMX tiles: AMX_NEVER, AMX_BY_RULE (the default: 12 rows or more) or
@@ -61,6 +64,15 @@ class QuantMatmul:
     def name(self) -> str:
         """The path that runs, as the startup line and reports say it."""
         return f"{self.path}+amx" if self.amx else str(self.path)
+
+    def pack_kquant(self, raw: Tensor, k: int, qtype: int) -> Tensor:
+        """One K-quant tensor's file bytes (raw [N, K/256 * block bytes] uint8) -> its groups in
+        kquant_matmul.cpp's layout, the same number of bytes."""
+        raw = raw.contiguous()
+        out = torch.empty(raw.numel(), dtype=torch.uint8)
+        if self._pack(raw.data_ptr(), raw.shape[0], k, qtype, out.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"K-quant packing does not take GGML type {qtype} at N={raw.shape[0]}, K={k}")
+        return out
 
     @staticmethod
     def supports(n: int, k: int) -> bool:
@@ -107,6 +119,13 @@ def default_kernel() -> QuantMatmul | None:
     return kernel(_default_cache[0])
 
 
+def kernel_or_raise() -> QuantMatmul:
+    k = default_kernel()
+    if k is None:
+        raise RuntimeError("the native quantized kernel is not built here")
+    return k
+
+
 def pack_q4(blocks: Q41Blocks) -> Tensor:
     """Q4_0/Q4_1 blocks [N, K] -> the kernel's int4 layout (uint8, N/16 * K/32 * 320 bytes); d and m
     in float16 (as GGUF stores them)."""
@@ -130,37 +149,6 @@ def pack_q8(blocks: Q80Blocks) -> Tensor:
     return torch.cat([codes, d], dim=-1).reshape(-1).contiguous()  # [G * B * 544]
 
 
-def _by_group(t: Tensor, G: int) -> Tensor:
-    """[N, S, n] per-row bytes -> [G, S, n, 16]: each byte as a plane over a group's 16 columns."""
-    N, S, n = t.shape
-    return t.reshape(G, GROUP_COLS, S, n).permute(0, 2, 3, 1)
-
-
-def _pack_one(blocks: KQuantBlocks) -> Tensor:
-    """One tensor's groups (kquant_matmul.cpp's layout), uint8 [N/16 * K/256 * 16 * block bytes]."""
-    N, K = blocks.shape
-    G, S = N // GROUP_COLS, K // QK_K
-    b = blocks.raw.reshape(N, S, -1)
-    if blocks.qtype == Q6_K:  # d, then the int8 scales as planes
-        header = [_by_group(b[..., 208:210], G).transpose(2, 3), _by_group(b[..., 192:208], G)]
-    else:  # d, dmin, then the 12 scale bytes as planes
-        header = [_by_group(b[..., 0:2], G).transpose(2, 3), _by_group(b[..., 2:4], G).transpose(2, 3),
-                  _by_group(b[..., 4:16], G)]
-    header = torch.cat([h.reshape(G, S, -1) for h in header], dim=-1)  # [G, S, 256 or 288]
-    q = kquant_codes(blocks).reshape(G, GROUP_COLS, S, 8, 4, 2, 4)  # [G, c, S, j, a, h, t]: k = 256 S + 32 j + 8 a + 4 h + t
-    q = q.permute(0, 2, 3, 4, 5, 1, 6)  # [G, S, j, a, h, c, t]: unpacked chunk 2a + h, byte 4c + t
-    low = q & 15
-    parts = [(low[..., 0, :, :] | (low[..., 1, :, :] << 4)).reshape(G, S, 8, 256)]
-    chunks = (q >> 4).reshape(G, S, 8, 8, 64)  # [G, S, j, chunk, byte]: the bits above the low 4
-    if blocks.qtype == Q5_K:
-        parts.append(sum(chunks[:, :, :, i] << i for i in range(8)).to(torch.uint8))  # [G, S, j, 64]
-    elif blocks.qtype == Q6_K:
-        planes = [sum(chunks[:, :, :, 4 * p + i] << (2 * i) for i in range(4)).to(torch.uint8) for p in (0, 1)]
-        parts.append(torch.cat(planes, dim=-1))  # [G, S, j, 128]
-    body = torch.cat(parts, dim=-1).reshape(G, S, -1)
-    return torch.cat([header, body], dim=-1).reshape(-1)
-
-
 def pack_kquant(parts: list[KQuantBlocks]) -> Tensor:
     """Tensors sharing an input, fused along N ([sum N, K]), for the kernel: a table of segments (int64
     count, K, then GGML type, columns and byte offset per segment; consecutive parts of one type are
@@ -180,7 +168,7 @@ def pack_kquant(parts: list[KQuantBlocks]) -> Tensor:
     table[:2] = len(runs), K
     data, offset = [], table_bytes
     for i, run in enumerate(runs):
-        packed = _pack_one(KQuantBlocks(torch.cat([p.raw for p in run]), run[0].qtype))
+        packed = kernel_or_raise().pack_kquant(torch.cat([p.raw for p in run]), K, run[0].qtype)
         table[2 + 3 * i: 5 + 3 * i] = run[0].qtype, sum(p.shape[0] for p in run), offset
         data.append(packed)
         offset += packed.numel()

@@ -73,31 +73,34 @@ def test_server_accepts_again_once_the_queue_drains(server):
 def test_sdk_maps_overload_to_overloaded_error(server):
     """With the slot and the queue held by three long streams, the next call is refused, as OverloadedError.
     A holder is not held up by its reader, so a client delayed by a busy machine may find a place freed
-    (or the queue not yet full): such a run is inconclusive and runs again."""
+    (or the queue not yet full): such a run is inconclusive and runs again. The client's channel is made
+    and used before the holders start, so that once the queue is seen full the call is one RPC away."""
     outcomes = []
-    for _ in range(3):
-        with server.channel() as channel:
-            stub = pb_grpc.TextGenerationStub(channel)
-            holders = [stub.GenerateStream(pb.GenerateRequest(prompt="The baker", params=LONG), timeout=120)
-                       for _ in range(1 + MAX_QUEUE)]
-            next(holders[0])  # running
-            try:
-                full = _queue_fills(server)
-                with Client(server.target, timeout=60, max_retries=0) as client:
+    with Client(server.target, timeout=60, max_retries=0) as client:
+        client.generate("The baker", max_new_tokens=1)  # connected, the channel ready
+        server.wait_idle()
+        for _ in range(6):
+            with server.channel() as channel:
+                stub = pb_grpc.TextGenerationStub(channel)
+                holders = [stub.GenerateStream(pb.GenerateRequest(prompt="The baker", params=LONG), timeout=120)
+                           for _ in range(1 + MAX_QUEUE)]
+                next(holders[0])  # running
+                try:
+                    full = _queue_fills(server)
                     try:
                         client.generate("The baker", max_new_tokens=1)
                         outcomes.append(f"admitted (queue seen full: {full})")
                     except OverloadedError as exc:
                         outcomes.append("refused")
                         assert exc.code.name == "RESOURCE_EXHAUSTED" and "overloaded" in exc.message
-            finally:
-                for call in holders:
-                    call.cancel()
-        server.wait_idle()
-        if outcomes[-1] == "refused":
-            break
-    else:
-        raise AssertionError(f"no call was refused while the queue was held: {outcomes}")
+                finally:
+                    for call in holders:
+                        call.cancel()
+            server.wait_idle()
+            if outcomes[-1] == "refused":
+                break
+        else:
+            raise AssertionError(f"no call was refused while the queue was held: {outcomes}")
 
 
 def _queue_fills(server, timeout: float = 60.0) -> bool:

@@ -467,3 +467,96 @@ int lm_kqmm(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const 
 #endif
 }
 }
+
+// ---- packing: a tensor's file bytes into the layout above -------------------------------------------
+namespace {
+
+const int FILE_BLOCK_BYTES[3] = {144, 176, 210};  // a super-block in the file
+
+int format_of(int ggml_type) {
+    for (int f = 0; f < 3; f++)
+        if (GGML_TYPE[f] == ggml_type) return f;
+    return -1;
+}
+
+// The 256 codes of one super-block (one row) in weight order, from its bytes.
+void unpack_codes(int f, const uint8_t* b, uint8_t* q) {
+    if (f == Q6K) {  // ql [0:128), qh [128:192): halves n of 128, runs r of 32
+        for (int n = 0; n < 2; n++)
+            for (int r = 0; r < 4; r++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t lo = b[64 * n + 32 * (r & 1) + l];
+                    const int low = r < 2 ? lo & 15 : lo >> 4;
+                    const int high = (b[128 + 32 * n + l] >> (2 * r)) & 3;
+                    q[128 * n + 32 * r + l] = (uint8_t)(low | (high << 4));
+                }
+        return;
+    }
+    const uint8_t* qs = b + (f == Q4K ? 16 : 48);  // runs r of 32 bytes: sub-block 2r low nibbles, 2r+1 high
+    for (int sb = 0; sb < 8; sb++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t byte = qs[32 * (sb / 2) + l];
+            int code = sb % 2 ? byte >> 4 : byte & 15;
+            if (f == Q5K) code |= ((b[16 + l] >> sb) & 1) << 4;
+            q[32 * sb + l] = (uint8_t)code;
+        }
+}
+
+// One group's super-block s: 16 rows' bytes (row c at rows[c]) -> header, then 8 blocks of 32.
+void pack_superblock(int f, const uint8_t* const* rows, int64_t at, uint8_t* out) {
+    uint8_t q[COLS][QK_K];
+    for (int c = 0; c < COLS; c++) unpack_codes(f, rows[c] + at, q[c]);
+    if (f == Q6K) {
+        for (int c = 0; c < COLS; c++) {
+            memcpy(out + 2 * c, rows[c] + at + 208, 2);
+            for (int i = 0; i < 16; i++) out[32 + 16 * i + c] = rows[c][at + 192 + i];
+        }
+    } else {
+        for (int c = 0; c < COLS; c++) {
+            memcpy(out + 2 * c, rows[c] + at, 2);
+            memcpy(out + 32 + 2 * c, rows[c] + at + 2, 2);
+            for (int i = 0; i < 12; i++) out[64 + 16 * i + c] = rows[c][at + 4 + i];
+        }
+    }
+    out += HEADER_BYTES[f];
+    for (int j = 0; j < SUB; j++) {
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < COLS; c++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t* qc = q[c] + 32 * j + 8 * a;
+                    out[64 * a + 4 * c + t] = (uint8_t)((qc[t] & 15) | ((qc[4 + t] & 15) << 4));
+                }
+        uint8_t* extra = out + 256;
+        if (f != Q4K) memset(extra, 0, BLOCK_BYTES[f] - 256);
+        for (int chunk = 0; chunk < 8 && f != Q4K; chunk++) {  // chunk 2a + h: k = 8a + 4h + t
+            const int a = chunk / 2, h = chunk % 2;
+            for (int c = 0; c < COLS; c++)
+                for (int t = 0; t < 4; t++) {
+                    const int hi = q[c][32 * j + 8 * a + 4 * h + t] >> 4;
+                    if (f == Q5K) extra[4 * c + t] |= (uint8_t)((hi & 1) << chunk);
+                    else extra[64 * (chunk / 4) + 4 * c + t] |= (uint8_t)((hi & 3) << (2 * (chunk % 4)));
+                }
+        }
+        out += BLOCK_BYTES[f];
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// One tensor's rows as the file stores them (raw [N, K/256 * block bytes], GGML type Q4_K, Q5_K or Q6_K)
+// -> its groups in the packed layout (out [N/16 * K/256 * 16 * block bytes]). Returns 0, or 1 for a type or
+// shape it does not take. Groups are independent: split over `threads`.
+int lm_kquant_pack(const uint8_t* raw, int64_t N, int64_t K, int ggml_type, uint8_t* out, int threads) {
+    const int f = format_of(ggml_type);
+    if (f < 0 || N % COLS || K % QK_K) return 1;
+    const int64_t S = K / QK_K, bb = FILE_BLOCK_BYTES[f], row_bytes = S * bb, group_bytes = COLS * row_bytes;
+    for_rows((int)(N / COLS), group_bytes, threads, [&](int g) {
+        const uint8_t* rows[COLS];
+        for (int c = 0; c < COLS; c++) rows[c] = raw + (int64_t(g) * COLS + c) * row_bytes;
+        for (int64_t s = 0; s < S; s++) pack_superblock(f, rows, s * bb, out + g * group_bytes + s * COLS * bb);
+    });
+    return 0;
+}
+}
