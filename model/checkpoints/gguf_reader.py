@@ -147,9 +147,9 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     if info.offset + row_bytes * n_rows > len(buf):
         raise ModelLoadError(f"tensor {info.name!r} runs past the end of the file (truncated download?)")
     data = np.frombuffer(buf, np.uint8, row_bytes * n_rows, info.offset).reshape(n_rows, row_bytes)
-    # a slice of rows at a time into one float32 tensor: the dequantizer's temporaries stay a slice's size
-    out = torch.empty(n_rows, info.ne[0], dtype=torch.float32)
-    rows = out.numpy()  # the same memory
+    # a slice of rows at a time into one tensor of `dtype`: the dequantizer's temporaries (and a float32
+    # copy, for another dtype) stay a slice's size
+    out = torch.empty(n_rows, info.ne[0], dtype=dtype)
     step = max(1, DEQUANTIZE_ELEMENTS // info.ne[0])
     for r0 in range(0, n_rows, step):
         try:
@@ -158,9 +158,8 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
             raise UnsupportedQuantizationError(
                 f"tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized"
             ) from None
-        rows[r0:r0 + step] = np.asarray(arr, dtype=np.float32).reshape(-1, info.ne[0])
-    out = out.reshape(info.torch_shape)
-    return out if out.dtype == dtype else out.to(dtype)
+        out[r0:r0 + step] = torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(-1, info.ne[0]))
+    return out.reshape(info.torch_shape)
 
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -278,8 +277,8 @@ def _source(file: MappedFile, info: TensorInfo, name: str, unpermute_heads: int 
     """The source of one GGUF tensor: dequantized (and for llama's q/k, unpermuted) when read."""
     row_bytes, n_rows = _byte_size(info)
 
-    def read() -> torch.Tensor:
-        w = _dequantize(file.buf, info, torch.float32)
+    def read(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = _dequantize(file.buf, info, dtype)
         return w if unpermute_heads is None else llama_cpp_unpermute(w, unpermute_heads).contiguous()
 
     def rows(index: torch.Tensor) -> torch.Tensor:
@@ -298,7 +297,8 @@ def _source(file: MappedFile, info: TensorInfo, name: str, unpermute_heads: int 
         return found
 
     return TensorSource(name, info.torch_shape, _type_name(info), row_bytes * n_rows, read, rows, blocks,
-                        lambda: file.release(info.offset, row_bytes * n_rows), meta={"gguf_name": info.name})
+                        lambda: file.release(info.offset, row_bytes * n_rows), meta={"gguf_name": info.name},
+                        _read_as=read)
 
 
 def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:

@@ -76,9 +76,10 @@ class TensorSource:
     _blocks: Callable[[], object] = _nothing
     _release: Callable[[], None] = _nothing
     meta: dict = field(default_factory=dict)
+    _read_as: Callable[[torch.dtype], Tensor] | None = None  # read straight into a dtype (no float32 copy)
 
     def read(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        t = self._read()
+        t = self._read() if self._read_as is None or dtype == torch.float32 else self._read_as(dtype)
         return t if t.dtype == dtype else t.to(dtype)
 
     def rows(self, index: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -171,9 +171,9 @@ def weight_only(linear: ServingLinear, x: Tensor, op, eager, *weights: Tensor) -
 class Int8Linear(ServingLinear):
     kernel = "int8"
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype):
-        super().__init__(*weight.shape, bias)
-        q, scale = int8_per_channel(weight, dtype)
+    def __init__(self, rows: tuple[Tensor, Tensor], bias: Tensor | None):
+        q, scale = rows  # int8_per_channel's codes and scales
+        super().__init__(*q.shape, bias)
         self.register_buffer("qweight", q, persistent=False)  # [N, K] int8
         self.register_buffer("scale", scale, persistent=False)  # [N]
 
@@ -274,6 +274,8 @@ class WeightSource:
         if len(self.parts) == 1:
             return quantize(self.parts[0]())
         blocks = [quantize(part()) for part in self.parts]
+        if isinstance(blocks[0], tuple):  # tensors by row, e.g. int8_per_channel's (codes, scales)
+            return tuple(torch.cat(rows) for rows in zip(*blocks))
         return type(blocks[0]).cat(blocks)
 
     @staticmethod
@@ -300,7 +302,7 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
     if kernel == "onednn-c16":
         return OneDNNLinearChunked(src.floats(dtype), bias)
     if kernel == "int8":
-        return Int8Linear(src.floats(), bias, dtype)
+        return Int8Linear(src.quantized(lambda w: int8_per_channel(w, dtype)), bias)
     if kernel.startswith(("int4", "native-int")) and src.shape[1] % GROUP:
         raise ValueError(f"{kernel} needs the input size to be a multiple of {GROUP}, got {src.shape[1]}")
     if kernel == "int4":
