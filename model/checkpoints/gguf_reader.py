@@ -194,9 +194,9 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bo
     try:
         for name, src in ckpt.sources.items():  # one tensor at a time: peak memory is one float32 copy
             ckpt.tensors[name] = src.read(dtype)
-            blocks = src.blocks() if keep_q41 else None
-            if blocks is not None:
-                {"Q80Blocks": ckpt.q80, "Q41Blocks": ckpt.q41}.get(type(blocks).__name__, {})[name] = blocks
+            kept = {"Q4_0": ckpt.q41, "Q4_1": ckpt.q41, "Q8_0": ckpt.q80}.get(src.stored_as) if keep_q41 else None
+            if kept is not None:
+                kept[name] = src.blocks()
             src.release()
     finally:
         ckpt.close()

@@ -217,8 +217,7 @@ class NativeQuantLinear(ServingLinear):
         kquant = isinstance(blocks, list)
         n, k = (sum(b.shape[0] for b in blocks), blocks[0].shape[1]) if kquant else tuple(blocks.q.shape)
         super().__init__(n, k, bias)
-        if QM.default_kernel() is None:
-            raise RuntimeError("the native quantized kernel is not built here")
+        QM.kernel_or_raise()
         if not QM.QuantMatmul.supports(n, k) or (kquant and k % QK_K):
             raise ValueError(f"the native quantized kernel needs N % {QM.GROUP_COLS} and K % {QK_K if kquant else GROUP} "
                              f"to be 0, got N={n}, K={k}")
