@@ -12,6 +12,14 @@ they read as zeros again. Resident memory thus follows the tokens held, not slot
 tokens. Elsewhere (CUDA) the tensors are allocated in full ("dense") and the number of slots
 is what the budget allows; `release` then zeroes what was written.
 
+A sliding-window layer's keys below a query's window are never read again (no attention kernel
+reads outside the window), so `release` also takes a part of a slot in some layers: the KV manager
+(server/engine/kv_manager.py) hands back a sliding layer's pages wholly below the window as its
+sequence advances, and a prefix hit copies only what a continuation reads (`copy_prefix` with a
+start and layers). Each (layer, slot, head) being one run of positions, this needs no kernel to
+change. A dense (CUDA) cache has nothing to hand back: its sliding layers keep every position, and
+the manager counts them so.
+
 An int8 cache (dtype torch.int8, CPU) holds each position's K and V of one head as int8 codes with
 one float32 scale (scale = max|x| / 127, code = x / scale rounded to nearest even): 68 bytes a row
 instead of bfloat16's 128 at head_dim 64, so nearly twice the tokens fit and decode attention reads
@@ -158,37 +166,53 @@ class KVCache:
         self.k[layer][slot_idx, :, pos_idx] = k
         self.v[layer][slot_idx, :, pos_idx] = v
 
-    def release(self, slot: int, upto: int | None = None) -> None:
-        """Hand back a slot's first `upto` positions (all by default); they read as zeros afterwards,
-        so no stale (possibly non-finite) K/V reaches the slot's next owner."""
+    def release(self, slot: int, upto: int | None = None, start: int = 0, layers: tuple[int, ...] | None = None) -> None:
+        """Hand back a slot's positions [start, upto) (all by default) in `layers` (all by default); they
+        read as zeros afterwards, so no stale (possibly non-finite) K/V reaches the slot's next owner.
+        The pages holding them go whole: `upto` rounds up to a page (what lies beyond was never
+        written), `start` must begin one (a multiple of page_tokens: the positions below stay)."""
         upto = self.max_len if upto is None else min(self.max_len, upto)
-        if upto <= 0:
+        if start % self.page_tokens:
+            raise ValueError(f"a release starts on a page: {start} is not a multiple of {self.page_tokens} positions")
+        if upto <= start:
             return
+        every = layers is None
+        layers = range(self.shape[0]) if every else layers
         if not self.virtual:
-            self.k[:, slot, :, :upto] = 0
-            self.v[:, slot, :, :upto] = 0
-            if self.scales is not None:
-                self.scales[:, slot, :upto] = 0
+            for layer in layers:
+                self.k[layer, slot, :, start:upto] = 0
+                self.v[layer, slot, :, start:upto] = 0
+                if self.scales is not None:
+                    self.scales[layer, slot, start:upto] = 0
             return
-        layers, max_len = self.shape[0], self.max_len
+        max_len = self.max_len
         for mm, runs, position_bytes in self._runs:
             run = max_len * position_bytes  # bytes of one run: a multiple of the page size
-            length = self.pages(upto) * self.page_tokens * position_bytes
+            first = start * position_bytes  # a multiple of the page size (start is whole pages)
+            length = self.pages(upto) * self.page_tokens * position_bytes - first
             length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-            for layer in range(layers):
+            for layer in layers:
                 base = ((layer * self.num_slots + slot) * runs) * run
                 if length == run:  # the whole slot of this layer: one call for every run
                     mm.madvise(mmap.MADV_DONTNEED, base, runs * run)
                     continue
                 for r in range(runs):
-                    mm.madvise(mmap.MADV_DONTNEED, base + r * run, length)
+                    mm.madvise(mmap.MADV_DONTNEED, base + r * run + first, length)
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Positions [0, length) of slot src -> slot dst, every layer and head (a prefix-cache hit)."""
-        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
-        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
-        if self.scales is not None:
-            self.scales[:, dst, :length].copy_(self.scales[:, src, :length])
+    def copy_prefix(self, src: int, dst: int, length: int, start: int = 0, layers: tuple[int, ...] | None = None) -> None:
+        """Positions [start, length) of slot src -> slot dst, in `layers` (all by default), every head
+        (a prefix-cache hit; a sliding layer's copy starts where the continuation's window does)."""
+        if layers is None:
+            self.k[:, dst, :, start:length].copy_(self.k[:, src, :, start:length])
+            self.v[:, dst, :, start:length].copy_(self.v[:, src, :, start:length])
+            if self.scales is not None:
+                self.scales[:, dst, start:length].copy_(self.scales[:, src, start:length])
+            return
+        for layer in layers:
+            self.k[layer, dst, :, start:length].copy_(self.k[layer, src, :, start:length])
+            self.v[layer, dst, :, start:length].copy_(self.v[layer, src, :, start:length])
+            if self.scales is not None:
+                self.scales[layer, dst, start:length].copy_(self.scales[layer, src, start:length])
 
     def view(self, layer: int, lo: int, hi: int, length: int) -> tuple[Tensor, Tensor]:
         """Views (no copy) k, v [hi - lo, kv_heads, length, d] of slots lo..hi-1."""

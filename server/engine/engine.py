@@ -27,6 +27,7 @@ from lmserve.model.loader import LoadedModel, release_thread_pool
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
 from .kv_choice import choose_kv_dtype
+from .kv_manager import window_classes
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
@@ -190,7 +191,7 @@ class Engine:
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
                                    step_pacer=self.step_pacer, speculation=self._speculation(s, loaded),
-                                   prefix_tag=self._rope_regime(loaded))
+                                   prefix_tag=self._rope_regime(loaded), layer_windows=self._kv_windows)
         self.processor = OutputProcessor(loaded.tokenizer)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
@@ -209,14 +210,21 @@ class Engine:
         committed per page written): max_batch for running requests and as many again for prefix-cache
         entries. Dense (CUDA): the slots the budget holds, at most max_batch, which prefix entries share
         with running requests (a graph-replayed decode step attends over every slot, so more slots
-        would cost every step)."""
+        would cost every step).
+
+        A virtual cache hands sliding-window layers' pages below their window back (kv_manager.py); the
+        pages are then counted per group of layers of one window, `kv_page_bytes` each. A dense cache
+        keeps every position of every layer: one page spans every layer, as where no layer slides."""
         self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
         slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
         c = KVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
         if not c.virtual:  # allocated up front: the budget is what the slots took
             self.kv_cache_bytes = c.nbytes
-        kv_pages = budget // c.bytes_per_page if c.virtual else c.num_slots * c.pages(c.max_len)
-        if kv_pages < c.pages(self.max_model_len):
+        self._kv_windows = loaded.config.layer_windows if c.virtual else ()
+        weight = sum(k.weight for k in window_classes(self._kv_windows))  # pages of one position page in every layer
+        self.kv_page_bytes = c.bytes_per_page // weight
+        kv_pages = budget // self.kv_page_bytes if c.virtual else c.num_slots * c.pages(c.max_len)
+        if kv_pages < weight * c.pages(self.max_model_len):
             raise ValueError(f"KV memory of {budget / 2**20:.0f} MiB holds no request of {self.max_model_len} tokens "
                              f"({c.pages(self.max_model_len) * c.bytes_per_page / 2**20:.0f} MiB); raise "
                              "--kv-cache-gb or lower --max-model-len")
@@ -455,7 +463,7 @@ class Engine:
                 max_batch=sch.max_batch, slots_allocated_total=kv.request_slots_total,
                 slots_freed_total=kv.request_slots_returned_total, kv_cache_bytes=self.kv_cache_bytes,
                 cached_tokens=sum(s.num_cached for s in sch.running), steps=self.phase_times.steps,
-                kv_pages_used=kv.pages_used, kv_pages_capacity=kv.kv_pages, kv_page_bytes=self.cache.bytes_per_page,
+                kv_pages_used=kv.pages_used, kv_pages_capacity=kv.kv_pages, kv_page_bytes=self.kv_page_bytes,
                 kv_pages_allocated_total=kv.pages_allocated_total, kv_pages_freed_total=kv.pages_freed_total,
                 prefix_cache_entries=len(pc) if pc else 0, prefix_cache_pages=pc.pages_held if pc else 0,
                 prefix_cache_evictions_total=pc.evicted_total if pc else 0,

@@ -7,11 +7,21 @@ finished sequence's slot as a prefix-cache entry (prefix_cache.py) or hands its 
 the cache (`release`), and evicts the least recently used unpinned entries when memory runs out.
 It decides nothing about who runs: when a running sequence needs pages that eviction cannot free,
 the scheduler chooses whom to preempt.
+
+Sliding-window layers keep only their window. A query at position q of a layer with window w reads
+keys q - w + 1 .. q, so once no step can query below q (`slide`), that layer's pages wholly below
+q - w + 1 are handed back. The layers are grouped by window (`window_classes`), and a KV page is
+`page_tokens` positions of as many layers as the gcd of the groups' sizes (every layer where none
+slides, as before): a sequence holding positions [0, n) whose layers of window w dropped their first
+r_w pages holds sum(weight_w * (pages(n) - r_w)) pages, global layers' r being 0. A prefix entry
+whose sliding layers dropped keys serves only hits whose window they still hold (`min_hit`).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -52,21 +62,57 @@ class SlotAllocator:
         heapq.heappush(self._free, slot)
 
 
+@dataclass(frozen=True)
+class WindowClass:
+    """Layers of one sliding window (0: global), and the KV pages one position page of them costs."""
+
+    window: int
+    layers: tuple[int, ...] | None  # None: every layer of the model
+    weight: int
+
+
+def window_classes(layer_windows: tuple[int, ...] = ()) -> tuple[WindowClass, ...]:
+    """The layers grouped by window, each group's weight its size over the gcd of the sizes; ()
+    (no layer slides, or a dense cache that keeps every position): one global class of weight 1."""
+    if not any(layer_windows):
+        return (WindowClass(0, None, 1),)
+    groups: dict[int, list[int]] = {}
+    for layer, w in enumerate(layer_windows):
+        groups.setdefault(w, []).append(layer)
+    unit = math.gcd(*(len(g) for g in groups.values()))
+    every = len(groups) == 1
+    return tuple(WindowClass(w, None if every else tuple(g), len(g) // unit) for w, g in sorted(groups.items()))
+
+
+@dataclass(eq=False)
+class _Holding:
+    """What a running sequence's slot holds: positions [0, pages * page_tokens) in global layers, and in
+    each sliding class (in window_classes' order) from its dropped pages on."""
+
+    pages: int = 0
+    dropped: list[int] = field(default_factory=list)
+
+
 class KvManager:
     """`kv_pages`: KV memory in pages of `page_tokens` positions (None: unlimited). `release(slot,
-    positions)`: hands a slot's first positions back (the KV cache's `release`). `prefix_tag(seq)`:
-    the prefix-cache tag of a sequence's K/V (prefix_cache.py; default 0 for all)."""
+    upto[, start, layers])`: hands a slot's positions back (the KV cache's `release`). `prefix_tag(seq)`:
+    the prefix-cache tag of a sequence's K/V (prefix_cache.py; default 0 for all). `layer_windows`: the
+    model's window per layer (ModelConfig.layer_windows) where the cache hands sliding layers' pages
+    back; () counts every layer at full length."""
 
     def __init__(self, num_slots: int, kv_pages: int | None = None, page_tokens: int = 1,
-                 prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
-                 prefix_tag: Callable[[Sequence], int] | None = None):
+                 prefix_cache: PrefixCache | None = None, release: Callable[..., None] | None = None,
+                 prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = ()):
         self.slots = SlotAllocator(num_slots)
         self.kv_pages = kv_pages
         self.page_tokens = page_tokens
         self.prefix_cache = prefix_cache
-        self._release = release or (lambda slot, positions: None)
+        self._release = release or (lambda slot, upto, start=0, layers=None: None)
         self.prefix_tag = prefix_tag or (lambda seq: 0)
-        self._held: dict[Sequence, int] = {}  # KV pages of each running sequence
+        self.classes = window_classes(layer_windows)
+        self._sliding = [i for i, c in enumerate(self.classes) if c.window]
+        self.page_weight = sum(c.weight for c in self.classes)  # KV pages of one position page in every layer
+        self._held: dict[Sequence, _Holding] = {}  # what each running sequence's slot holds
         self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
         # accounting (tests check that what was handed out came back)
         self.pages_used = 0  # running sequences' and prefix entries' pages
@@ -79,7 +125,17 @@ class KvManager:
 
     # ---- pages ---------------------------------------------------------------------------
     def pages(self, positions: int) -> int:
+        """Position pages (of one layer) that positions [0, positions) span."""
         return -(-positions // self.page_tokens)
+
+    def _dropped(self, window: int, first_query: int) -> int:
+        """Pages of a layer of this window wholly below the window of a query at first_query."""
+        return max(0, first_query - window + 1) // self.page_tokens
+
+    def cost(self, positions: int, first_query: int = 0) -> int:
+        """KV pages a slot holding positions [0, positions) holds once no query comes before first_query."""
+        return sum(c.weight * (self.pages(positions) - (self._dropped(c.window, first_query) if c.window else 0))
+                   for c in self.classes)
 
     @property
     def pages_free(self) -> int | None:
@@ -87,10 +143,27 @@ class KvManager:
 
     def held(self, seq: Sequence) -> int:
         """KV pages `seq` holds."""
-        return self._held.get(seq, 0)
+        h = self._held.get(seq)
+        if h is None:
+            return 0
+        return self.page_weight * h.pages - sum(self.classes[i].weight * d for i, d in zip(self._sliding, h.dropped))
 
-    def charge(self, seq: Sequence, pages: int) -> None:
-        self._held[seq] = self._held.get(seq, 0) + pages
+    def open(self, seq: Sequence, positions: int, first_query: int = 0) -> None:
+        """An admitted sequence holds positions [0, positions), its sliding layers from first_query's
+        window on (a prefix hit copies no more: `copies`)."""
+        self._held[seq] = _Holding(self.pages(positions), [self._dropped(self.classes[i].window, first_query)
+                                                           for i in self._sliding])
+        self._charge(self.held(seq))
+
+    def _holding(self, seq: Sequence) -> _Holding:
+        return self._held.setdefault(seq, _Holding(0, [0] * len(self._sliding)))
+
+    def _grow(self, seq: Sequence, pages: int) -> None:
+        """`pages` more position pages for a running sequence."""
+        self._holding(seq).pages += pages
+        self._charge(pages * self.page_weight)
+
+    def _charge(self, pages: int) -> None:
         self.pages_used += pages
         self.pages_allocated_total += pages
 
@@ -103,18 +176,19 @@ class KvManager:
         entries as needed: the positions covered (>= least), or 0 when not even `least` fit."""
         if self.kv_pages is None:
             return want
-        need = self.pages(want) - self.held(seq)
+        h = self._holding(seq)
+        need = self.pages(want) - h.pages
         if need <= 0:
             return want
-        self.evict_until_free(need)
-        free = self.pages_free
-        if free >= need:
-            self.charge(seq, need)
+        self.evict_until_free(need * self.page_weight)
+        more = self.pages_free // self.page_weight
+        if more >= need:
+            self._grow(seq, need)
             return want
-        covered = (self.held(seq) + free) * self.page_tokens
+        covered = (h.pages + more) * self.page_tokens
         if covered < least:
             return 0
-        self.charge(seq, free)
+        self._grow(seq, more)
         return min(want, covered)
 
     def grant(self, seq: Sequence, positions: int) -> int:
@@ -122,11 +196,36 @@ class KvManager:
         `seq` may write now, at most `positions`."""
         if self.kv_pages is None:
             return positions
-        held = self.held(seq) * self.page_tokens
-        grant = max(0, min(self.pages(positions) - self.held(seq), self.pages_free))
+        h = self._holding(seq)
+        held = h.pages * self.page_tokens
+        grant = max(0, min(self.pages(positions) - h.pages, self.pages_free // self.page_weight))
         if grant:
-            self.charge(seq, grant)
+            self._grow(seq, grant)
         return min(positions, held + grant * self.page_tokens)
+
+    def slide(self, seq: Sequence, first_query: int) -> None:
+        """No step queries `seq` below first_query any more: its sliding layers' pages wholly below that
+        query's window go back to the cache (and out of its charge)."""
+        h = self._held.get(seq)
+        if h is None or self.kv_pages is None:
+            return
+        for j, i in enumerate(self._sliding):
+            c = self.classes[i]
+            dropped = self._dropped(c.window, first_query)
+            if dropped > h.dropped[j]:
+                self._release(seq.slot, dropped * self.page_tokens, h.dropped[j] * self.page_tokens, c.layers)
+                self._uncharge(c.weight * (dropped - h.dropped[j]))
+                h.dropped[j] = dropped
+
+    def copies(self, src: int, dst: int, hit: int) -> list[tuple[int, int, int, int, tuple[int, ...] | None]]:
+        """The cache copies of a prefix hit of `hit` positions from slot src to dst, as (src, dst, end,
+        start, layers) (KVCache.copy_prefix's arguments): every position of global layers, a sliding
+        class's from the window of the hit's first query on (what `open` charges)."""
+        out = []
+        for c in self.classes:
+            start = self._dropped(c.window, hit) * self.page_tokens if c.window else 0
+            out.append((src, dst, hit, start, c.layers))
+        return out
 
     # ---- eviction ------------------------------------------------------------------------
     def evict_until_free(self, pages: int) -> bool:
@@ -146,7 +245,7 @@ class KvManager:
         return True
 
     def _drop_entry(self, entry: PrefixEntry) -> None:
-        self._release(entry.slot, entry.pages * self.page_tokens)
+        self._release(entry.slot, entry.span)
         self.slots.free(entry.slot)
         self._uncharge(entry.pages)
 
@@ -169,15 +268,20 @@ class KvManager:
 
     def give_back(self, seq: Sequence, keep_as_prefix: bool = False) -> None:
         """A sequence's slot and pages, handed back or kept as a prefix-cache entry of its cached tokens."""
-        pages = self._held.pop(seq, 0)
+        pages = self.held(seq)
+        h = self._held.pop(seq, None) or _Holding()
+        span = h.pages * self.page_tokens if self.kv_pages is not None else seq.total_len + 1  # positions it may have written
         self.request_slots_returned_total += 1
         if keep_as_prefix:
+            # a hit of m positions reads a sliding class's keys from m - w + 1 on: its dropped pages must lie below
+            min_hit = max((d * self.page_tokens + self.classes[i].window - 1 for i, d in zip(self._sliding, h.dropped)
+                           if d), default=0)
             entry, dominated = self.prefix_cache.insert(seq.slot, seq.all_tokens[: seq.num_cached], pages,
-                                                        self.prefix_tag(seq))
+                                                        self.prefix_tag(seq), span=span, min_hit=min_hit)
             for old in dominated:  # a later turn of the same conversation covers these
                 self._drop_entry(old)
             return
-        self._release(seq.slot, pages * self.page_tokens if self.kv_pages is not None else seq.total_len + 1)
+        self._release(seq.slot, span)
         self.slots.free(seq.slot)
         self._uncharge(pages)
 
@@ -212,4 +316,4 @@ class KvManager:
         self._pinned = []
 
 
-__all__ = ["KvManager", "SlotAllocator"]
+__all__ = ["KvManager", "SlotAllocator", "WindowClass", "window_classes"]

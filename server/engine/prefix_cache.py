@@ -10,6 +10,12 @@ full block, so a hit covers exactly the tokens shared, not only whole blocks.
 The cache never touches tensors: the scheduler copies a hit's rows into the new request's slot
 and hands an evicted entry's slot back. Entries are immutable; least recently used goes first.
 
+A sliding-window layer's keys below its window are handed back as a sequence advances
+(kv_manager.py), so an entry may hold only the last window of some layers: a hit of m positions is
+then served only if every window it reads is still there (m >= `min_hit`); otherwise a shorter hit
+from another entry, or none. An entry covering another's tokens replaces it only if it serves every
+hit the other does.
+
 A `tag` keeps apart K/V computed differently for the same tokens (a LongRoPE model rotates a
 sequence whose prompt is long with other frequencies): an entry is found only by its own tag.
 """
@@ -29,6 +35,8 @@ class PrefixEntry:
     pinned: int = 0  # hits copied from it in the step being built: not evictable until that step ran
     hits: int = field(default=0, compare=False)
     tag: int = 0
+    span: int = 0  # positions [0, span) of its slot that may have been written (handed back when it goes)
+    min_hit: int = 0  # the shortest hit whose windows its sliding layers still hold (0: every layer keeps all)
 
     @property
     def num_tokens(self) -> int:
@@ -71,38 +79,47 @@ class PrefixCache:
 
     # ---- lookup ---------------------------------------------------------------------
     def match(self, tokens, limit: int, tag: int = 0) -> tuple[PrefixEntry | None, int]:
-        """The entry of this tag sharing the longest prefix with tokens[:limit], and that length (0: none)."""
+        """The entry of this tag sharing the longest prefix with tokens[:limit] that it can serve (at
+        least its min_hit), and that length (0: none)."""
         limit = min(limit, len(tokens))
-        candidates: dict[PrefixEntry, None] | None = None
-        depth = 0
+        levels: list[dict[PrefixEntry, None]] = []  # entries sharing 1, 2, ... full blocks
         for h in block_hashes(tokens, self.block, limit, tag):
             found = self._index.get(h)
             if not found:
                 break
-            candidates, depth = found, depth + self.block
-        if candidates is None:  # not one full block in common
-            return None, 0
-        best, best_len = None, 0
-        head = tuple(tokens[:depth])
-        for entry in candidates:
-            if entry.tag != tag or entry.tokens[:depth] != head:  # a hash collision
-                continue
-            n = common_prefix(entry.tokens, tokens, depth, min(limit, entry.num_tokens))
-            if n > best_len:
-                best, best_len = entry, n
-        return best, best_len
+            levels.append(found)
+        judged: set[PrefixEntry] = set()  # each entry is judged at the deepest level it is found at
+        for i in range(len(levels) - 1, -1, -1):  # deepest first: a shallower entry shares fewer tokens
+            depth = (i + 1) * self.block
+            best, best_len = None, 0
+            head = tuple(tokens[:depth])
+            for entry in levels[i]:
+                if entry in judged:
+                    continue
+                judged.add(entry)
+                if entry.tag != tag or entry.tokens[:depth] != head:  # a hash collision
+                    continue
+                n = common_prefix(entry.tokens, tokens, depth, min(limit, entry.num_tokens))
+                if entry.min_hit <= n and n > best_len:  # a shorter hit would need keys it handed back
+                    best, best_len = entry, n
+            if best is not None:
+                return best, best_len
+        return None, 0
 
     def touch(self, entry: PrefixEntry) -> None:
         entry.hits += 1
         self._lru.move_to_end(entry)
 
     # ---- insert / evict ---------------------------------------------------------------
-    def insert(self, slot: int, tokens, pages: int, tag: int = 0) -> tuple[PrefixEntry, list[PrefixEntry]]:
+    def insert(self, slot: int, tokens, pages: int, tag: int = 0, span: int = 0,
+               min_hit: int = 0) -> tuple[PrefixEntry, list[PrefixEntry]]:
         """Add an entry (at least one full block of tokens); returns it and the entries it makes
-        redundant (their tokens are a prefix of its own, same tag), which the caller frees at once."""
+        redundant (their tokens are a prefix of its own, same tag, and it serves every hit they do),
+        which the caller frees at once."""
         if len(tokens) < self.block:
             raise ValueError(f"an entry needs at least {self.block} tokens, got {len(tokens)}")
-        entry = PrefixEntry(slot, tuple(tokens), pages, tuple(block_hashes(tokens, self.block, tag=tag)), tag=tag)
+        entry = PrefixEntry(slot, tuple(tokens), pages, tuple(block_hashes(tokens, self.block, tag=tag)), tag=tag,
+                            span=span, min_hit=min_hit)
         dominated = [e for e in self._covered_by(entry) if not e.pinned]
         for e in dominated:
             self.remove(e)
@@ -115,7 +132,7 @@ class PrefixCache:
     def _covered_by(self, entry: PrefixEntry) -> list[PrefixEntry]:
         pool = self._index.get(entry.hashes[0], {})  # every entry holds at least one full block
         return [e for e in pool if e.tag == entry.tag and e.num_tokens <= entry.num_tokens
-                and entry.tokens[: e.num_tokens] == e.tokens]
+                and entry.min_hit <= e.min_hit and entry.tokens[: e.num_tokens] == e.tokens]
 
     def remove(self, entry: PrefixEntry) -> None:
         del self._lru[entry]

@@ -85,8 +85,8 @@ class ModelRunner:
         prompt chunk and the new prompts packed in one row are batches of their own for attention,
         while every linear layer runs once over all their tokens, so a step that mixes prefill and
         decode reads the weights once. A decode-only step on CUDA replays its captured graph."""
-        for src, dst, n in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
-            self.cache.copy_prefix(src, dst, n)
+        for copy in batch.kv_copies:  # prefix-cache hits: the shared positions come from an entry
+            self.cache.copy_prefix(*copy)
         if not batch.prefill and not batch.drafts and self.graphs is not None:
             return self._decode_graph(batch.decode, previous)
         segments, last, offset = [], {}, 0

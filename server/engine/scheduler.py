@@ -9,7 +9,9 @@ KV memory (slots, pages, prefix-cache entries) is the KV manager's (kv_manager.p
 sequences hold the pages of the positions they have written or will write this step. When a
 running sequence needs a page and evicting prefix entries frees none, the scheduler preempts the
 most recently admitted sequences: their slot and pages are handed back and they wait at the head of
-the queue, keeping their generated tokens, to be prefilled again (prompt + output) later.
+the queue, keeping their generated tokens, to be prefilled again (prompt + output) later. Before
+each step, every running sequence's sliding-window layers hand back the pages below the window of
+the lowest position a step may still query (`_first_query`).
 
 A launched step is one `InFlight` record from launch until its tokens are recorded; the output
 processor (processor.py) reads its tokens back and records them through `land`, `append`,
@@ -59,7 +61,8 @@ class ScheduledBatch:
     decode: tuple[Sequence, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     dropped: tuple[Sequence, ...] = ()  # finished without compute (deadline)
-    kv_copies: tuple[tuple[int, int, int], ...] = ()  # prefix hits: (src slot, dst slot, tokens), run first
+    # prefix hits: (src slot, dst slot, tokens, first position, layers or None: all) (KVCache.copy_prefix), run first
+    kv_copies: tuple[tuple[int, int, int, int, tuple[int, ...] | None], ...] = ()
     preempted: tuple[Sequence, ...] = ()  # back to waiting, to be recomputed
     drafts: tuple[tuple[int, ...], ...] = ()  # per decode row, the drafted tokens it verifies (() when none)
 
@@ -92,7 +95,7 @@ class _Plan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
     dropped: list[Sequence] = field(default_factory=list)
-    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int, int, tuple[int, ...] | None]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     drafts: list[tuple[int, ...]] = field(default_factory=list)  # aligned with decode
 
@@ -112,6 +115,7 @@ class InFlight:
     seconds: float = 0.0  # the call's host time (the whole step where the call computes it); after wait(), the step's
     timing: tuple | None = None  # CUDA events around an overlapped step, whose launch returns at once
     awaiting: tuple[Sequence, ...] = ()  # set by Scheduler.advance
+    first_query: dict[Sequence, int] = field(default_factory=dict)  # each sequence's lowest query position in it
 
     def wait(self) -> None:
         """Until the step ran and its tokens are back (at once where the call computed it); its
@@ -131,8 +135,8 @@ class Scheduler:
     None: always the lowest.
 
     `max_batch`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache
-    entries). `kv_pages`, `kv_page_tokens`, `prefix_cache`, `release`, `prefix_tag`: the KV manager's
-    (kv_manager.KvManager, `self.kv`).
+    entries). `kv_pages`, `kv_page_tokens`, `prefix_cache`, `release`, `prefix_tag`, `layer_windows`: the
+    KV manager's (kv_manager.KvManager, `self.kv`).
     `step_pacer`: sizes each step's prefill from measured step costs (step_cost.py) within
     [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
     `speculation`: draft tokens for greedy decode rows from an n-gram index of each sequence
@@ -146,10 +150,10 @@ class Scheduler:
                  max_batch: int | None = None, kv_pages: int | None = None, kv_page_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
                  step_pacer: StepPacer | None = None, speculation: Speculation | None = None,
-                 prefix_tag: Callable[[Sequence], int] | None = None):
+                 prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = ()):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
-        self.kv = KvManager(num_slots, kv_pages, kv_page_tokens, prefix_cache, release, prefix_tag)
+        self.kv = KvManager(num_slots, kv_pages, kv_page_tokens, prefix_cache, release, prefix_tag, layer_windows)
         self.max_queue = max_queue
         self.token_budget = token_budget
         self.min_prefill_chunk = min_prefill_chunk
@@ -198,6 +202,11 @@ class Scheduler:
             if victim is seq:
                 return 0
 
+    def _first_query(self, seq: Sequence) -> int:
+        """The lowest position a step may still query for `seq`: its next one, or lower in a launched step
+        whose tokens are not recorded yet (a rejected draft rewinds num_cached no lower than its row's)."""
+        return min([seq.num_cached, *(step.first_query[seq] for step in self.in_flight if seq in step.first_query)])
+
     def _preempt(self, seq: Sequence) -> None:
         """Back to the head of the queue; prompt + output are prefilled again when it is readmitted."""
         self.running.remove(seq)
@@ -223,6 +232,8 @@ class Scheduler:
             self.finish(seq, FinishReason.DEADLINE)
             batch.dropped.append(seq)
 
+        for seq in self.running:  # sliding layers' keys no step reads any more go back first
+            self.kv.slide(seq, self._first_query(seq))
         decoding = [s for s in self.running if not s.in_prefill]
         budget = self._prefill_budget(decoding)
         for seq in list(self.running):  # oldest first: the newest are preempted when pages run out
@@ -282,8 +293,9 @@ class Scheduler:
         """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
         entry, hit = self.kv.match(seq)  # pinned: neither evicted nor dominated while this step copies from it
         n = min(seq.prefill_len - hit, budget)
-        need = self.kv.pages(hit + n)
-        headroom = sum(1 for s in self.running if not s.in_prefill)  # next step's decodes need no preemption
+        need = self.kv.cost(hit + n, first_query=hit)
+        # next step's decodes need no preemption
+        headroom = self.kv.page_weight * sum(1 for s in self.running if not s.in_prefill)
         ok = self.kv.evict_until_free(need + headroom)
         slot = self.kv.take_slot(self.long_prompt is not None and seq.prefill_len >= self.long_prompt) if ok else None
         if slot is None:
@@ -296,10 +308,10 @@ class Scheduler:
             seq.first_scheduled = now
             seq.cached_prompt_tokens = min(hit, seq.prompt_len)
         self.running.append(seq)
-        self.kv.charge(seq, need)
+        self.kv.open(seq, hit + n, first_query=hit)
         self.kv.use(seq, entry, hit)
         if entry is not None:
-            batch.kv_copies.append((entry.slot, slot, hit))
+            batch.kv_copies.extend(self.kv.copies(entry.slot, slot, hit))
             seq.num_cached = hit
         batch.prefill.append(PrefillChunk(seq, hit, n))
         return True
@@ -309,6 +321,10 @@ class Scheduler:
         the device), and the sequences it samples await their token (`pending`) until land()."""
         batch = step.batch
         self.kv.unpin()  # the step's prefix copies are done, or queued ahead of anything that could reuse the slot
+        for seq in batch.decode:
+            step.first_query[seq] = seq.num_cached
+        for chunk in batch.prefill:
+            step.first_query[chunk.seq] = chunk.start
         for chunk in batch.prefill:
             if chunk.seq.status is SeqStatus.RUNNING:
                 chunk.seq.num_cached = chunk.start + chunk.length

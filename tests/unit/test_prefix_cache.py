@@ -54,3 +54,26 @@ def test_a_longer_entry_replaces_those_it_covers_and_lru_order():
     assert pc.evict_lru() is other and len(pc) == 0 and pc.pages_held == 0
     with pytest.raises(ValueError):
         pc.insert(3, [1, 2], pages=1)  # shorter than one block: nothing to share
+
+
+def test_an_entry_whose_sliding_layers_dropped_keys_serves_only_hits_that_reach_past_them():
+    """An entry whose sliding layers handed back keys below r serves a hit of m tokens only if
+    m - w + 1 >= r (min_hit = r + w - 1); otherwise the next-best entry that can, found at a shallower
+    block, or none."""
+    pc = PrefixCache(block=4)
+    system = list(range(100, 112))
+    short, _ = pc.insert(0, system, pages=1)  # kept every key
+    long_tokens = system + list(range(200, 240))  # 52 tokens; window 6, keys below 40 handed back
+    long_, dominated = pc.insert(1, long_tokens, pages=5, min_hit=40 + 6 - 1)
+    assert dominated == []  # it cannot serve the 12-token hits the short one does: both stay
+    assert pc.match(long_tokens + [7], limit=100) == (long_, 52)
+    assert pc.match(long_tokens[:45] + [7, 7, 7], limit=100) == (long_, 45)  # m = min_hit: its window is whole
+    assert pc.match(long_tokens[:44] + [7, 7, 7], limit=100) == (short, 12)  # one short: the other entry's hit
+    assert pc.match(long_tokens[:30] + [7], limit=100) == (short, 12)
+    pc.remove(short)
+    assert pc.match(long_tokens[:44] + [7, 7, 7], limit=100) == (None, 0)
+    # a later entry covering another's tokens replaces it only when it serves every hit the other does
+    again, dominated = pc.insert(2, long_tokens + [1, 2, 3, 4], pages=6, min_hit=45)
+    assert dominated == [long_] and pc.entries() == [again]
+    later, dominated = pc.insert(3, long_tokens + [1, 2, 3, 4, 5, 6, 7, 8], pages=6, min_hit=49)
+    assert dominated == [] and pc.entries() == [again, later]

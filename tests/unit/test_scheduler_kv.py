@@ -7,13 +7,13 @@ from lmserve.server.engine.sequence import SeqStatus
 
 
 class Released:
-    """Records the scheduler's release(slot, positions) calls."""
+    """Records the scheduler's release(slot, positions) calls (a part of some layers: (slot, upto, start, layers))."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, slot, positions):
-        self.calls.append((slot, positions))
+    def __call__(self, slot, positions, start=0, layers=None):
+        self.calls.append((slot, positions) if (start, layers) == (0, None) else (slot, positions, start, layers))
 
 
 def req(tokens, rid, max_new=100):
@@ -34,8 +34,9 @@ def run_step(s, outputs, token_of=lambda seq: 7):
 def balanced(s):
     """Blocks in use are exactly the running sequences' plus the prefix entries', and allocated - freed."""
     entries = s.kv.prefix_cache.pages_held if s.kv.prefix_cache else 0
-    running = sum(s.kv.pages(max(q.num_cached, 1)) <= s.kv._held[q] for q in s.running) == len(s.running)
-    return running and s.kv.pages_used == sum(s.kv._held.values()) + entries == s.kv.pages_allocated_total - s.kv.pages_freed_total
+    running = sum(s.kv.pages(max(q.num_cached, 1)) <= s.kv.held(q) for q in s.running) == len(s.running)
+    held = sum(s.kv.held(q) for q in s.running)
+    return running and s.kv.pages_used == held + entries == s.kv.pages_allocated_total - s.kv.pages_freed_total
 
 
 def test_decode_growth_preempts_the_newest_and_it_resumes_with_its_tokens():
@@ -99,7 +100,7 @@ def test_prefix_hit_copies_the_shared_positions_and_prefills_the_rest():
     second = s.add(req(system + [40, 41, 42], "second"))
     batch = s.schedule()
     (chunk,) = batch.prefill
-    assert batch.kv_copies == ((first.slot, second.slot, 20),) and second.slot != first.slot
+    assert batch.kv_copies == ((first.slot, second.slot, 20, 0, None),) and second.slot != first.slot
     assert (chunk.start, chunk.length) == (20, 3) and second.num_cached == 20
     assert s.kv.prefix_hit_tokens_total == 20 and s.kv.prefix_queried_tokens_total == 22 + 23
     s.record(batch, {second: 9})
@@ -213,3 +214,54 @@ def test_a_sequence_preempted_by_a_step_is_not_readmitted_by_the_same_step():
                 break
         assert all(len(q.output_ids) == wanted[q] for q in seqs), f"trial {trial}"
     assert preempted_total > 20
+
+
+def test_sliding_layers_hand_back_pages_below_their_window_and_are_charged_what_they_hold():
+    """Layers (6, 0, 6): a page is 4 positions of one layer; the global layer holds every position
+    written, the two sliding ones only from the page holding the window's first key on. Each
+    schedule hands back what the next query's window no longer covers, and the charge follows."""
+    rel = Released()
+    pc = PrefixCache(block=4)
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=64, min_prefill_chunk=1, kv_pages=100,
+                  kv_page_tokens=4, prefix_cache=pc, release=rel, layer_windows=(6, 0, 6))
+    assert s.kv.page_weight == 3 and [(c.window, c.layers, c.weight) for c in s.kv.classes] == [(0, (1,), 1),
+                                                                                                (6, (0, 2), 2)]
+    system = list(range(1, 13))
+    a = s.add(req(system, "a"))  # 12 tokens, finishes at once: an entry holding every key
+    run_step(s, {})
+    s.finish(a, FinishReason.EOS)
+    b = s.add(req(system + list(range(50, 58)), "b"))  # 20 tokens: hits a's 12
+    batch = s.schedule()
+    # the sliding layers' copy starts on the page of the first key position 12's window reads (12 - 6 + 1 = 7)
+    assert batch.kv_copies == ((a.slot, b.slot, 12, 0, (1,)), (a.slot, b.slot, 12, 4, (0, 2)))
+    assert s.kv.held(b) == 5 + 2 * (5 - 1)
+    s.record(batch, {b: 100})
+    counter = iter(range(101, 1000))
+    for _ in range(20):
+        q = b.num_cached  # the position this step's decode row queries
+        batch = run_step(s, {}, token_of=lambda seq: next(counter))
+        dropped = max(0, q - 6 + 1) // 4
+        assert s.kv.held(b) == -(-(q + 1) // 4) + 2 * (-(-(q + 1) // 4) - dropped), q
+        assert balanced(s)
+    q = b.num_cached - 1
+    assert q == 39
+    windows = [c for c in rel.calls if len(c) == 4]
+    # the first decode (position 20) reads keys from 15 on: [4, 12) go; then a page each time the window
+    # moves past one, each release going on where the last one ended, up to position 39's: [28, 32)
+    assert windows == [(b.slot, 12, 4, (0, 2))] + [(b.slot, end, end - 4, (0, 2)) for end in range(16, 36, 4)]
+    s.finish(b, FinishReason.LENGTH)  # 40 cached; its sliding layers dropped keys below 32
+    entry = [e for e in pc.entries() if e.slot == b.slot][0]
+    assert entry.min_hit == 32 + 6 - 1 and entry.span == 40 and len(pc) == 2
+    c = s.add(req(list(entry.tokens[:30]) + [999, 998], "c"))  # 30 shared: needs keys b handed back
+    batch = s.schedule()
+    assert batch.kv_copies[0][:3] == (a.slot, c.slot, 12) and c.num_cached == 12
+    s.record(batch, {c: 5})
+    s.finish(c, FinishReason.CANCELLED)
+    d = s.add(req(list(entry.tokens) + [7, 7], "d"))  # the whole conversation and more: b's entry serves it
+    batch = s.schedule()
+    assert batch.kv_copies == ((b.slot, d.slot, 40, 0, (1,)), (b.slot, d.slot, 40, 32, (0, 2)))
+    assert s.kv.held(d) == 11 + 2 * (11 - 8) and balanced(s)
+    s.record(batch, {d: 5})
+    s.finish(d, FinishReason.CANCELLED)
+    assert s.kv.drop_prefix_cache() == 2 and s.kv.pages_used == 0
+    assert s.kv.pages_allocated_total == s.kv.pages_freed_total
