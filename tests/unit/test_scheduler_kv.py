@@ -265,3 +265,38 @@ def test_sliding_layers_hand_back_pages_below_their_window_and_are_charged_what_
     s.finish(d, FinishReason.CANCELLED)
     assert s.kv.drop_prefix_cache() == 2 and s.kv.pages_used == 0
     assert s.kv.pages_allocated_total == s.kv.pages_freed_total
+
+
+def test_overlapped_steps_never_hand_back_keys_a_launched_step_still_reads():
+    """The overlapped loop by hand with layers (5, 0, 5): step k+1 is scheduled (and slides the windows)
+    while step k is launched but not read back; no release may reach a key whose window step k or k+1
+    still queries (position p reads keys p - 4 .. p), and the charge balances throughout."""
+    rel = Released()
+    s = Scheduler(num_slots=4, max_queue=10, token_budget=6, min_prefill_chunk=1, kv_pages=200, kv_page_tokens=2,
+                  release=rel, layer_windows=(5, 0, 5))
+    seqs = [s.add(req(range(10 * i + 1, 10 * i + 4 + 5 * i), f"r{i}")) for i in range(3)]
+    counter = iter(range(1000))
+    in_flight = []  # launched steps not read back: (batch, tokens, lowest query position per slot)
+    released = 0
+    for _ in range(80):
+        batch = s.schedule()
+        lowest = {c.seq.slot: c.start for c in batch.prefill} | {seq.slot: seq.num_cached for seq in batch.decode}
+        s.advance(InFlight(batch))
+        for slot, upto, *_ in [c for c in rel.calls if len(c) == 4]:
+            for *_, queried in in_flight + [(None, None, lowest)]:
+                assert slot not in queried or upto <= queried[slot] - 5 + 1
+            released += 1
+        rel.calls.clear()
+        if in_flight:
+            done, toks, _ = in_flight.pop(0)
+            s.record(done, toks)
+            for seq in toks:
+                if len(seq.output_ids) == 20 and seq.status is not SeqStatus.FINISHED:
+                    s.finish(seq, FinishReason.LENGTH)
+        in_flight.append((batch, {seq: 100 + next(counter) for seq in batch.sampled()}, lowest))
+        assert balanced(s)
+        if not s.num_unfinished:
+            break
+    assert released > 20
+    assert all(seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 20 for seq in seqs)
+    assert s.kv.pages_used == 0 and s.kv.pages_allocated_total == s.kv.pages_freed_total
