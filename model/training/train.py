@@ -252,6 +252,76 @@ def save_pretrained(model: LlamaForCausalLM, sp_model: bytes, out_dir: str | os.
 
 # ---- the loop ----------------------------------------------------------------------------
 
+def _check_settings(sizes: dict[str, int], context: int, lr: float, warmup: int | None) -> None:
+    """ValueError naming the first setting no model can be trained with (every one of `sizes` must be
+    positive, the hidden size a multiple of the heads)."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if context < 2 or not lr > 0 or (warmup is not None and warmup < 0):
+        raise ValueError(f"need context >= 2, lr > 0 and warmup >= 0 (got {context}, {lr}, {warmup})")
+    if sizes["hidden_size"] % sizes["heads"]:
+        raise ValueError(f"hidden_size={sizes['hidden_size']} is not a multiple of heads={sizes['heads']}")
+
+
+def _documents(texts_or_files: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+    """The training text's documents (read_texts, split_documents); ValueError when there are none."""
+    docs = split_documents(read_texts(texts_or_files))
+    if not docs:
+        raise ValueError("the training text is empty")
+    return docs
+
+
+def _model_config(vocab_size: int, name: str, *, hidden_size: int, layers: int, heads: int, kv_heads: int,
+                  intermediate_size: int | None, tie_embeddings: bool, context: int) -> ModelConfig:
+    """The shape of the model to train, with this module's special token ids."""
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=hidden_size // heads,
+        intermediate_size=intermediate_size or default_intermediate(hidden_size),
+        tie_word_embeddings=tie_embeddings, max_position_embeddings=context,
+        bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID, name=name,
+    )
+
+
+def _initial_model(cfg: ModelConfig, generator: torch.Generator, device: str | torch.device | None) -> LlamaForCausalLM:
+    """A model of `cfg` with seeded random weights, in training mode on `device` (None: cuda when available)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return LlamaForCausalLM(cfg).init_weights(0.02, generator=generator).to(device).train()
+
+
+def optimise(model: LlamaForCausalLM, seqs: Sequence[Sequence[int]], generator: torch.Generator, *, steps: int,
+             batch_size: int, lr: float, warmup: int | None, weight_decay: float, grad_clip: float, progress: bool,
+             log_every: int | None) -> list[float]:
+    """`steps` AdamW updates, each on a batch drawn from seeded shuffles of `seqs`, the learning rate
+    warmed up and decayed (lr_at); each step's training-batch loss. `warmup` and `log_every` default
+    to a tenth of `steps`."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    log_every = max(1, steps // 10) if log_every is None else log_every
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    stream = batches(len(seqs), batch_size, generator)
+    losses: list[float] = []
+    with logging_redirect_tqdm(), tqdm(range(steps), desc="train", unit="step", disable=not progress) as bar:
+        for step in bar:
+            step_lr = lr_at(step, lr=lr, warmup=warmup, total=steps)
+            for group in opt.param_groups:
+                group["lr"] = step_lr
+            loss = batch_loss(model, make_batch([seqs[i] for i in next(stream)]).to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            clip_gradients(model, grad_clip, step)
+            opt.step()
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{step_lr:.2e}")
+            if (step + 1) % log_every == 0 or step + 1 == steps:
+                logger.info("step %d/%d loss %.4f lr %.2e", step + 1, steps, losses[-1], step_lr)
+    return losses
+
+
 def train(
     texts_or_files: str | os.PathLike | Iterable[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -285,21 +355,10 @@ def train(
     an inconsistent shape, TrainingDivergedError if a gradient becomes non-finite.
     """
     import sentencepiece as spm
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=kv_heads,
-                 steps=steps, batch_size=batch_size)
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-    if context < 2 or not lr > 0 or (warmup is not None and warmup < 0):
-        raise ValueError(f"need context >= 2, lr > 0 and warmup >= 0 (got {context}, {lr}, {warmup})")
-    if hidden_size % heads:
-        raise ValueError(f"hidden_size={hidden_size} is not a multiple of heads={heads}")
-    docs = split_documents(read_texts(texts_or_files))
-    if not docs:
-        raise ValueError("the training text is empty")
+    _check_settings(dict(vocab_size=vocab_size, hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=kv_heads,
+                         steps=steps, batch_size=batch_size), context, lr, warmup)
+    docs = _documents(texts_or_files)
     started = time.perf_counter()
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -307,39 +366,15 @@ def train(
     sp_model = train_tokenizer(docs, vocab_size, character_coverage)
     sp = spm.SentencePieceProcessor(model_proto=sp_model)
     seqs = make_sequences(encode_documents(sp, docs), context)
-    cfg = ModelConfig(
-        vocab_size=sp.get_piece_size(), hidden_size=hidden_size, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=hidden_size // heads,
-        intermediate_size=intermediate_size or default_intermediate(hidden_size),
-        tie_word_embeddings=tie_embeddings, max_position_embeddings=context,
-        bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID, name=Path(out_dir).name,
-    )
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = LlamaForCausalLM(cfg).init_weights(0.02, generator=gen).to(device).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("%d documents, %d sequences, %d tokens, vocab %d, %.2fM parameters",
-                len(docs), len(seqs), sum(len(s) - 1 for s in seqs), cfg.vocab_size, n_params / 1e6)
+    cfg = _model_config(sp.get_piece_size(), Path(out_dir).name, hidden_size=hidden_size, layers=layers, heads=heads,
+                        kv_heads=kv_heads, intermediate_size=intermediate_size, tie_embeddings=tie_embeddings,
+                        context=context)
+    model = _initial_model(cfg, gen, device)
+    logger.info("%d documents, %d sequences, %d tokens, vocab %d, %.2fM parameters", len(docs), len(seqs),
+                sum(len(s) - 1 for s in seqs), cfg.vocab_size, sum(p.numel() for p in model.parameters()) / 1e6)
 
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    log_every = max(1, steps // 10) if log_every is None else log_every
-    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    stream = batches(len(seqs), batch_size, gen)
-    losses: list[float] = []
-    with logging_redirect_tqdm(), tqdm(range(steps), desc="train", unit="step", disable=not progress) as bar:
-        for step in bar:
-            step_lr = lr_at(step, lr=lr, warmup=warmup, total=steps)
-            for group in opt.param_groups:
-                group["lr"] = step_lr
-            loss = batch_loss(model, make_batch([seqs[i] for i in next(stream)]).to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            clip_gradients(model, grad_clip, step)
-            opt.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{step_lr:.2e}")
-            if (step + 1) % log_every == 0 or step + 1 == steps:
-                logger.info("step %d/%d loss %.4f lr %.2e", step + 1, steps, losses[-1], step_lr)
-
+    losses = optimise(model, seqs, gen, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+                      weight_decay=weight_decay, grad_clip=grad_clip, progress=progress, log_every=log_every)
     model.eval()
     final = corpus_loss(model, seqs, batch_size)
     path = save_pretrained(model, sp_model, out_dir)
