@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -125,66 +126,99 @@ async def _streams_midway(current: list[int], stream_tokens: int, timeout: float
         await asyncio.sleep(0.005)
 
 
+class _Streams:
+    """The load phase's closed-loop streams: each decodes short prompts one after another (EOS ignored,
+    the next sent when one ends) until stopped, every token's arrival kept with its request's number."""
+
+    def __init__(self, client: AsyncClient, config: MixedConfig, errors: list[str]):
+        self.client, self.config, self.errors = client, config, errors
+        self.events: list[tuple[int, float]] = []  # (request number, token arrival), all streams
+        self.started = [0] * config.streams  # tokens each stream has received
+        self.current = [0] * config.streams  # tokens of each stream's request under way
+        self.stop = asyncio.Event()
+        self._counter = iter(range(10**9))
+
+    async def _worker(self, w: int) -> None:
+        k = 0
+        while not self.stop.is_set():
+            rid = next(self._counter)
+            prompt = f"A long story about lighthouse number {w * 100 + k}:"
+            self.current[w] = 0
+            try:
+                async for chunk in self.client.stream(prompt, max_new_tokens=self.config.stream_tokens,
+                                                      ignore_eos=True):
+                    if chunk.token_ids:
+                        self.events.append((rid, time.perf_counter()))
+                        self.started[w] += len(chunk.token_ids)
+                        self.current[w] += len(chunk.token_ids)
+                    if self.stop.is_set():
+                        break
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                self.errors.append(f"stream {w}: {exc}")
+                await asyncio.sleep(0.5)
+            k += 1
+
+    @contextlib.asynccontextmanager
+    async def streaming(self):
+        """The streams running, from when each has its first tokens until the block ends."""
+        workers = [asyncio.create_task(self._worker(w)) for w in range(self.config.streams)]
+        try:
+            while min(self.started) < 3:
+                await asyncio.sleep(0.05)
+            yield
+        finally:
+            self.stop.set()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+
+async def _long_prompts(client: AsyncClient, config: MixedConfig) -> list[list[int]]:
+    """Every long prompt the run sends (one more than measured: the idle warm-up's), each its own words."""
+    info = await client.model_info()
+    if config.long_tokens + config.long_new_tokens > info.context_length:
+        raise ValueError(f"--long-tokens {config.long_tokens} does not fit the context ({info.context_length})")
+    return [await long_prompt_ids(client, config.long_tokens, i) for i in range(config.idle_runs + config.long_prompts + 1)]
+
+
+async def _idle_ttfts(client: AsyncClient, prompts: list[list[int]], config: MixedConfig, result: MixedResult,
+                      log) -> None:
+    """The baseline: after one unmeasured long prompt (taken from the end of `prompts`), each idle run's
+    long prompt sent alone, its TTFT kept."""
+    if config.idle_runs:  # a first long prompt pays one-off costs (kernels for new shapes, allocations)
+        await _ttft(client, prompts.pop(), config.long_new_tokens)
+    for i in range(config.idle_runs):
+        sent, first, _ = await _ttft(client, prompts[i], config.long_new_tokens)
+        result.idle_ttft.append(first - sent)
+        log(f"idle long prompt {i + 1}/{config.idle_runs}: TTFT {first - sent:.2f} s")
+
+
+async def _ttfts_under_load(client: AsyncClient, prompts: list[list[int]], streams: _Streams, config: MixedConfig,
+                            result: MixedResult, log) -> None:
+    """The long prompts sent one at a time while the streams decode, each after `gap` seconds and once
+    every stream is midway through a request; each one's window and TTFT kept."""
+    for i in range(config.long_prompts):
+        await asyncio.sleep(config.gap)
+        await _streams_midway(streams.current, config.stream_tokens)
+        sent, first, _ = await _ttft(client, prompts[i], config.long_new_tokens)
+        result.windows.append((sent, first))
+        result.load_ttft.append(first - sent)
+        log(f"long prompt {i + 1}/{config.long_prompts} under load: TTFT {first - sent:.2f} s")
+    await asyncio.sleep(config.gap)
+
+
 async def run_mixed(target: str, config: MixedConfig, client_options: dict[str, Any] | None = None,
                     log=print) -> MixedResult:
     result = MixedResult(config=asdict(config))
     async with AsyncClient(target, **(client_options or {})) as client:
-        info = await client.model_info()
-        if config.long_tokens + config.long_new_tokens > info.context_length:
-            raise ValueError(f"--long-tokens {config.long_tokens} does not fit the context ({info.context_length})")
-        prompts = [await long_prompt_ids(client, config.long_tokens, i) for i in range(config.idle_runs + config.long_prompts + 1)]
+        prompts = await _long_prompts(client, config)
         await client.generate("Warm up.", max_new_tokens=4)
-        if config.idle_runs:  # a first long prompt pays one-off costs (kernels for new shapes, allocations)
-            await _ttft(client, prompts.pop(), config.long_new_tokens)
-        for i in range(config.idle_runs):
-            sent, first, _ = await _ttft(client, prompts[i], config.long_new_tokens)
-            result.idle_ttft.append(first - sent)
-            log(f"idle long prompt {i + 1}/{config.idle_runs}: TTFT {first - sent:.2f} s")
-
-        events: list[tuple[int, float]] = []  # (request number, token arrival), all streams
-        started = [0] * config.streams
-        current = [0] * config.streams  # tokens of each stream's request under way
-        stop = asyncio.Event()
-        counter = iter(range(10**9))
-
-        async def stream_worker(w: int) -> None:
-            k = 0
-            while not stop.is_set():
-                rid = next(counter)
-                prompt = f"A long story about lighthouse number {w * 100 + k}:"
-                current[w] = 0
-                try:
-                    async for chunk in client.stream(prompt, max_new_tokens=config.stream_tokens, ignore_eos=True):
-                        if chunk.token_ids:
-                            events.append((rid, time.perf_counter()))
-                            started[w] += len(chunk.token_ids)
-                            current[w] += len(chunk.token_ids)
-                        if stop.is_set():
-                            break
-                except Exception as exc:  # noqa: BLE001 - reported, the run goes on
-                    result.errors.append(f"stream {w}: {exc}")
-                    await asyncio.sleep(0.5)
-                k += 1
-
-        workers = [asyncio.create_task(stream_worker(w)) for w in range(config.streams)]
-        try:
-            while min(started) < 3:
-                await asyncio.sleep(0.05)
+        await _idle_ttfts(client, prompts, config, result, log)
+        streams = _Streams(client, config, result.errors)
+        async with streams.streaming():
             since = time.perf_counter()
-            for i in range(config.long_prompts):
-                await asyncio.sleep(config.gap)
-                await _streams_midway(current, config.stream_tokens)
-                sent, first, _ = await _ttft(client, prompts[config.idle_runs + i], config.long_new_tokens)
-                result.windows.append((sent, first))
-                result.load_ttft.append(first - sent)
-                log(f"long prompt {i + 1}/{config.long_prompts} under load: TTFT {first - sent:.2f} s")
-            await asyncio.sleep(config.gap)
-        finally:
-            stop.set()
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-        events.sort(key=lambda e: (e[0], e[1]))
+            await _ttfts_under_load(client, prompts[config.idle_runs:], streams, config, result, log)
+        events = sorted(streams.events, key=lambda e: (e[0], e[1]))
         result.steady_itl, result.prefill_itl = split_gaps(events, result.windows, since)
         result.stream_tokens = len(events)
     return result
