@@ -30,7 +30,7 @@ from collections import Counter
 from lmserve.client.bench.harness import MODEL
 
 from . import engine_wave
-from .machine import load_from_arguments
+from .machine import load_from_arguments, taking_turns
 
 FLAGS = {**MODEL, "rounds": 3}
 
@@ -111,15 +111,49 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
     Derived per chunk: the decode rows' marginal cost (with them minus alone: what the streams add to
     a prefill step) and the prompt's cost per token beside the streams ((with them - decode only) / n),
     against the idle rate: together they bound the stall-free trade-off (docs/benchmarks.md)."""
-    import torch
-
-    from ..engine import Engine, EngineSettings, Request, SamplingParams
-    from ..engine.scheduler import PrefillChunk, ScheduledBatch
-    from ..engine.sequence import SeqStatus, Sequence
+    from ..engine import Engine, EngineSettings
 
     engine = Engine(loaded, EngineSettings(max_batch=streams + 1, max_model_len=4096, prefix_cache=False,
                                            speculation="off")).start()
     engine.shutdown()
+    batches = _mixed_batches(streams, context, chunks, starts)
+    step = loaded.model.native_step
+    times, phases = _time_batches(engine, batches, step, rounds)
+    out = {"streams": streams, "context": context, "rounds": rounds}
+    for name in batches:
+        row = {"step_ms": round(1e3 * statistics.median(times[name]), 3)}
+        if step is not None:
+            row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in phases[name].items()}
+        out[name] = row
+    base = out["decode only"]["step_ms"]
+    out["over_decode_only"] = {name: round(out[name]["step_ms"] / base, 3) for name in batches if name != "decode only"}
+    out["idle_ms_per_prompt_token"] = round(out[_IDLE]["step_ms"] / 512, 4)
+    out["chunks"] = [_chunk_costs(out, n, start) for start in starts for n in chunks]
+    for row in out["chunks"]:
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"decode_only_ms": base, "idle_ms_per_prompt_token": out["idle_ms_per_prompt_token"]}), flush=True)
+    return out
+
+
+_IDLE = "512 prompt tokens after 1500, alone"  # the idle prefill's rate
+
+
+def _beside(n: int, start: int) -> str:
+    return f"decode + {n} prompt tokens after {start}"
+
+
+def _alone(n: int, start: int) -> str:
+    return f"{n} prompt tokens after {start}, alone"
+
+
+def _mixed_batches(streams: int, context: int, chunks: tuple[int, ...], starts: tuple[int, ...]) -> dict:
+    """mixed_steps' batches by name, each a function that makes it afresh: `streams` decode rows on slots
+    0.. (each after `context` cached tokens) alone; each chunk of a long prompt (on the next slot) with
+    them and alone; and the 512-token chunk alone."""
+    from ..engine import Request, SamplingParams
+    from ..engine.scheduler import PrefillChunk, ScheduledBatch
+    from ..engine.sequence import SeqStatus, Sequence
+
     decoding = []
     for i in range(streams):
         seq = Sequence(Request([5 + i] * context, SamplingParams(max_new_tokens=64)))
@@ -132,21 +166,22 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
         long.num_cached = start
         return PrefillChunk(long, start, n)
 
-    def beside(n: int, start: int) -> str:
-        return f"decode + {n} prompt tokens after {start}"
-
-    def alone(n: int, start: int) -> str:
-        return f"{n} prompt tokens after {start}, alone"
-
     batches = {"decode only": lambda: ScheduledBatch(decode=tuple(decoding))}
     for start in starts:
         for n in chunks:
-            batches[beside(n, start)] = \
+            batches[_beside(n, start)] = \
                 lambda n=n, start=start: ScheduledBatch(decode=tuple(decoding), prefill=(chunk(n, start),))
-            batches[alone(n, start)] = lambda n=n, start=start: ScheduledBatch(prefill=(chunk(n, start),))
-    idle = "512 prompt tokens after 1500, alone"
-    batches[idle] = lambda: ScheduledBatch(prefill=(chunk(512, 1500),))
-    step = loaded.model.native_step
+            batches[_alone(n, start)] = lambda n=n, start=start: ScheduledBatch(prefill=(chunk(n, start),))
+    batches[_IDLE] = lambda: ScheduledBatch(prefill=(chunk(512, 1500),))
+    return batches
+
+
+def _time_batches(engine, batches: dict, step, rounds: int) -> tuple[dict, dict]:
+    """Each batch run through the stopped engine's ModelRunner.step twice unmeasured, then once a round
+    for `rounds` rounds, taking turns: its wall seconds per round, and the native loop's (`step`'s)
+    phase seconds summed over the rounds (empty without it)."""
+    import torch
+
     times = {name: [] for name in batches}
     phases = {name: {} for name in batches}
     with torch.inference_mode():
@@ -154,7 +189,7 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
             for _ in range(2):
                 engine.runner.step(make())
         for rnd in range(rounds):
-            for name, make in (list(batches.items()) if rnd % 2 == 0 else list(batches.items())[::-1]):
+            for name, make in taking_turns(batches.items(), rnd):
                 batch = make()
                 if step is not None:
                     step.time_phases(True)
@@ -165,27 +200,17 @@ def mixed_steps(loaded, rounds: int = 11, streams: int = 8, context: int = 600,
                     for k, v in step.phase_seconds().items():
                         phases[name][k] = phases[name].get(k, 0.0) + v
                     step.time_phases(False)
-    out = {"streams": streams, "context": context, "rounds": rounds}
-    for name in batches:
-        row = {"step_ms": round(1e3 * statistics.median(times[name]), 3)}
-        if step is not None:
-            row["loop_ms"] = {k: round(1e3 * v / rounds, 3) for k, v in phases[name].items()}
-        out[name] = row
+    return times, phases
+
+
+def _chunk_costs(out: dict, n: int, start: int) -> dict:
+    """A chunk of n tokens after `start` beside the decode rows, from mixed_steps' medians: the step over
+    decode only, the decode rows' marginal cost and the prompt's cost per token beside them."""
     base = out["decode only"]["step_ms"]
-    out["over_decode_only"] = {name: round(out[name]["step_ms"] / base, 3) for name in batches if name != "decode only"}
-    out["idle_ms_per_prompt_token"] = round(out[idle]["step_ms"] / 512, 4)
-    out["chunks"] = []
-    for start in starts:
-        for n in chunks:
-            with_decode, by_itself = out[beside(n, start)]["step_ms"], out[alone(n, start)]["step_ms"]
-            out["chunks"].append({"tokens": n, "after": start,
-                                  "with_decode_over_decode_only": round(with_decode / base, 3),
-                                  "decode_rows_marginal_ms": round(with_decode - by_itself, 3),
-                                  "ms_per_prompt_token_beside_decode": round((with_decode - base) / n, 4)})
-    for row in out["chunks"]:
-        print(json.dumps(row), flush=True)
-    print(json.dumps({"decode_only_ms": base, "idle_ms_per_prompt_token": out["idle_ms_per_prompt_token"]}), flush=True)
-    return out
+    with_decode, by_itself = out[_beside(n, start)]["step_ms"], out[_alone(n, start)]["step_ms"]
+    return {"tokens": n, "after": start, "with_decode_over_decode_only": round(with_decode / base, 3),
+            "decode_rows_marginal_ms": round(with_decode - by_itself, 3),
+            "ms_per_prompt_token_beside_decode": round((with_decode - base) / n, 4)}
 
 
 def run(args) -> dict:
