@@ -84,6 +84,87 @@ def add_arguments(p) -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the thread's CPU time (--threads 1)")
 
 
+def packed_weights(shapes: dict, rng: np.random.Generator) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """Per format the candidates use and per shape, as many random weights as make twice the last-level
+    cache (at least one), so that a walk through them reads each from memory."""
+    llc = last_level_cache_bytes()
+    weights: dict[str, dict[str, list[torch.Tensor]]] = {f: {} for f in FORMATS}  # format -> shape -> copies
+    for fmt in {f for f, _ in CANDIDATES.values()}:
+        for s, (n, k) in shapes.items():
+            first = random_weight(fmt, n, k, rng)
+            copies = max(1, -(-2 * llc // first.numel()))  # twice the cache: each call reads from memory
+            weights[fmt][s] = [first] + [random_weight(fmt, n, k, rng) for _ in range(copies - 1)]
+        print("packed", fmt, flush=True)
+    return weights
+
+
+class _Calls:
+    """The kernels called through the library's entry point on every shape's copies, with the inputs and
+    outputs allocated once."""
+
+    def __init__(self, qm, shapes: dict, weights: dict, clock):
+        self.shapes, self.weights, self.clock = shapes, weights, clock
+        self.xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in {k for _, k in shapes.values()}}
+        self.outs = {(s, m): torch.empty(m, n, dtype=torch.bfloat16) for s, (n, _) in shapes.items() for m in ROWS}
+        self.threads = torch.get_num_threads()
+        self.fn = qm._fn
+
+    def per_call(self, fmt: str, precise: bool, s: str, rows: int) -> float:
+        """Seconds per call, walking through the shape's copies (weights from memory)."""
+        n, k = self.shapes[s]
+        bits = KQUANT_BITS if fmt.endswith("_K") else FORMATS[fmt]
+        x, y = self.xs[k][:rows], self.outs[(s, rows)]
+        ws = self.weights[fmt][s]
+        t0 = self.clock()
+        for w in ws:
+            if self.fn(bits, int(precise), x.data_ptr(), 1, rows, k, w.data_ptr(), n, y.data_ptr(), 1, self.threads):
+                raise RuntimeError(f"{fmt} does not take {s}")
+        return (self.clock() - t0) / len(ws)
+
+
+def _sample(calls: _Calls, rounds: int) -> tuple[dict, list[float]]:
+    """After a warm-up call of each candidate on each shape, `rounds` rounds in which the candidates take
+    turns, the read bandwidth measured first in each: seconds per call by candidate, shape and rows, and
+    each round's read bandwidth."""
+    samples = {c: {s: {m: [] for m in ROWS} for s in calls.shapes} for c in CANDIDATES}
+    bw_rounds = []
+    for c, (fmt, precise) in CANDIDATES.items():  # warm-up: first calls, page faults of buffers
+        for s in calls.shapes:
+            calls.per_call(fmt, precise, s, 1)
+    for rnd in range(rounds):
+        bw_rounds.append(read_gb_s(calls.clock, repeats=3))
+        for c, (fmt, precise) in taking_turns(CANDIDATES.items(), rnd):
+            for s in calls.shapes:
+                for m in ROWS:
+                    samples[c][s][m].append(calls.per_call(fmt, precise, s, m))
+        print(f"round {rnd + 1}/{rounds} (read {bw_rounds[-1]} GB/s)", flush=True)
+    return samples, bw_rounds
+
+
+def _shape_row(nbytes: int, samples: dict[int, list[float]], bw_rounds: list[float]) -> dict:
+    """One candidate on one shape: ms per call at each row count (median, min), the M=1 rate and its share
+    of each round's read bandwidth (median)."""
+    row = {"weight_mb": round(nbytes / 1e6, 2)}
+    for m in ROWS:
+        v = samples[m]
+        row[f"m{m}_ms"] = round(statistics.median(v) * 1e3, 3)
+        row[f"m{m}_ms_min"] = round(min(v) * 1e3, 3)
+    row["m1_gb_s"] = round(nbytes / statistics.median(samples[1]) / 1e9, 2)
+    row["m1_fraction_of_read_same_round"] = round(statistics.median(
+        nbytes / t / (b * 1e9) for t, b in zip(samples[1], bw_rounds)), 3)
+    return row
+
+
+def _print_table(candidates: dict, shapes: dict) -> None:
+    print("ms per call at M = " + "/".join(map(str, ROWS)) + ", and the M=1 rate")
+    for c, r in candidates.items():
+        cells = []
+        for s in shapes:
+            row = r["shapes"][s]
+            cells.append(f"{s} " + "/".join(f"{row[f'm{m}_ms']:.2f}" for m in ROWS) + f" {row['m1_gb_s']:.1f} GB/s")
+        print(f"{c:8s} " + "  ".join(cells))
+
+
 def run(args) -> dict:
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu times one thread: pass --threads 1")
@@ -96,72 +177,20 @@ def run(args) -> dict:
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     bw = read_gb_s(clock)
     print("read bandwidth", bw, "GB/s", flush=True)
-    rng = np.random.default_rng(0)
-    llc = last_level_cache_bytes()
-    weights: dict[str, dict[str, list[torch.Tensor]]] = {f: {} for f in FORMATS}  # format -> shape -> copies
-    for fmt in {f for f, _ in CANDIDATES.values()}:
-        for s, (n, k) in shapes.items():
-            first = random_weight(fmt, n, k, rng)
-            copies = max(1, -(-2 * llc // first.numel()))  # twice the cache: each call reads from memory
-            weights[fmt][s] = [first] + [random_weight(fmt, n, k, rng) for _ in range(copies - 1)]
-        print("packed", fmt, flush=True)
-    xs = {k: torch.randn(max(ROWS), k).bfloat16() for k in {k for _, k in shapes.values()}}
-    outs = {(s, m): torch.empty(m, n, dtype=torch.bfloat16) for s, (n, _) in shapes.items() for m in ROWS}
-    threads = torch.get_num_threads()
-    fn = qm._fn
+    weights = packed_weights(shapes, np.random.default_rng(0))
+    calls = _Calls(qm, shapes, weights, clock)
+    samples, bw_rounds = _sample(calls, args.rounds)
 
-    def per_call(fmt: str, precise: bool, s: str, rows: int) -> float:
-        """Seconds per call, walking through the shape's copies (weights from memory)."""
-        n, k = shapes[s]
-        bits = KQUANT_BITS if fmt.endswith("_K") else FORMATS[fmt]
-        x, y = xs[k][:rows], outs[(s, rows)]
-        ws = weights[fmt][s]
-        t0 = clock()
-        for w in ws:
-            if fn(bits, int(precise), x.data_ptr(), 1, rows, k, w.data_ptr(), n, y.data_ptr(), 1, threads):
-                raise RuntimeError(f"{fmt} does not take {s}")
-        return (clock() - t0) / len(ws)
-
-    samples = {c: {s: {m: [] for m in ROWS} for s in shapes} for c in CANDIDATES}
-    bw_rounds = []
-    for c, (fmt, precise) in CANDIDATES.items():  # warm-up: first calls, page faults of buffers
-        for s in shapes:
-            per_call(fmt, precise, s, 1)
-    for rnd in range(args.rounds):
-        bw_rounds.append(read_gb_s(clock, repeats=3))
-        for c, (fmt, precise) in taking_turns(CANDIDATES.items(), rnd):
-            for s in shapes:
-                for m in ROWS:
-                    samples[c][s][m].append(per_call(fmt, precise, s, m))
-        print(f"round {rnd + 1}/{args.rounds} (read {bw_rounds[-1]} GB/s)", flush=True)
-
-    report = {"threads": threads, "clock": args.clock, "native_path": qm.name, "read_bandwidth_gb_s": bw,
+    report = {"threads": calls.threads, "clock": args.clock, "native_path": qm.name, "read_bandwidth_gb_s": bw,
               "read_bandwidth_rounds_gb_s": bw_rounds,
               "shapes": {s: {"out": n, "in": k} for s, (n, k) in shapes.items()},
               "note": "ms per call, median over rounds (min beside), weights from memory; gb_s: packed weight bytes "
                       "over the median time; m1_fraction_of_read_same_round: M=1 rate over that round's read "
                       "bandwidth, median over rounds", "candidates": {}}
     for c, (fmt, precise) in CANDIDATES.items():
-        per = {}
-        for s in shapes:
-            nbytes = weights[fmt][s][0].numel()
-            row = {"weight_mb": round(nbytes / 1e6, 2)}
-            for m in ROWS:
-                v = samples[c][s][m]
-                row[f"m{m}_ms"] = round(statistics.median(v) * 1e3, 3)
-                row[f"m{m}_ms_min"] = round(min(v) * 1e3, 3)
-            row["m1_gb_s"] = round(nbytes / statistics.median(samples[c][s][1]) / 1e9, 2)
-            row["m1_fraction_of_read_same_round"] = round(statistics.median(
-                nbytes / t / (b * 1e9) for t, b in zip(samples[c][s][1], bw_rounds)), 3)
-            per[s] = row
+        per = {s: _shape_row(weights[fmt][s][0].numel(), samples[c][s], bw_rounds) for s in shapes}
         total = {f"m{m}_ms": round(sum(per[s][f"m{m}_ms"] for s in shapes), 3) for m in ROWS}
         report["candidates"][c] = {"format": fmt, "activation_codes": 2 if precise else 1, "shapes": per,
                                    "sum_of_shapes": total}
-    print("ms per call at M = " + "/".join(map(str, ROWS)) + ", and the M=1 rate")
-    for c, r in report["candidates"].items():
-        cells = []
-        for s in shapes:
-            row = r["shapes"][s]
-            cells.append(f"{s} " + "/".join(f"{row[f'm{m}_ms']:.2f}" for m in ROWS) + f" {row['m1_gb_s']:.1f} GB/s")
-        print(f"{c:8s} " + "  ".join(cells))
+    _print_table(report["candidates"], shapes)
     return report
