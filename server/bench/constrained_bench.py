@@ -80,13 +80,13 @@ def _valid(text: str) -> bool:
         return False
 
 
-def measure(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
-    from ..engine import Engine, EngineSettings
+def _compile_times(loaded) -> dict:
+    """On a compiler of its own: the vocabulary index's build, the schema's cold compile and the median
+    of 20 compiles served from its cache."""
     from ..engine.constraints import Constraint
     from ..engine.constraints.compiler import ConstraintCompiler
 
-    tok = loaded.tokenizer
-    fresh = ConstraintCompiler(tok, loaded.config.vocab_size)
+    fresh = ConstraintCompiler(loaded.tokenizer, loaded.config.vocab_size)
     t = time.perf_counter()
     _ = fresh.vocabulary
     vocab_s = time.perf_counter() - t
@@ -99,49 +99,62 @@ def measure(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
         fresh.compile(Constraint.json_schema(SCHEMA))
         hits.append((time.perf_counter() - t) * 1e6)
     fresh.close()
+    return {"vocabulary_index_s": round(vocab_s, 3), "schema_cold_ms": round(cold_ms, 2),
+            "schema_cache_hit_us_median": round(statistics.median(hits), 1)}
 
+
+def _itl_at(engine, tok, c: int, rounds: int, n: int, outputs: dict[str, int]) -> dict:
+    """`rounds` rounds at concurrency c in which the unconstrained, constrained and full-mask runs take
+    turns: the ITL ratios, the masks computed and the host time the constraint adds. `outputs` counts
+    the constrained outputs ("total"), those that validate ("valid") and those the same with full masks
+    ("same")."""
+    ratios, full_ratios, pairs = [], [], []
+    for r in range(rounds):
+        got = {}
+        for name in taking_turns(("unconstrained", "constrained", "full_masks"), r):
+            got[name] = _wave(engine, tok, c, n, name != "unconstrained", lazy_masks=name != "full_masks")
+        free, held, full = got["unconstrained"], got["constrained"], got["full_masks"]
+        ratios.append(held["itl_ms_median"] / free["itl_ms_median"])
+        full_ratios.append(full["itl_ms_median"] / free["itl_ms_median"])
+        pairs.append({k: {m: round(v, 3) for m, v in w.items() if m != "texts"} for k, w in got.items()})
+        outputs["same"] += sum(a == b for a, b in zip(held["texts"], full["texts"]))  # greedy: the same outputs
+        outputs["valid"] += sum(_valid(x) for x in held["texts"])
+        outputs["total"] += len(held["texts"])
+    # the host time the constraint adds to a step (mask applied in sample, matcher advanced in
+    # process), beside the model's: steadier than the ITL ratio on a machine shared with others
+    host = ("sample_ms_per_step", "process_ms_per_step")
+    added = [sum(p["constrained"][k] - p["unconstrained"][k] for k in host) for p in pairs]
+    model = statistics.median(p["unconstrained"]["model_ms_per_step"] for p in pairs)
+    masks = {f"{k}{suffix}": round(statistics.median(p[run][k] for p in pairs), 4)
+             for run, suffix in (("constrained", ""), ("full_masks", "_full_masks"))
+             for k in ("masks_per_token", "mask_ms_per_token")}
+    return {"concurrency": c, "itl_ratio_median": round(statistics.median(ratios), 3),
+            "full_masks_itl_ratio_median": round(statistics.median(full_ratios), 3), **masks,
+            "itl_ratios": [round(x, 3) for x in ratios],
+            "full_masks_itl_ratios": [round(x, 3) for x in full_ratios],
+            "added_host_ms_per_step": round(statistics.median(added), 3),
+            "model_ms_per_step": round(model, 2), "rounds": pairs}
+
+
+def measure(loaded, concurrencies: list[int], rounds: int, n: int) -> dict:
+    from ..engine import Engine, EngineSettings
+
+    compile_times = _compile_times(loaded)
     # no speculation: greedy unconstrained rows would draft and constrained ones do not, which would
     # compare two different step shapes rather than what the mask costs
     engine = Engine(loaded, EngineSettings(max_batch=max(concurrencies), prefix_cache=False,
                                            speculation="off")).start()
-    rows, valid, total, same = [], 0, 0, 0
+    outputs = {"valid": 0, "total": 0, "same": 0}
     try:
-        _wave(engine, tok, 1, 8, True)  # warm: the vocabulary index and the first compile
-        for c in concurrencies:
-            ratios, full_ratios, pairs = [], [], []
-            for r in range(rounds):
-                got = {}
-                for name in taking_turns(("unconstrained", "constrained", "full_masks"), r):
-                    got[name] = _wave(engine, tok, c, n, name != "unconstrained", lazy_masks=name != "full_masks")
-                free, held, full = got["unconstrained"], got["constrained"], got["full_masks"]
-                ratios.append(held["itl_ms_median"] / free["itl_ms_median"])
-                full_ratios.append(full["itl_ms_median"] / free["itl_ms_median"])
-                pairs.append({k: {m: round(v, 3) for m, v in w.items() if m != "texts"} for k, w in got.items()})
-                same += sum(a == b for a, b in zip(held["texts"], full["texts"]))  # greedy: the same outputs
-                valid += sum(_valid(x) for x in held["texts"])
-                total += len(held["texts"])
-            # the host time the constraint adds to a step (mask applied in sample, matcher advanced in
-            # process), beside the model's: steadier than the ITL ratio on a machine shared with others
-            host = ("sample_ms_per_step", "process_ms_per_step")
-            added = [sum(p["constrained"][k] - p["unconstrained"][k] for k in host) for p in pairs]
-            model = statistics.median(p["unconstrained"]["model_ms_per_step"] for p in pairs)
-            masks = {f"{k}{suffix}": round(statistics.median(p[run][k] for p in pairs), 4)
-                     for run, suffix in (("constrained", ""), ("full_masks", "_full_masks"))
-                     for k in ("masks_per_token", "mask_ms_per_token")}
-            rows.append({"concurrency": c, "itl_ratio_median": round(statistics.median(ratios), 3),
-                         "full_masks_itl_ratio_median": round(statistics.median(full_ratios), 3), **masks,
-                         "itl_ratios": [round(x, 3) for x in ratios],
-                         "full_masks_itl_ratios": [round(x, 3) for x in full_ratios],
-                         "added_host_ms_per_step": round(statistics.median(added), 3),
-                         "model_ms_per_step": round(model, 2), "rounds": pairs})
+        _wave(engine, loaded.tokenizer, 1, 8, True)  # warm: the vocabulary index and the first compile
+        rows = [_itl_at(engine, loaded.tokenizer, c, rounds, n, outputs) for c in concurrencies]
         stats = engine.constraints.stats
         cache = {"hits": stats.hits, "misses": stats.misses}
     finally:
         engine.shutdown()
-    return {"itl": rows, "compile": {"vocabulary_index_s": round(vocab_s, 3), "schema_cold_ms": round(cold_ms, 2),
-                                     "schema_cache_hit_us_median": round(statistics.median(hits), 1)},
-            "engine_compile_cache": cache, "valid_outputs": f"{valid}/{total}",
-            "lazy_outputs_as_full_masks": f"{same}/{total}",
+    return {"itl": rows, "compile": compile_times, "engine_compile_cache": cache,
+            "valid_outputs": f"{outputs['valid']}/{outputs['total']}",
+            "lazy_outputs_as_full_masks": f"{outputs['same']}/{outputs['total']}",
             "note": "constrained answers may take 4x --max-new-tokens to close their object; one cut by that "
                     "limit would count as invalid (each round's length_cut)"}
 
