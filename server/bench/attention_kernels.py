@@ -62,6 +62,63 @@ def library_at(rev: str, into: Path):
     return lib, commit
 
 
+def random_caches() -> dict[str, tuple]:
+    """A bfloat16 and an int8 cache (with its per-position scales) of one layer and two slots, seeded:
+    (k, v, k scales, v scales) by name."""
+    torch.manual_seed(0)
+    caches = {
+        "bfloat16": (torch.randn(2, HKV, LEN, D).bfloat16(), torch.randn(2, HKV, LEN, D).bfloat16(), None, None),
+        "int8": (torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8),
+                 torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8)),
+    }
+    scales = torch.rand(2, LEN, 2, HKV) * 0.01  # KVCache.scale_views' layout: K and V interleaved per position
+    caches["int8"] += (scales[:, :, 0], scales[:, :, 1])
+    return caches
+
+
+def _sample(kernels: dict, caches: dict, paths: list[str], rounds: int, calls: int) -> dict:
+    """Per (cache, path, tokens, start, kernel): each round's median seconds over `calls` calls (after
+    one warm-up call), the kernels taking turns on every shape."""
+    samples: dict = {}
+    for rnd in range(rounds):
+        for cache_name, (k, v, ks, vs) in caches.items():
+            for path in paths:
+                for T, start in SHAPES:
+                    q = torch.randn(T, H, D).bfloat16()
+                    slots = torch.ones(T, dtype=torch.long)
+                    pos = torch.arange(start, start + T)
+                    for name, kernel in taking_turns(kernels.items(), rnd):
+                        was = kernel.allow_amx(path == "amx")
+                        kernel(q, k, v, slots, pos, ks, vs)  # warm-up
+                        times = []
+                        for _ in range(calls):
+                            t0 = time.perf_counter()
+                            kernel(q, k, v, slots, pos, ks, vs)
+                            times.append(time.perf_counter() - t0)
+                        kernel.allow_amx(was)
+                        samples.setdefault((cache_name, path, T, start, name), []).append(statistics.median(times))
+        print(f"round {rnd + 1}/{rounds}", flush=True)
+    return samples
+
+
+def _rows(samples: dict, baseline_rev: str | None) -> list[dict]:
+    """A row per sampled call: ms per layer (median over rounds), GFLOP/s, and this build's speedup
+    over the baseline where one ran."""
+    rows = []
+    for (cache_name, path, T, start, name), ts in samples.items():
+        ms = statistics.median(ts) * 1e3
+        flops = 4 * H * D * sum(start + i + 1 for i in range(T))
+        rows.append({"cache": cache_name, "path": path, "tokens": T, "start": start, "kernel": name,
+                     "ms_per_layer": round(ms, 4), "gflop_s": round(flops / ms / 1e6, 1)})
+    if baseline_rev:
+        base = {(r["cache"], r["path"], r["tokens"], r["start"]): r["ms_per_layer"] for r in rows
+                if r["kernel"] == baseline_rev}
+        for r in rows:
+            if r["kernel"] == "this build":
+                r["speedup_over_baseline"] = round(base[(r["cache"], r["path"], r["tokens"], r["start"])] / r["ms_per_layer"], 3)
+    return rows
+
+
 def run(args) -> dict:
     lib, _ = native.load()
     if lib is None or not PromptAttention.built(lib):
@@ -73,46 +130,8 @@ def run(args) -> dict:
             base_lib, baseline_commit = library_at(args.baseline_rev, Path(tmp))
             kernels[args.baseline_rev] = PromptAttention(base_lib)
         paths = ["amx", "vector"] if kernels["this build"].uses_amx(D) else ["vector"]
-        torch.manual_seed(0)
-        caches = {
-            "bfloat16": (torch.randn(2, HKV, LEN, D).bfloat16(), torch.randn(2, HKV, LEN, D).bfloat16(), None, None),
-            "int8": (torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8),
-                     torch.randint(-127, 128, (2, HKV, LEN, D), dtype=torch.int8)),
-        }
-        scales = torch.rand(2, LEN, 2, HKV) * 0.01  # KVCache.scale_views' layout: K and V interleaved per position
-        caches["int8"] += (scales[:, :, 0], scales[:, :, 1])
-        samples: dict = {}
-        for rnd in range(args.rounds):
-            for cache_name, (k, v, ks, vs) in caches.items():
-                for path in paths:
-                    for T, start in SHAPES:
-                        q = torch.randn(T, H, D).bfloat16()
-                        slots = torch.ones(T, dtype=torch.long)
-                        pos = torch.arange(start, start + T)
-                        for name, kernel in taking_turns(kernels.items(), rnd):
-                            was = kernel.allow_amx(path == "amx")
-                            kernel(q, k, v, slots, pos, ks, vs)  # warm-up
-                            times = []
-                            for _ in range(args.calls):
-                                t0 = time.perf_counter()
-                                kernel(q, k, v, slots, pos, ks, vs)
-                                times.append(time.perf_counter() - t0)
-                            kernel.allow_amx(was)
-                            samples.setdefault((cache_name, path, T, start, name), []).append(statistics.median(times))
-            print(f"round {rnd + 1}/{args.rounds}", flush=True)
-
-    rows = []
-    for (cache_name, path, T, start, name), ts in samples.items():
-        ms = statistics.median(ts) * 1e3
-        flops = 4 * H * D * sum(start + i + 1 for i in range(T))
-        rows.append({"cache": cache_name, "path": path, "tokens": T, "start": start, "kernel": name,
-                     "ms_per_layer": round(ms, 4), "gflop_s": round(flops / ms / 1e6, 1)})
-    if args.baseline_rev:
-        base = {(r["cache"], r["path"], r["tokens"], r["start"]): r["ms_per_layer"] for r in rows
-                if r["kernel"] == args.baseline_rev}
-        for r in rows:
-            if r["kernel"] == "this build":
-                r["speedup_over_baseline"] = round(base[(r["cache"], r["path"], r["tokens"], r["start"])] / r["ms_per_layer"], 3)
+        samples = _sample(kernels, random_caches(), paths, args.rounds, args.calls)
+    rows = _rows(samples, args.baseline_rev)
     report = {"threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": HKV, "head_dim": D},
               "baseline_commit": baseline_commit,
               "timing": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
