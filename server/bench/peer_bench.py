@@ -173,71 +173,99 @@ def _model_id(http_url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def run(args) -> dict:
-    from lmserve.model.checkpoints.catalog import resolve_model
+def _chat_runs(where: str, api: str, args) -> list[dict]:
+    """The chat workload at c=1 (--requests requests) and at c=32 (64), unless skipped."""
+    if "chat" in args.skip:
+        return []
+    return [drive(where, api, "chat", 1, args.requests, args.max_new_tokens),
+            drive(where, api, "chat", 32, 64, args.max_new_tokens)]
 
-    if "llama.cpp" not in args.skip and not args.llama_server.exists():
-        raise SystemExit(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
-    gguf = resolve_model("smollm2", args.models_dir)
-    n1, n32 = args.requests, 64
 
-    def runs(where: str, api: str) -> list[dict]:
-        if "chat" in args.skip:
-            return []
-        return [drive(where, api, "chat", 1, n1, args.max_new_tokens),
-                drive(where, api, "chat", 32, n32, args.max_new_tokens)]
-
-    from . import machine_peaks as MP
-    from .bounds import step_read_bytes, tensor_bytes
-    from .quant_kernels import read_bandwidth
-
-    memory = {"read_bandwidth_before": read_bandwidth()}
+def _each_alone(args, gguf: Path, lm_flags: list[str], peer: list[str]) -> dict:
+    """lmserve, then llama-server, each serving alone: the chat runs and the json ones, unless skipped;
+    per server its record (lmserve's with its startup line, the peer's with its flags)."""
     servers = {}
-    lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
     if "lmserve" not in args.skip:
         with served.lmserve(lm_flags) as s:
             line = next((x for x in s.log.read_text().splitlines() if "lmserve listening" in x), "")
             servers["lmserve"] = {"startup_line": line.split("lmserve listening", 1)[-1].strip(),
-                                  "runs": runs(s.grpc_target, "lmserve")}
+                                  "runs": _chat_runs(s.grpc_target, "lmserve", args)}
             if "json" not in args.skip:
                 servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
-    base = peer_flags(args.threads)
     if "llama.cpp" not in args.skip:
-        with served.llama_server(args.llama_server, gguf, base) as s:
-            servers["llama.cpp"] = {"flags": base, "runs": runs(s.http_url, "openai")}
+        with served.llama_server(args.llama_server, gguf, peer) as s:
+            servers["llama.cpp"] = {"flags": peer, "runs": _chat_runs(s.http_url, "openai", args)}
             if "json" not in args.skip:
                 servers["llama.cpp"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
-    if "repeat" not in args.skip:
-        starts = {}
-        if "lmserve" not in args.skip:
-            starts["lmserve"] = (lambda: served.lmserve(lm_flags), "lmserve", lm_flags)
-            off = [*lm_flags, "--speculation", "off"]
-            starts["lmserve --speculation off"] = (lambda: served.lmserve(off), "lmserve", off)
-        if "llama.cpp" not in args.skip:
-            for spec in (None, "ngram-simple", "ngram-mod"):
-                flags = [*base, "--spec-type", spec] if spec else base
-                starts[f"llama.cpp --spec-type {spec}" if spec else "llama.cpp"] = (
-                    lambda flags=flags: served.llama_server(args.llama_server, gguf, flags), "openai", flags)
-        for name, row in _repeat_rounds(starts, args.rounds, args.repeat_max_new_tokens).items():
-            servers.setdefault(name, {"flags": starts[name][2], "runs": []})
-            servers[name]["runs"].append(row)
+    return servers
 
+
+def _repeat_servers(args, gguf: Path, lm_flags: list[str], peer: list[str]) -> dict:
+    """The servers the repeat workload compares, name -> (start, api, flags): lmserve with speculation on
+    and off, llama-server without and with its n-gram speculation (those not skipped)."""
+    starts = {}
+    if "lmserve" not in args.skip:
+        starts["lmserve"] = (lambda: served.lmserve(lm_flags), "lmserve", lm_flags)
+        off = [*lm_flags, "--speculation", "off"]
+        starts["lmserve --speculation off"] = (lambda: served.lmserve(off), "lmserve", off)
+    if "llama.cpp" not in args.skip:
+        for spec in (None, "ngram-simple", "ngram-mod"):
+            flags = [*peer, "--spec-type", spec] if spec else peer
+            starts[f"llama.cpp --spec-type {spec}" if spec else "llama.cpp"] = (
+                lambda flags=flags: served.llama_server(args.llama_server, gguf, flags), "openai", flags)
+    return starts
+
+
+RATIOS = {  # name -> (server, the one it is set over, workload, concurrency)
+    "chat_c1_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 1),
+    "chat_c32_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 32),
+    "repeat_c1_lmserve_over_its_speculation_off": ("lmserve", "lmserve --speculation off", "repeat", 1),
+    "repeat_c1_lmserve_over_llama_cpp_ngram_simple": ("lmserve", "llama.cpp --spec-type ngram-simple", "repeat", 1),
+    "repeat_c1_lmserve_over_llama_cpp_ngram_mod": ("lmserve", "llama.cpp --spec-type ngram-mod", "repeat", 1),
+}
+
+
+def _ratios(servers: dict) -> dict[str, float]:
+    """Each of RATIOS whose two servers both ran its workload: the first's tok/s over the second's."""
     ratios = {}
-    for name, (a, b, w, c) in {
-        "chat_c1_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 1),
-        "chat_c32_lmserve_over_llama_cpp": ("lmserve", "llama.cpp", "chat", 32),
-        "repeat_c1_lmserve_over_its_speculation_off": ("lmserve", "lmserve --speculation off", "repeat", 1),
-        "repeat_c1_lmserve_over_llama_cpp_ngram_simple": ("lmserve", "llama.cpp --spec-type ngram-simple", "repeat", 1),
-        "repeat_c1_lmserve_over_llama_cpp_ngram_mod": ("lmserve", "llama.cpp --spec-type ngram-mod", "repeat", 1),
-    }.items():
+    for name, (a, b, w, c) in RATIOS.items():
         x, y = rate(servers.get(a, {}), w, c), rate(servers.get(b, {}), w, c)
         if x and y:
             ratios[name] = round(x / y, 2)
-    memory["read_bandwidth_after"] = read_bandwidth()
+    return ratios
+
+
+def _machine_peaks() -> dict | str:
+    """machine_peaks.py's readings for SmolLM2's decode step, or why there are none."""
+    from . import machine_peaks as MP
+
     try:
-        memory["machine_peaks"] = MP.measure(*MP.step_buffers(MP.smollm2_step(4)))
+        return MP.measure(*MP.step_buffers(MP.smollm2_step(4)))
     except RuntimeError as exc:  # no native build here: the sum's bandwidth still bounds every server
-        memory["machine_peaks"] = f"not measured: {exc}"
+        return f"not measured: {exc}"
+
+
+def run(args) -> dict:
+    from lmserve.model.checkpoints.catalog import resolve_model
+
+    from .bounds import step_read_bytes, tensor_bytes
+    from .quant_kernels import read_bandwidth
+
+    if "llama.cpp" not in args.skip and not args.llama_server.exists():
+        raise SystemExit(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
+    gguf = resolve_model("smollm2", args.models_dir)
+    memory = {"read_bandwidth_before": read_bandwidth()}
+    lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
+    peer = peer_flags(args.threads)
+    servers = _each_alone(args, gguf, lm_flags, peer)
+    if "repeat" not in args.skip:
+        starts = _repeat_servers(args, gguf, lm_flags, peer)
+        for name, row in _repeat_rounds(starts, args.rounds, args.repeat_max_new_tokens).items():
+            servers.setdefault(name, {"flags": starts[name][2], "runs": []})
+            servers[name]["runs"].append(row)
+    ratios = _ratios(servers)
+    memory["read_bandwidth_after"] = read_bandwidth()
+    memory["machine_peaks"] = _machine_peaks()
     profile = None if "profile" in args.skip else _step_profile(args.models_dir)
     nbytes = {"llama.cpp": step_read_bytes(tensor_bytes(gguf))}
     if profile is not None:
