@@ -77,79 +77,96 @@ async def ttft_of(client: AsyncClient, prompt, params: SamplingParams) -> tuple[
     return first, usage.prompt_tokens
 
 
-async def measure(args, srv: Served) -> dict:
-    report: dict = {}
-    rss = "process_resident_memory_bytes"
-    idle = await wait_idle(srv)
-    report["idle"] = {"resident_bytes": idle[rss], "kv_budget_bytes": idle["lmserve_kv_cache_bytes"],
-                      "max_batch": idle["lmserve_kv_slots_capacity"]}
+RSS = "process_resident_memory_bytes"
 
-    # 2. 64 concurrent requests holding ~256 tokens each (~190-token prompt + 64 generated)
+
+async def _wave_64x256(srv: Served, idle: dict[str, float]) -> dict:
+    """64 concurrent requests holding ~256 tokens each (~190-token prompt + 64 generated): peak and
+    resident memory after the wave, against idle + the prefix cache's bytes."""
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     t0 = time.perf_counter()
     res, peak = await wave(srv, [topic_prompt(i, 150) for i in range(64)], params,
-                           (rss, "lmserve_kv_cache_committed_bytes", "lmserve_running_requests"))
-    after = await wait_idle(srv)
+                           (RSS, "lmserve_kv_cache_committed_bytes", "lmserve_running_requests"))
+    await wait_idle(srv)
     await asyncio.sleep(1.0)
     after = srv.metrics()
-    report["wave_64x256"] = {
+    return {
         "seconds": time.perf_counter() - t0, "failed": sum(isinstance(r, Exception) for r in res),
         "prompt_tokens_mean": sum(r.usage.prompt_tokens for r in res if not isinstance(r, Exception)) / 64,
-        "peak_resident_bytes": peak[rss], "peak_kv_held_bytes": peak["lmserve_kv_cache_committed_bytes"],
-        "peak_running": peak["lmserve_running_requests"], "resident_after_bytes": after[rss],
+        "peak_resident_bytes": peak[RSS], "peak_kv_held_bytes": peak["lmserve_kv_cache_committed_bytes"],
+        "peak_running": peak["lmserve_running_requests"], "resident_after_bytes": after[RSS],
         "prefix_cache_bytes_after": after["lmserve_prefix_cache_bytes"],
-        "after_minus_idle_minus_prefix_bytes": after[rss] - idle[rss] - after["lmserve_prefix_cache_bytes"]}
+        "after_minus_idle_minus_prefix_bytes": after[RSS] - idle[RSS] - after["lmserve_prefix_cache_bytes"]}
 
-    # 3. 256 concurrent short requests at the default context length
+
+async def _burst_256_short(srv: Served) -> dict:
+    """256 concurrent short requests at the default context length: how many ran at once."""
     res, peak = await wave(srv, [f"Count from {i} to {i + 3}:" for i in range(256)],
                            SamplingParams(max_new_tokens=16, ignore_eos=True),
                            ("lmserve_running_requests", "lmserve_kv_slots_used", "lmserve_waiting_requests"))
-    report["burst_256_short"] = {"failed": sum(isinstance(r, Exception) for r in res),
-                                 "peak_running": peak["lmserve_running_requests"],
-                                 "peak_slots_used": peak["lmserve_kv_slots_used"],
-                                 "peak_waiting": peak["lmserve_waiting_requests"],
-                                 "context_length": 4096}
-    await wait_idle(srv)
+    return {"failed": sum(isinstance(r, Exception) for r in res), "peak_running": peak["lmserve_running_requests"],
+            "peak_slots_used": peak["lmserve_kv_slots_used"], "peak_waiting": peak["lmserve_waiting_requests"],
+            "context_length": 4096}
 
-    # 4. a shared ~1,500-token system prompt
+
+async def _shared_system_prompt(client: AsyncClient) -> dict:
+    """Two questions after one ~1,500-token system prompt: the second's time to first token."""
     system = ChatMessage("system", shared_system_prompt(1500))
     one = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    async with AsyncClient(srv.grpc_target, timeout=None) as client:
-        first, n1 = await ttft_of(client, [system, ChatMessage("user", "What is the first rule?")], one)
-        second, n2 = await ttft_of(client, [system, ChatMessage("user", "Which rule matters most here?")], one)
-        report["shared_system_prompt"] = {"prompt_tokens": [n1, n2], "ttft_first_s": first, "ttft_second_s": second,
-                                          "speedup": first / second}
+    first, n1 = await ttft_of(client, [system, ChatMessage("user", "What is the first rule?")], one)
+    second, n2 = await ttft_of(client, [system, ChatMessage("user", "Which rule matters most here?")], one)
+    return {"prompt_tokens": [n1, n2], "ttft_first_s": first, "ttft_second_s": second, "speedup": first / second}
 
-        # 5. a 5-turn conversation: tokens computed per turn = prompt tokens - tokens reused
-        history = [ChatMessage("system", "You are a helpful assistant."),
-                   ChatMessage("user", "Tell me about the history of the printing press.")]
-        turns = []
-        for t in range(5):
-            before = srv.metrics()
-            answer, usage, new_msg = [], None, history[-1].content
-            ttft, start = None, time.perf_counter()
-            async for chunk in client.stream(history, SamplingParams(max_new_tokens=48)):
-                if ttft is None and chunk.token_ids:
-                    ttft = time.perf_counter() - start
-                answer.append(chunk.text)
-                usage = chunk.usage or usage
-            m = srv.metrics()
-            hit = m["lmserve_prefix_cache_hit_tokens_total"] - before["lmserve_prefix_cache_hit_tokens_total"]
-            new_tokens = len((await client.tokenize(new_msg)).token_ids)
-            turns.append({"turn": t + 1, "prompt_tokens": usage.prompt_tokens, "reused": hit,
-                          "computed": usage.prompt_tokens - hit, "new_message_tokens": new_tokens, "ttft_s": ttft})
-            history += [ChatMessage("assistant", "".join(answer)),
-                        ChatMessage("user", ["Go on.", "Who used it first?", "What changed after?",
-                                             "Give one number."][t % 4])]
-        report["conversation_5_turns"] = turns
 
-    # 6. a second default server beside the first
+async def _conversation(srv: Served, client: AsyncClient, turns: int = 5) -> list[dict]:
+    """A conversation of `turns` turns: per turn the prompt tokens computed (prompt tokens - tokens reused
+    from the prefix cache) beside the new message's."""
+    history = [ChatMessage("system", "You are a helpful assistant."),
+               ChatMessage("user", "Tell me about the history of the printing press.")]
+    rows = []
+    for t in range(turns):
+        before = srv.metrics()
+        answer, usage, new_msg = [], None, history[-1].content
+        ttft, start = None, time.perf_counter()
+        async for chunk in client.stream(history, SamplingParams(max_new_tokens=48)):
+            if ttft is None and chunk.token_ids:
+                ttft = time.perf_counter() - start
+            answer.append(chunk.text)
+            usage = chunk.usage or usage
+        m = srv.metrics()
+        hit = m["lmserve_prefix_cache_hit_tokens_total"] - before["lmserve_prefix_cache_hit_tokens_total"]
+        new_tokens = len((await client.tokenize(new_msg)).token_ids)
+        rows.append({"turn": t + 1, "prompt_tokens": usage.prompt_tokens, "reused": hit,
+                     "computed": usage.prompt_tokens - hit, "new_message_tokens": new_tokens, "ttft_s": ttft})
+        history += [ChatMessage("assistant", "".join(answer)),
+                    ChatMessage("user", ["Go on.", "Who used it first?", "What changed after?",
+                                         "Give one number."][t % 4])]
+    return rows
+
+
+async def _two_servers(args, srv: Served) -> dict:
+    """A second default server started beside the first: whether both serve, each one's resident memory."""
     with _server(args) as second_srv:
         async with AsyncClient(second_srv.grpc_target, timeout=None) as c2, \
                 AsyncClient(srv.grpc_target, timeout=None) as c1:
             r1, r2 = await asyncio.gather(c1.generate("Hello", max_new_tokens=8), c2.generate("Hello", max_new_tokens=8))
         m1, m2 = srv.metrics(), second_srv.metrics()
-        report["two_servers"] = {"both_served": bool(r1.text) and bool(r2.text), "resident_bytes": [m1[rss], m2[rss]]}
+        return {"both_served": bool(r1.text) and bool(r2.text), "resident_bytes": [m1[RSS], m2[RSS]]}
+
+
+async def measure(args, srv: Served) -> dict:
+    """The six measurements of the module's docstring, in its order, on `srv` (a second server for the last)."""
+    report: dict = {}
+    idle = await wait_idle(srv)
+    report["idle"] = {"resident_bytes": idle[RSS], "kv_budget_bytes": idle["lmserve_kv_cache_bytes"],
+                      "max_batch": idle["lmserve_kv_slots_capacity"]}
+    report["wave_64x256"] = await _wave_64x256(srv, idle)
+    report["burst_256_short"] = await _burst_256_short(srv)
+    await wait_idle(srv)
+    async with AsyncClient(srv.grpc_target, timeout=None) as client:
+        report["shared_system_prompt"] = await _shared_system_prompt(client)
+        report["conversation_5_turns"] = await _conversation(srv, client)
+    report["two_servers"] = await _two_servers(args, srv)
     return report
 
 
