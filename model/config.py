@@ -307,23 +307,8 @@ class ModelConfig:
         if vocab is None:
             vocab = len(meta["tokenizer.ggml.tokens"])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if meta.get(p + key):
-                raise UnsupportedArchitectureError(f"{key} ({meta[p + key]}) is not supported")
-        rope_dims = meta.get(p + "rope.dimension_count")
-        if rope_dims is not None and int(rope_dims) != head_dim:
-            raise UnsupportedArchitectureError(
-                f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-        window = int(meta.get(p + "attention.sliding_window", 0) or 0)
-        if gemma:
-            pattern = meta.get(p + "attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
-            if isinstance(pattern, list):  # per layer: true = sliding
-                sliding = [bool(x) for x in pattern]
-            else:
-                sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
-        else:
-            sliding = [arch == "phi3"] * layers  # phi3: every layer; the others' converters write no window
-        windows = tuple(window if s and window > 0 else 0 for s in sliding) if window > 0 else ()
+        _refuse_gguf_options(meta, p, head_dim)
+        windows = _gguf_windows(meta, p, arch, layers)
         scaling = _gguf_rope_scaling(meta, p, head_dim)
         return cls(
             vocab_size=int(vocab),
@@ -351,8 +336,8 @@ class ModelConfig:
             embed_scale=hidden ** 0.5 if gemma else 1.0,
             # llama.cpp: 1 / sqrt(head_dim), but Gemma 3 27B's (62 layers) is 1 / sqrt(hidden / heads)
             query_scale=(hidden // heads if layers == 62 else head_dim) ** -0.5 if gemma else None,
-            layer_windows=windows if any(windows) else (),
-            rope_local_theta=GEMMA3_LOCAL_THETA if gemma and any(windows) else None,
+            layer_windows=windows,
+            rope_local_theta=GEMMA3_LOCAL_THETA if gemma and windows else None,
         )
 
 
@@ -452,6 +437,33 @@ def _hf_windows(cfg: Mapping[str, Any], family: str, layers: int) -> tuple[int, 
         raise UnsupportedArchitectureError(f"sliding_window {window!r} cannot be honoured: it must be a positive "
                                            "number of positions")
     return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _refuse_gguf_options(meta: Mapping[str, Any], p: str, head_dim: int) -> None:
+    """What a GGUF's metadata asks that the decoder does not implement: refused by name."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if meta.get(p + key):
+            raise UnsupportedArchitectureError(f"{key} ({meta[p + key]}) is not supported")
+    rope_dims = meta.get(p + "rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedArchitectureError(
+            f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+
+
+def _gguf_windows(meta: Mapping[str, Any], p: str, arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), or () when no layer slides, as llama.cpp reads a
+    GGUF: gemma3's layers by their pattern (every 6th one global where none is written), phi3's all."""
+    window = int(meta.get(p + "attention.sliding_window", 0) or 0)
+    if arch == "gemma3":
+        pattern = meta.get(p + "attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):  # per layer: true = sliding
+            sliding = [bool(x) for x in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    else:
+        sliding = [arch == "phi3"] * layers  # phi3: every layer; the others' converters write no window
+    windows = tuple(window if s and window > 0 else 0 for s in sliding) if window > 0 else ()
+    return windows if any(windows) else ()
 
 
 def _gguf_rope_scaling(meta: Mapping[str, Any], p: str, head_dim: int):
