@@ -234,7 +234,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, fused=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        # a model built on the meta device (the loaders') gets its weights assigned: skip the random
+        # initialisation, whose first call on meta costs ~2 s
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, fused) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style == "gemma", fused)
         self.rotary = Rotary(cfg)

@@ -65,11 +65,13 @@ class QuantMatmul:
         """The path that runs, as the startup line and reports say it."""
         return f"{self.path}+amx" if self.amx else str(self.path)
 
-    def pack_kquant(self, raw: Tensor, k: int, qtype: int) -> Tensor:
+    def pack_kquant(self, raw: Tensor, k: int, qtype: int, out: Tensor | None = None) -> Tensor:
         """One K-quant tensor's file bytes (raw [N, K/256 * block bytes] uint8) -> its groups in
-        kquant_matmul.cpp's layout, the same number of bytes."""
+        kquant_matmul.cpp's layout, the same number of bytes (into `out`, a contiguous uint8 slice, when given)."""
         raw = raw.contiguous()
-        out = torch.empty(raw.numel(), dtype=torch.uint8)
+        out = torch.empty(raw.numel(), dtype=torch.uint8) if out is None else out
+        if out.numel() != raw.numel() or not out.is_contiguous():
+            raise ValueError(f"K-quant packing needs {raw.numel()} contiguous bytes, got {out.numel()}")
         if self._pack(raw.data_ptr(), raw.shape[0], k, qtype, out.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"K-quant packing does not take GGML type {qtype} at N={raw.shape[0]}, K={k}")
         return out
@@ -166,13 +168,15 @@ def pack_kquant(parts: list[KQuantBlocks]) -> Tensor:
     table_bytes = -(-8 * (2 + 3 * len(runs)) // 64) * 64
     table = np.zeros(table_bytes // 8, dtype=np.int64)
     table[:2] = len(runs), K
-    data, offset = [], table_bytes
+    out = torch.empty(table_bytes + sum(p.raw.numel() for p in parts), dtype=torch.uint8)
+    offset = table_bytes
     for i, run in enumerate(runs):
-        packed = kernel_or_raise().pack_kquant(torch.cat([p.raw for p in run]), K, run[0].qtype)
         table[2 + 3 * i: 5 + 3 * i] = run[0].qtype, sum(p.shape[0] for p in run), offset
-        data.append(packed)
-        offset += packed.numel()
-    return torch.cat([torch.from_numpy(table.view(np.uint8)), *data]).contiguous()
+        for p in run:  # groups of GROUP_COLS rows never straddle two parts: each part packs on its own
+            kernel_or_raise().pack_kquant(p.raw, K, p.qtype, out[offset:offset + p.raw.numel()])
+            offset += p.raw.numel()
+    out[:table_bytes] = torch.from_numpy(table.view(np.uint8))
+    return out
 
 
 def kquant_segments(packed: Tensor) -> list[tuple[str, int]]:

@@ -56,8 +56,9 @@ ONLY = [
     ("lmserve.model.text", ("lmserve.model.errors",), "the tokenizer serves text alone (the client's token safety, tests)"),
     # a checkpoint carries its tokenizer (GGUF metadata) and its weights in block formats the kernels serve
     ("lmserve.model.checkpoints", ("lmserve.model.config", "lmserve.model.errors", "lmserve.model.text",
-                                   "lmserve.model.linear.formats"),
-     "reading a checkpoint needs its config, its tokenizer and its weights' block formats, nothing that serves"),
+                                   "lmserve.model.linear.formats", "lmserve.model.native.build"),
+     "reading a checkpoint needs its config, its tokenizer, its weights' block formats and the native "
+     "dequantizer where the library is loaded, nothing that serves"),
 ]
 
 
