@@ -33,6 +33,8 @@ model's own weights.
 
 from __future__ import annotations
 
+import copy
+
 import time
 from dataclasses import dataclass
 
@@ -231,6 +233,15 @@ class NativeQuantLinear(ServingLinear):
         return weight_only(self, x, native_qmm, native_qmm_eager, self.packed, self.bits, self.out_features,
                            self.precise)
 
+    def with_codes(self, precise: bool) -> "NativeQuantLinear":
+        """The same packed weight with activations as two int8 codes (precise) or one: the sibling kernel,
+        sharing this one's buffers (nothing quantized or packed again)."""
+        twin = copy.copy(self)  # a shallow copy: the same buffer tensors
+        twin._buffers = dict(self._buffers)
+        twin.precise = precise
+        twin.kernel = self.kernel.removesuffix("-a8") + ("" if precise else "-a8")
+        return twin
+
 
 @dataclass
 class WeightSource:
@@ -396,17 +407,34 @@ class RoleMeasurement:
     invariant: bool | None  # None: not checked (a faster kernel was chosen first)
 
 
+FLOAT_KERNELS = frozenset({"dense", "onednn", "onednn-m2", "onednn-c16"})
+
+
+def _build_candidates(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype) -> dict[str, list[nn.Module]]:
+    """kernel -> its linears on these weights, for the kernels that take them here. The float kernels
+    share one read of the weights in dtype; a native kernel's one-code and two-code variants share one
+    packed weight (with_codes)."""
+    if FLOAT_KERNELS.intersection(kernels):
+        floats = [WeightSource(s.floats(dtype), s.bias) for s in sources]
+    sets = {}
+    for kernel in kernels:
+        sibling = kernel.removesuffix("-a8") if kernel.endswith("-a8") else f"{kernel}-a8"
+        if kernel.startswith("native") and sibling in sets:
+            sets[kernel] = [m.with_codes(precise=not kernel.endswith("-a8")) for m in sets[sibling]]
+            continue
+        try:
+            sets[kernel] = [build(kernel, s, dtype) for s in (floats if kernel in FLOAT_KERNELS else sources)]
+        except (RuntimeError, ValueError):  # the kernel does not take this shape or dtype here
+            continue
+    return sets
+
+
 def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype, batch_invariant: bool = True,
                  buckets=DECODE_BUCKETS) -> tuple[list[RoleMeasurement], RoleMeasurement | None]:
     """Time each candidate kernel on these weights (one per layer) at every bucket, then take the
     fastest (pick) whose rows are batch-invariant when that is required; invariance is checked in
     that order only as far as needed. Returns (all measurements, the choice or None)."""
-    sets = {}
-    for kernel in kernels:
-        try:
-            sets[kernel] = [build(kernel, s, dtype) for s in sources]
-        except (RuntimeError, ValueError):  # the kernel does not take this shape or dtype here
-            continue
+    sets = _build_candidates(kernels, sources, dtype)
     times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3)
     measured = [RoleMeasurement(k, times[k], None) for k in sets]
     remaining = list(measured)

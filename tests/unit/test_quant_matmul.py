@@ -221,3 +221,19 @@ def test_every_path_of_the_native_sources_compiles(march):
     done = subprocess.run([cxx, f"-march={arch}", *more, "-fopenmp", "-std=c++17", "-fsyntax-only",
                            *map(str, native.SOURCES)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_candidates_share_a_packed_weight_and_give_each_kernels_own_rows(gguf):
+    """measure_role's candidates: the one-code and two-code native kernels share one packed weight and
+    compute what each built alone computes; the float kernels share one read of the weights."""
+    blocks = real_shapes(gguf)["o"]
+    src = K.WeightSource(blocks.dequantize(), None, q41=blocks)
+    kernels = ["native-int4", "native-int4-a8", "dense", "onednn"]
+    sets = K._build_candidates(kernels, [src], torch.bfloat16)
+    assert sets["native-int4"][0].packed is sets["native-int4-a8"][0].packed
+    assert sets["dense"][0].weight.dtype == torch.bfloat16
+    x = torch.randn(5, blocks.q.shape[1]).bfloat16()
+    for kernel in kernels:
+        alone = K.build(kernel, src, torch.bfloat16)
+        assert sets[kernel][0].kernel == kernel
+        assert torch.equal(sets[kernel][0](x), alone(x)), kernel
