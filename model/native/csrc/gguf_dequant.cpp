@@ -87,30 +87,21 @@ inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
     }
 }
 
-inline void q4_k(const uint8_t* b, float* y) {
+// Q5_K is Q4_K with a fifth bit per value (32 bytes of high bits before the nibbles).
+template <bool FIVE>
+inline void q45_k(const uint8_t* b, float* y) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t* qs = b + 16;
+    const uint8_t *qh = b + 16, *qs = b + (FIVE ? 48 : 16);
     for (int j = 0; j < 8; j++) {
         int sc, m;
         scale_min(b + 4, j, sc, m);
         const float ds = d * float(sc), dm = dmin * float(m);
         const uint8_t* q = qs + (j / 2) * 32;
         const int shift = (j & 1) * 4;
-        for (int l = 0; l < 32; l++) y[j * 32 + l] = ds * float((q[l] >> shift) & 0xF) - dm;
-    }
-}
-
-inline void q5_k(const uint8_t* b, float* y) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        scale_min(b + 4, j, sc, m);
-        const float ds = d * float(sc), dm = dmin * float(m);
-        const uint8_t* q = qs + (j / 2) * 32;
-        const int shift = (j & 1) * 4;
-        for (int l = 0; l < 32; l++)
-            y[j * 32 + l] = ds * float(((q[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4)) - dm;
+        for (int l = 0; l < 32; l++) {
+            const int high = FIVE ? ((qh[l] >> j) & 1) << 4 : 0;
+            y[j * 32 + l] = ds * float(((q[l] >> shift) & 0xF) | high) - dm;
+        }
     }
 }
 
@@ -144,8 +135,8 @@ bool format_for(int ggml_type, Format& f) {
         case 6: f = {32, 22, q5_0}; return true;
         case 7: f = {32, 24, q5_1}; return true;
         case 8: f = {32, 34, q8_0}; return true;
-        case 12: f = {QK_K, 144, q4_k}; return true;
-        case 13: f = {QK_K, 176, q5_k}; return true;
+        case 12: f = {QK_K, 144, q45_k<false>}; return true;
+        case 13: f = {QK_K, 176, q45_k<true>}; return true;
         case 14: f = {QK_K, 210, q6_k}; return true;
         default: return false;
     }
