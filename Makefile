@@ -22,7 +22,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	sh deploy/ci/install-test-deps.sh  # nginx and prometheus for the deployment tests (apt, once)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # The throughput benchmark; its report goes to reports/engine/<machine>.json (`lmserve bench --help` lists the others).
 bench: $(STAMP)
