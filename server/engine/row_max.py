@@ -1,9 +1,11 @@
-"""Each logits row's maximum and the first index holding it: greedy decoding's whole answer.
+"""What the sampler reads of each logits row: its maximum and the first index holding it (greedy
+decoding's whole answer), and for the rows that ask, its top values and log-sum-exp.
 
 torch.max(dim=-1) over SmolLM2's 49,152-wide bfloat16 rows took ~60 us for one row and ~1.3 ms for
-32 on a 2-core Xeon; with the model's native library loaded (CPU), row_max.cpp reads each row in
-two passes from cache instead. Both give the same values and indices: the first of equal maxima,
-and NaN (with the first NaN's index) for a row that holds one.
+32 on a 2-core Xeon; with the model's native library loaded (CPU), row_max.cpp reads each row once
+instead, and one call serves a whole step (row_scan): the maxima of every row and what a sampled or
+logprobs row asks of it. Both give the same values and indices: the first of equal maxima, and NaN
+(with the first NaN's index) for a row that holds one.
 """
 
 from __future__ import annotations
@@ -16,55 +18,60 @@ from torch import Tensor
 from lmserve.model.native import build as native_lib
 
 
-class _NativeRowMax:
-    def __init__(self, lib):
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._fns = {torch.float32: lib.lm_row_max_f32, torch.bfloat16: lib.lm_row_max_bf16}
-        for fn in self._fns.values():
-            fn.argtypes, fn.restype = [p, i64, i32, i32, p, p, i32], i32
+class _NativeRows:
+    """row_max.cpp's passes: lm_row_scan (every row of a step in one call) and lm_row_draw."""
 
-    def applies(self, logits: Tensor) -> bool:
-        return (logits.device.type == "cpu" and logits.dtype in self._fns and logits.dim() == 2
-                and logits.stride(1) == 1 and logits.shape[1] > 0)
-
-    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        n = logits.shape[0]
-        values, index = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int64)
-        self._fns[logits.dtype](logits.data_ptr(), logits.stride(0), n, logits.shape[1], values.data_ptr(),
-                                index.data_ptr(), torch.get_num_threads())
-        return values, index
-
-
-class _NativeRowStats:
     def __init__(self, lib):
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._stats = {torch.float32: lib.lm_row_stats_f32, torch.bfloat16: lib.lm_row_stats_bf16}
-        for fn in self._stats.values():
-            fn.argtypes, fn.restype = [p, i64, i32, i32, f32, i32, p, p, p, i32], i32
+        self._scan = {torch.float32: lib.lm_row_scan_f32, torch.bfloat16: lib.lm_row_scan_bf16}
+        for fn in self._scan.values():
+            fn.argtypes, fn.restype = [p, i64, i32, i32, p, p, p, i32, p, p, p, p, p, i32], i32
         self._draw = lib.lm_row_draw_f32
         self._draw.argtypes, self._draw.restype = [p, i32, f32, f32, ctypes.c_double], i64
 
     def applies(self, rows: Tensor) -> bool:
-        return rows.device.type == "cpu" and rows.dtype in self._stats and rows.dim() == 2 and rows.stride(1) == 1
+        return (rows.device.type == "cpu" and rows.dtype in self._scan and rows.dim() == 2
+                and rows.stride(1) == 1 and rows.shape[1] > 0)
 
-    def stats(self, rows: Tensor, t: float, n: int, lse: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
-        R = rows.shape[0]
-        out, vals, idx = torch.empty(R) if lse else None, torch.empty(R, n), torch.empty(R, n, dtype=torch.int64)
-        self._stats[rows.dtype](rows.data_ptr(), rows.stride(0), R, rows.shape[1], t, n, out.data_ptr() if lse else None,
-                                vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
-        return out, vals, idx
+    def scan(self, rows: Tensor, maxima: bool = True, t: list[float] | None = None, n: list[int] | None = None,
+             lse: list[bool] | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor]:
+        """rows [R, V] -> (maxima [R], first indices [R]) when asked, then log-sum-exps [R] (rows whose `lse`
+        is false: not written), top values [R, max(n)] and their indices (a row's first n[r] written):
+        per row r at inverse temperature t[r]."""
+        R, k = rows.shape[0], max(n, default=0) if n else 0
+        out_max, out_index = (torch.empty(R), torch.empty(R, dtype=torch.int64)) if maxima else (None, None)
+        out_lse = torch.empty(R) if lse else None
+        vals, idx = torch.empty(R, k), torch.empty(R, k, dtype=torch.int64)
+        ts = torch.tensor(t, dtype=torch.float32) if t else None
+        ns = torch.tensor(n, dtype=torch.int32) if n else None
+        flags = torch.tensor(lse, dtype=torch.uint8) if lse else None
+
+        def ptr(x):
+            return None if x is None else x.data_ptr()
+
+        rc = self._scan[rows.dtype](rows.data_ptr(), rows.stride(0), R, rows.shape[1], ptr(ts), ptr(ns), ptr(flags),
+                                    k, ptr(out_max), ptr(out_index), ptr(out_lse), vals.data_ptr(), idx.data_ptr(),
+                                    torch.get_num_threads())
+        if rc:
+            raise ValueError(f"row scan refused its arguments ({R} rows of {rows.shape[1]}, top {n})")
+        return out_max, out_index, out_lse, vals, idx
 
     def draw(self, row: Tensor, t: float, lse: float, u: float) -> int:
         return int(self._draw(row.data_ptr(), row.shape[0], t, lse, u))
 
 
+Stats = tuple[Tensor | None, Tensor, Tensor]  # a row's (log-sum-exp [1] or None, top values [1, n], indices [1, n])
+
+
 def row_stats(rows: Tensor, t: float, n: int, lse: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:
     """rows [R, V] (float32 or bfloat16) -> (log-sum-exp of t * rows [R], or None when not asked; the n largest values
-    [R, n] and their indices, largest first), in one native pass per row for the top and one for the
-    log-sum-exp where the library is loaded (row_max.cpp), else torch's."""
-    native = native_lib.bound(_NativeRowStats)
+    [R, n] and their indices, largest first), in one native pass over each row where the library is loaded
+    (row_max.cpp), else torch's."""
+    native = native_lib.bound(_NativeRows)
     if native is not None and native.applies(rows) and n <= rows.shape[1]:
-        return native.stats(rows, t, n, lse)
+        R = rows.shape[0]
+        _, _, out_lse, vals, idx = native.scan(rows, False, [t] * R, [n] * R, [lse] * R)
+        return out_lse, vals, idx
     vals, idx = rows.float().topk(n, dim=-1)
     return (rows.float() * t).logsumexp(-1) if lse else None, vals, idx
 
@@ -72,7 +79,7 @@ def row_stats(rows: Tensor, t: float, n: int, lse: bool = True) -> tuple[Tensor 
 def row_draw(row: Tensor, t: float, lse: float, u: float) -> int:
     """The first index where the running sum of exp(t * row - lse) exceeds u in [0, 1): a draw from
     softmax(t * row) by one uniform number."""
-    native = native_lib.bound(_NativeRowStats)
+    native = native_lib.bound(_NativeRows)
     if native is not None and native.applies(row[None]) and row.dtype == torch.float32:
         return native.draw(row.contiguous(), t, lse, u)
     cdf = (row * t - lse).exp().double().cumsum(0)
@@ -82,10 +89,28 @@ def row_draw(row: Tensor, t: float, lse: float, u: float) -> int:
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [N, V] -> (maxima [N], indices [N] int64), as logits.max(dim=-1) gives them (the maxima
     in float32 when the native pass runs)."""
-    native = native_lib.bound(_NativeRowMax)  # the model loader's library on CPU; never built here
-    if native is not None and native.applies(logits):
-        return native(logits)
-    return logits.max(dim=-1)
+    return row_scan(logits, {})[:2]
 
 
-__all__ = ["row_draw", "row_max", "row_stats"]
+def row_scan(logits: Tensor, asks: dict[int, tuple[float, int, bool]]) -> tuple[Tensor, Tensor, dict[int, Stats]]:
+    """row_max(logits), and for each row i in `asks` (t, n, lse) what row_stats(logits[i][None], t, n, lse)
+    gives, the same values: every row read once, in one native call, where the library is loaded and reads
+    the logits in place (a step's rows of Gemma 3's 262,144 ids are 1 MB each in float32). Elsewhere only
+    the maxima, and no stats: the asking rows make their own passes."""
+    native = native_lib.bound(_NativeRows)  # the model loader's library on CPU; never built here
+    if native is None or not native.applies(logits):
+        return *logits.max(dim=-1), {}
+    asks = {i: a for i, a in asks.items() if a[1] <= logits.shape[1]}
+    if not asks:
+        out_max, out_index, _, _, _ = native.scan(logits)
+        return out_max, out_index, {}
+    R = logits.shape[0]
+    t, n, lse = [1.0] * R, [0] * R, [False] * R
+    for i, (ti, ni, li) in asks.items():
+        t[i], n[i], lse[i] = ti, ni, li
+    out_max, out_index, out_lse, vals, idx = native.scan(logits, True, t, n, lse)
+    return out_max, out_index, {i: (out_lse[i:i + 1] if lse[i] else None, vals[i:i + 1, :n[i]], idx[i:i + 1, :n[i]])
+                                for i in asks}
+
+
+__all__ = ["row_draw", "row_max", "row_scan", "row_stats"]

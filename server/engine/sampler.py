@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
 from .ngram import kept
-from .row_max import row_draw, row_stats
+from .row_max import Stats, row_draw, row_scan, row_stats
 from .row_max import row_max as _row_max
 from .request import SamplingParams
 
@@ -121,30 +121,44 @@ class PenaltyState:
         return row
 
 
-def kept_tokens(row: Tensor, t: float, top_k: int, top_p: float, min_p: float) -> tuple[Tensor, Tensor] | None:
+def filter_ask(t: float, top_k: int, top_p: float, min_p: float, V: int) -> tuple[float, int, bool] | None:
+    """The row pass kept_tokens starts with, as row_stats' (t, n, lse): the top-k; for top-p a first top
+    of 256; for min-p alone the best value and the log-sum-exp. None when no filter is set."""
+    if top_k > 0:
+        return t, min(top_k, V), False
+    if top_p < 1.0:
+        return t, min(V, 256), True
+    if min_p > 0.0:
+        return t, 1, True
+    return None
+
+
+def kept_tokens(row: Tensor, t: float, top_k: int, top_p: float, min_p: float,
+                first: Stats | None = None) -> tuple[Tensor, Tensor] | None:
     """(ids, probabilities) of the tokens a row's filters keep, for softmax(t * row) (row [V] float32, t the
     inverse temperature): top-k, then top-p over what top-k kept (renormalized, as transformers' warpers
     chain), then min-p relative to the best; the best token always kept; probabilities as kept (the draw
     renormalizes). None when no filter is set. Only as much of the row is ranked as the filters look at:
-    the top-k, or for top-p alone a growing top until it holds top_p of the mass (row_stats)."""
+    the top-k, or for top-p alone a growing top until it holds top_p of the mass (row_stats). `first`: the
+    row's stats for filter_ask, when the step's row scan brought them (row_max.row_scan)."""
     V = row.shape[0]
-    if top_k <= 0 and top_p >= 1.0:
-        if min_p <= 0.0:
-            return None
-        lse, best, _ = row_stats(row[None], t, 1)  # p_i >= min_p p_max  <=>  t x_i >= t x_max + log(min_p)
-        ids = (row * t >= best[0, 0] * t + math.log(min_p)).nonzero().squeeze(1)
+    ask = filter_ask(t, top_k, top_p, min_p, V)
+    if ask is None:
+        return None
+    lse, vals, idx = first if first is not None else row_stats(row[None], *ask)
+    if top_k <= 0 and top_p >= 1.0:  # min-p alone: p_i >= min_p p_max  <=>  t x_i >= t x_max + log(min_p)
+        ids = (row * t >= vals[0, 0] * t + math.log(min_p)).nonzero().squeeze(1)
         return ids, (row[ids] * t - lse[0]).exp()
     if top_k > 0:  # what follows sees the top-k's own distribution: no normalizer over the row needed
-        _, vals, idx = row_stats(row[None], t, min(top_k, V), lse=False)  # [1, k] best first
-        p = (vals[0] * t).softmax(-1)
+        p = (vals[0] * t).softmax(-1)  # [k] best first
     else:
-        n = min(V, 256)
+        n = ask[1]
         while True:
-            lse, vals, idx = row_stats(row[None], t, n)
             p = (vals[0] * t - lse[0]).exp()
             if n == V or float(p.sum()) >= top_p:
                 break
             n = min(V, 8 * n)
+            lse, vals, idx = row_stats(row[None], t, n)
     keep = (p.cumsum(0) - p) < top_p  # the smallest prefix reaching top_p (the best token always kept)
     keep &= p >= min_p * p[0]
     return idx[0][keep], p[keep]
@@ -169,22 +183,30 @@ def draw(ids: Tensor, probs: Tensor, gen: torch.Generator) -> int:
     return int(ids[torch.searchsorted(cdf, u, right=True).clamp_(max=ids.shape[0] - 1)])
 
 
-def sample_row(row: Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A temperature > 0 row's token: logits [V] (float32, penalised) at the temperature, filtered, drawn by
-    one uniform number (over the kept tokens, or over the whole row in one pass when nothing is filtered)."""
+def sample_ask(p: SamplingParams, V: int) -> tuple[float, int, bool]:
+    """The row pass sample_row starts with (row_stats' t, n, lse): its filters' (filter_ask), else the
+    log-sum-exp alone."""
     t = 1.0 / p.temperature
-    kept = kept_tokens(row, t, p.top_k, p.top_p, p.min_p)
+    return filter_ask(t, p.top_k, p.top_p, p.min_p, V) or (t, 0, True)
+
+
+def sample_row(row: Tensor, p: SamplingParams, gen: torch.Generator, first: Stats | None = None) -> int:
+    """A temperature > 0 row's token: logits [V] (float32, penalised) at the temperature, filtered, drawn by
+    one uniform number (over the kept tokens, or over the whole row in one pass when nothing is filtered).
+    `first`: the row's stats for sample_ask, when the step's row scan brought them."""
+    t = 1.0 / p.temperature
+    kept = kept_tokens(row, t, p.top_k, p.top_p, p.min_p, first)
     if kept is not None:
         return draw(*kept, gen)
-    lse = float(row_stats(row[None], t, 0)[0][0])
+    lse = float((first if first is not None else row_stats(row[None], t, 0))[0][0])
     return row_draw(row, t, lse, float(torch.rand((), generator=gen, dtype=torch.float64)))
 
 
-def logprobs_of(row: Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+def logprobs_of(row: Tensor, token: int, n: int, first: Stats | None = None) -> tuple[float, tuple[tuple[int, float], ...]]:
     """A row's log-probability of its token and its top-n (id, log-probability), row [V] (float32 or
-    bfloat16, read in place): the log-sum-exp and the top values of one native pass each (row_stats), not a
-    log_softmax and a topk over a float32 copy."""
-    lse, vals, idx = row_stats(row[None], 1.0, n)
+    bfloat16, read in place): the log-sum-exp and the top values of one native pass (row_stats, or `first`,
+    what the step's row scan brought for (1, n, lse)), not a log_softmax and a topk over a float32 copy."""
+    lse, vals, idx = first if first is not None else row_stats(row[None], 1.0, n)
     lse = float(lse[0])
     return float(row[token]) - lse, tuple(zip(idx[0].tolist(), (vals[0] - lse).tolist()))
 
@@ -298,6 +320,23 @@ def _advance_constraints(seqs, rows: list[int], drafts: list | None, tokens: lis
             ok[i] = False
 
 
+def _first_asks(seqs, V: int) -> dict[int, tuple[float, int, bool]]:
+    """What each row's first pass over its logits is asked for beside its maximum (row_scan), where the
+    logits it reads are final then: a sampled row's sample_ask, a greedy row's logprobs. Not a constrained
+    row (masked after the maxima), a penalised one (its pass reads a penalised copy), nor the logprobs of
+    a biased row (they come from a copy before the bias)."""
+    asks = {}
+    for i, seq in enumerate(seqs):
+        p = seq.request.params
+        if seq.request.compiled is not None or has_penalties(p):
+            continue
+        if p.temperature > 0:
+            asks[i] = sample_ask(p, V)
+        elif p.logprobs is not None and not p.logit_bias:
+            asks[i] = (1.0, p.logprobs, True)
+    return asks
+
+
 class Sampler:
     """`lazy_masks` (the default): a greedy constrained row's mask is computed and applied only where the
     constraint does not allow the row's argmax (constraints/state.py); off, every constrained row's mask
@@ -320,7 +359,9 @@ class Sampler:
                     for i in {*constrained, *biased} if seqs[i].request.params.logprobs is not None}
         if biased:
             add_logit_bias(logits, seqs, biased)
-        row_max, tokens = _row_max(logits)  # [N], [N]: greedy tokens; NaN propagates through max
+        # [N], [N]: greedy tokens (NaN propagates through max); and in the same pass over each row, what
+        # the rows that sample or want logprobs read of it (row_scan: where the native library reads it)
+        row_max, tokens, first = row_scan(logits, _first_asks(seqs, logits.shape[1]))
         if self.lazy_masks:
             masked = _needing_masks(seqs, constrained, drafts, tokens) if constrained else []
         else:
@@ -349,11 +390,12 @@ class Sampler:
                 raw = logits[i].float()  # [V] a copy only for rows that need one (none for float32 logits)
                 row = _penalty_state(seq, V, dev).apply(raw, p) if has_penalties(p) else raw
                 if p.temperature > 0:
-                    token_list[i] = sample_row(row, p, _generator(seq, dev))
+                    token_list[i] = sample_row(row, p, _generator(seq, dev), first.get(i))
                 else:
                     token_list[i] = int(row.argmax())
             if p.logprobs is not None:  # the model's own logits (before a mask or a bias), read in place
-                lps[i] = logprobs_of(unmasked.get(i, logits[i]), token_list[i], p.logprobs)
+                lps[i] = logprobs_of(unmasked.get(i, logits[i]), token_list[i], p.logprobs,
+                                     first.get(i) if p.temperature == 0 else None)
         for i, seq in enumerate(seqs):
             if ok[i] and seq.sampling is not None and seq.sampling.penalties is not None:
                 seq.sampling.penalties.add(token_list[i])

@@ -88,7 +88,7 @@ def test_a_model_loaded_on_cpu_leaves_its_library_to_the_sampler(monkeypatch, na
                       intermediate_size=128, max_position_embeddings=64)
     native_parts(torch.device("cpu"), native_kernels_dir, torch.bfloat16, cfg, True)
     assert native.loaded() is not None
-    assert S._native_mask() is not None and native.bound(R._NativeRowMax) is not None
+    assert S._native_mask() is not None and native.bound(R._NativeRows) is not None
     logits, rows, bits = _case(100, 3, 11, torch.bfloat16)
     want = _reference(logits, rows, bits)
     S.mask_logits(logits, rows, bits)  # through the loader's library

@@ -1,6 +1,8 @@
 """Greedy decoding's row maximum on the native pass (row_max.cpp) against torch.max(dim=-1), the
 oracle: the same maxima and indices on rows full of ties (the first of equal maxima), rows holding
-NaN or infinities, float32 and bfloat16, SmolLM2's vocabulary width and odd ones, strided rows."""
+NaN or infinities, float32 and bfloat16, SmolLM2's vocabulary width and odd ones, strided rows. The
+row statistics (top values, log-sum-exp) against topk and a float64 logsumexp, and the step's one
+scan of every row against each row's own passes, bit for bit."""
 
 from __future__ import annotations
 
@@ -21,9 +23,20 @@ def lib(native_kernels_dir):
     return lib
 
 
+class _MaxOnly:
+    """The scan asked for the maxima alone, called as row_max is."""
+
+    def __init__(self, rows: RM._NativeRows):
+        self.applies = rows.applies
+        self._rows = rows
+
+    def __call__(self, logits):
+        return self._rows.scan(logits)[:2]
+
+
 @pytest.fixture(scope="module")
 def native_row_max(lib):
-    return RM._NativeRowMax(lib)
+    return _MaxOnly(RM._NativeRows(lib))
 
 
 def check(fn, logits):
@@ -70,9 +83,21 @@ def test_strided_rows_and_the_fallback(native_row_max):
 
 # ---- a row's log-sum-exp, top values and a draw (the sampler's logprobs and filters) -------------------
 
+class _StatsOnly:
+    """The scan asked for the same (t, n, lse) of every row and no maxima, as row_stats asks it."""
+
+    def __init__(self, rows: RM._NativeRows):
+        self._rows = rows
+        self.draw = rows.draw
+
+    def stats(self, rows, t, n, lse=True):
+        R = rows.shape[0]
+        return self._rows.scan(rows, False, [t] * R, [n] * R, [lse] * R)[2:]
+
+
 @pytest.fixture(scope="module")
 def native_stats(lib):
-    return RM._NativeRowStats(lib)
+    return _StatsOnly(RM._NativeRows(lib))
 
 
 @pytest.mark.parametrize("vocab", [262144, 49152, 49155, 17, 5])
@@ -127,3 +152,45 @@ def test_row_stats_read_bfloat16_rows_in_place(native_stats):
     want_vals, _ = wide.topk(8, dim=-1)
     assert torch.equal(vals, want_vals) and torch.equal(wide.gather(1, idx), vals)  # bf16 has ties: values, ids
     torch.testing.assert_close(lse, wide.double().logsumexp(-1).float(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_scan_of_a_step_gives_what_each_row_pass_gives(lib, native_kernels_dir, dtype):
+    """A step's rows asking different things of one scan (greedy, top-k without the sum, logprobs at t = 1,
+    top-p's first top at a temperature, the sum alone, min-p's best) get the bits their own passes give, and
+    the maxima row_max gives; on peaked rows (most of the row far below its maximum, whose terms the sum
+    passes over), flat ones, ties, a NaN and rows of -inf."""
+    rows_lib = RM._NativeRows(lib)
+    g = torch.Generator().manual_seed(11)
+    V = 262144
+    asks = [None, (1.25, 50, False), (1.0, 5, True), (1 / 0.7, 256, True), (2.0, 0, True), (1.1, 1, True), None,
+            (1.0, 20, True)]
+    logits = torch.randn(len(asks), V, generator=g)
+    logits[:4, 1234] = 30.0  # peaked
+    logits[4] = (logits[4] * 2).round()  # ties
+    logits[5, :V // 2] = float("-inf")
+    logits[6, 777] = float("nan")
+    logits[7] = float("-inf")
+    logits[7, [5, 9]] = torch.tensor([1.0, 2.0])
+    logits = logits.to(dtype)
+    t, n, lse = ([a[k] if a else d for a in asks] for k, d in ((0, 1.0), (1, 0), (2, False)))
+    got_max, got_index, got_lse, vals, idx = rows_lib.scan(logits, True, t, n, lse)
+    want_max, want_index = logits.max(dim=-1)
+    assert torch.equal(got_index, want_index)
+    assert torch.equal(got_max[:6], want_max[:6].float()) and torch.isnan(got_max[6])
+    for r, a in enumerate(asks):
+        if a is None:
+            continue
+        one_lse, one_vals, one_idx = rows_lib.scan(logits[r:r + 1], False, [a[0]], [a[1]], [a[2]])[2:]
+        assert torch.equal(vals[r, :a[1]], one_vals[0]) and torch.equal(idx[r, :a[1]], one_idx[0])
+        if a[2]:
+            assert got_lse[r].item() == one_lse[0].item()  # the same bits alone or in a step
+            want = (logits[r].double() * a[0]).logsumexp(0).item()
+            assert got_lse[r].item() == pytest.approx(want, rel=4e-6, abs=1e-5)  # float32 sums of 262k terms
+    assert torch.equal(vals[1, :50], logits[1].float().topk(50).values)
+    native.load(native_kernels_dir)  # as a CPU server has it: the sampler's row_scan takes the library
+    s_max, s_index, s_first = RM.row_scan(logits, {r: a for r, a in enumerate(asks) if a})
+    assert torch.equal(s_index, got_index) and set(s_first) == {r for r, a in enumerate(asks) if a}
+    for r, (s_lse, s_vals, s_idx) in s_first.items():
+        assert torch.equal(s_vals[0], vals[r, :asks[r][1]]) and torch.equal(s_idx[0], idx[r, :asks[r][1]])
+        assert (s_lse is None) == (not asks[r][2]) and (s_lse is None or s_lse[0].item() == got_lse[r].item())

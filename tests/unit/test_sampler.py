@@ -23,7 +23,6 @@ def one_torch_thread():
 
 
 def seqs_for(params, gens=None, hist=None, prompts=None):
-    n = len(params)
     seqs = []
     for i, p in enumerate(params):
         seq = Sequence(Request(list(prompts[i]) if prompts else [], p))
@@ -264,7 +263,7 @@ def test_with_the_native_row_passes_loaded(native_kernels_dir):
     lib, why = native.load(native_kernels_dir)
     if lib is None:
         pytest.skip(why)
-    assert native.bound(RM._NativeRowStats) is not None
+    assert native.bound(RM._NativeRows) is not None
     for args in [(0, 0.9, 0.0), (40, 0.8, 0.0), (0, 1.0, 0.05), (25, 0.95, 0.02)]:
         test_filters_keep_what_transformers_warpers_keep(*args)
     test_fast_path_gives_the_general_paths_tokens_and_logprobs_step_after_step(49152)

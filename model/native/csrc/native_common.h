@@ -139,11 +139,13 @@ static inline float total(v16f a) {  // the lanes of one vector, by a fixed tree
 }
 
 // e^x (Cephes' single-precision polynomial after reduction by ln 2), lane by lane, for x in
-// [-87, 88] (clamped there: below, a tiny positive value; above, ~1.6e38).
+// [-87, 88] (clamped there: below, a tiny positive value; above, ~1.6e38). HIGH false: for callers
+// whose x is never above 0 (or NaN), the clamp from above left out, the same bits.
+template <bool HIGH = true>
 static inline v16f exp_clamped(v16f x) {
     const v16f lo = v16f{} - 87.0f, hi = v16f{} + 88.0f;
     x = (x < lo) ? lo : x;
-    x = (x > hi) ? hi : x;
+    if (HIGH) x = (x > hi) ? hi : x;
     const v16f magic = v16f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     v16f n = (x * 1.44269504088896341f + magic) - magic;
     v16f r = x - n * 0.693359375f;

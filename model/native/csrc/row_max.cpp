@@ -1,14 +1,18 @@
-// Greedy decoding's max over each logits row, on CPU (and, below, the statistics of a row the sampler
-// reads for log-probabilities and draws): the largest value and the first index that
-// holds it, as torch.max(dim=-1) gives them (a NaN anywhere in a row: NaN and the first NaN's index).
-// torch's reduction took ~60 us for one bfloat16 row of SmolLM2's 49,152 ids and ~1.3 ms for 32
-// rows on a 2-core Xeon: one pass here keeps each of 16 lanes' maximum and the first index holding
-// it (a row of Gemma 3's 262,144 ids is 1 MB in float32: read once, not once and a half). Exact: a
-// maximum is one of the inputs, so the lane order cannot change it.
+// What the sampler reads of each logits row on CPU, in one pass over the row (row_scan): the largest
+// value and the first index that holds it, as torch.max(dim=-1) gives them (a NaN anywhere in a row:
+// NaN and the first NaN's index), greedy decoding's whole answer; and where a row asks for them, its n
+// largest values and its log-sum-exp at an inverse temperature t, what log-probabilities and a sampled
+// row's filters need. Below, a draw from a row by one uniform number.
+// torch's max took ~60 us for one bfloat16 row of SmolLM2's 49,152 ids and ~1.3 ms for 32 rows on a
+// 2-core Xeon; a log_softmax, a topk and a softmax over a row of Gemma 3's 262,144 ids ~2 ms on one
+// core. A 262,144-wide row is 1 MB in float32: a step's rows are read once, all of them in one call,
+// whatever each asks. Exact: a maximum is one of the inputs, so the lane order cannot change it; the
+// log-sum-exp adds the lanes by one fixed tree.
 //
 //   logits: float32 or bfloat16 (a 16-bit pattern) rows of `row_stride` elements, `vocab` wide;
 //   out_max: [rows] float32; out_index: [rows] int64.
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -22,59 +26,9 @@ static inline float element(const uint16_t* row, int j) {  // a bfloat16 widened
     return v;
 }
 
-template <class L>
-static void row_max(const typename L::T* x, int64_t row_stride, int rows, int vocab, float* out_max,
-                    int64_t* out_index, int threads) {
-    for_rows(rows, vocab, threads, [=](int r) {
-        const typename L::T* row = x + (int64_t)r * row_stride;
-        // one pass: each lane's maximum and the first index holding it (a lane moves only on a larger
-        // value), then the largest lane value and, of the lanes holding it, the lowest index
-        v16i at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        const v16i lane = at;
-        v16f m = v16f{} - INFINITY, seen_nan = v16f{};
-        for (int j = 0; j < vocab; j += 16) {
-            v16f v;
-            if (j + 16 <= vocab) {
-                v = L::load(row + j);
-            } else {
-                for (int l = 0; l < 16; ++l) v[l] = j + l < vocab ? element(row, j + l) : -INFINITY;
-            }
-            const v16i up = v > m;
-            m = up ? v : m;
-            at = up ? lane + j : at;
-            seen_nan = (v != v) ? v16f{} + 1.0f : seen_nan;
-        }
-        float mx = m[0];
-        int64_t first = at[0];
-        bool nan = seen_nan[0] != 0.0f;
-        for (int l = 1; l < 16; ++l) {
-            if (m[l] > mx || (m[l] == mx && at[l] < first)) {
-                mx = m[l];
-                first = at[l];
-            }
-            nan = nan || seen_nan[l] != 0.0f;
-        }
-        if (nan) {  // rare: the first NaN's index, by a scan
-            for (int j = 0; j < vocab; ++j) {
-                const float v = element(row, j);
-                if (v != v) {
-                    first = j;
-                    break;
-                }
-            }
-        }
-        out_max[r] = nan ? NAN : mx;
-        out_index[r] = first;
-    });
-}
-
-// A row's n largest values with their indices (largest first; of equal values the lower index first) and
-// (out_lse not null) its log-sum-exp at inverse temperature t, log sum_j e^(t x_j) (per lane from the
-// lane's running maximum, then the lanes brought to the row's maximum and added by one fixed tree), in
-// one pass over the row: what
-// the sampler needs for log-probabilities and for the tokens its filters rank, instead of a log_softmax,
-// a topk and a softmax over the whole vocabulary (at Gemma 3's 262,144 ids: ~2 ms a row through torch
-// on one core). A row holding a NaN gives a NaN log-sum-exp (its top values are then meaningless).
+// A row's n largest values with their indices, largest first; of equal values the lower index first
+// (values are offered in index order). A row holding a NaN gives a NaN log-sum-exp, and its top values
+// are then meaningless.
 struct TopN {
     float* vals;
     int64_t* idx;
@@ -111,49 +65,100 @@ static inline bool any_greater(v16f a, v16f b) {  // some lane of a above b's
 #endif
 }
 
-template <class L>
-static void row_stats(const typename L::T* x, int64_t row_stride, int rows, int vocab, float t, int n, float* out_lse,
-                      float* out_vals, int64_t* out_idx, int threads) {
-    for_rows(rows, vocab, threads, [=](int r) {
-        const typename L::T* row = x + (int64_t)r * row_stride;
-        auto load = [&](int j) {  // 16 values from j, -inf past the row
-            if (j + 16 <= vocab) return L::load(row + j);
-            v16f v;
-            for (int l = 0; l < 16; ++l) v[l] = j + l < vocab ? element(row, j + l) : -INFINITY;
-            return v;
-        };
-        // one pass: the n largest (a vector is looked into only when one of its values beats the n-th held;
-        // until n are held, every value is taken) and, per lane, the running maximum and the sum of
-        // e^(t (x - that maximum)), rescaled when the maximum moves (rare once a few vectors are in)
-        TopN top{out_vals + (int64_t)r * n, out_idx + (int64_t)r * n, n};
-        const bool sums = out_lse != nullptr;
-        v16f m = v16f{} - INFINITY, sum = v16f{}, seen_nan = v16f{};
-        const v16f none = v16f{} - INFINITY;
-        for (int j = 0; j < vocab; j += 16) {
-            const v16f v = load(j);
-            if (n > 0 && (top.count < n || any_greater(v, v16f{} + top.floor())))
-                for (int l = 0; l < 16 && j + l < vocab; ++l) top.offer(v[l], j + l);
-            seen_nan = (v != v) ? v16f{} + 1.0f : seen_nan;
-            if (!sums) {
-                m = v > m ? v : m;
-                continue;
-            }
-            if (any_greater(v, m)) {  // a lane's maximum moves: rescale its sum
-                const v16i up = v > m;
-                const v16f moved = up ? v : m;
-                const v16f scale = exp_clamped((m - moved) * t);
-                sum = up ? (m == none ? v16f{} : sum * scale) : sum;
-                m = moved;
-            }
-            const v16f e = exp_clamped((v - m) * t);
-            sum = sum + (m == none ? v16f{} : e);  // a lane that has seen only -inf holds nothing
+// One row in one pass: its maximum and the first index holding it (out_max not null), the n largest
+// values (TOP) and the log-sum-exp at t (LSE). The maximum is kept per lane with the first index that
+// holds it (a lane moves only on a larger value), then the largest lane and, of the lanes holding it,
+// the lowest index; a NaN anywhere gives NaN and the first NaN's index. The log-sum-exp's lanes share
+// that running maximum, so a term's exponent t (x - max) is never positive: the clamp from above is left
+// out (exp_clamped's bits otherwise), and once every lane has seen a finite value no lane is masked.
+template <class L, bool TOP, bool LSE>
+static void scan_row(const typename L::T* row, int vocab, float t, int n, float* out_max, int64_t* out_index,
+                     float* out_lse, float* out_vals, int64_t* out_idx) {
+    auto load = [&](int j) {  // 16 values from j, -inf past the row
+        if (j + 16 <= vocab) return L::load(row + j);
+        v16f v;
+        for (int l = 0; l < 16; ++l) v[l] = j + l < vocab ? element(row, j + l) : -INFINITY;
+        return v;
+    };
+    TopN top{out_vals, out_idx, n};
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16i at = lane;
+    v16f m = v16f{} - INFINITY, sum = v16f{}, seen_nan = v16f{};
+    const v16f none = v16f{} - INFINITY;
+    bool empty = true;  // some lane has seen only -inf (it holds nothing)
+    for (int j = 0; j < vocab; j += 16) {
+        const v16f v = load(j);
+        if (TOP && (top.count < n || any_greater(v, v16f{} + top.floor())))
+            for (int l = 0; l < 16 && j + l < vocab; ++l) top.offer(v[l], j + l);
+        seen_nan = (v != v) ? v16f{} + 1.0f : seen_nan;
+        if (!LSE) {
+            const v16i up = v > m;
+            m = up ? v : m;
+            at = up ? lane + j : at;
+            continue;
         }
-        if (!sums) return;
+        if (any_greater(v, m)) {  // a lane's maximum moves: rescale its sum
+            const v16i up = v > m;
+            const v16f moved = up ? v : m;
+            const v16f scale = exp_clamped((m - moved) * t);
+            sum = up ? (m == none ? v16f{} : sum * scale) : sum;
+            m = moved;
+            at = up ? lane + j : at;
+            empty = any_greater(v16f{} - FLT_MAX, m);  // some lane still -inf
+        }
+        const v16f e = exp_clamped<false>((v - m) * t);  // (v - m) t <= 0, or NaN
+        sum = sum + (empty ? (m == none ? v16f{} : e) : e);  // a lane that has seen only -inf holds nothing
+    }
+    const bool nan = lanes_max(seen_nan) != 0.0f;
+    if (LSE) {
         const float mx = lanes_max(m);
         v16f part = exp_clamped((m - mx) * t) * sum;
         part = (m == none) ? v16f{} : part;
-        const bool nan = lanes_max(seen_nan) != 0.0f;
-        out_lse[r] = nan ? NAN : mx * t + logf(total(part));
+        *out_lse = nan ? NAN : mx * t + logf(total(part));
+    }
+    if (!out_max) return;
+    float mx = m[0];
+    int64_t first = at[0];
+    for (int l = 1; l < 16; ++l) {
+        if (m[l] > mx || (m[l] == mx && at[l] < first)) {
+            mx = m[l];
+            first = at[l];
+        }
+    }
+    if (nan) {  // rare: the first NaN's index, by a scan
+        for (int j = 0; j < vocab; ++j) {
+            const float v = element(row, j);
+            if (v != v) {
+                first = j;
+                break;
+            }
+        }
+    }
+    *out_max = nan ? NAN : mx;
+    *out_index = first;
+}
+
+// Rows [rows] of `row_stride` elements, each scanned once (scan_row): the maxima and first indices into
+// out_max / out_index (when not null), and for a row r with n[r] > 0 its n[r] largest values and indices
+// into out_vals / out_idx + r * top_stride, and with lse[r] its log-sum-exp at t[r] into out_lse[r]
+// (n, t, lse null: nothing but the maxima). What a step's sampler asks of every row, in one call.
+template <class L>
+static void row_scan(const typename L::T* x, int64_t row_stride, int rows, int vocab, const float* t, const int* n,
+                     const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index, float* out_lse,
+                     float* out_vals, int64_t* out_idx, int threads) {
+    for_rows(rows, vocab, threads, [=](int r) {
+        const typename L::T* row = x + (int64_t)r * row_stride;
+        const int k = n ? n[r] : 0;
+        const bool sums = lse && lse[r];
+        float* mx = out_max ? out_max + r : nullptr;
+        int64_t* at = out_max ? out_index + r : nullptr;
+        float* vals = k ? out_vals + (int64_t)r * top_stride : nullptr;
+        int64_t* idx = k ? out_idx + (int64_t)r * top_stride : nullptr;
+        const float tr = t ? t[r] : 1.0f;
+        if (k && sums) scan_row<L, true, true>(row, vocab, tr, k, mx, at, out_lse + r, vals, idx);
+        else if (k) scan_row<L, true, false>(row, vocab, tr, k, mx, at, nullptr, vals, idx);
+        else if (sums) scan_row<L, false, true>(row, vocab, tr, 0, mx, at, out_lse + r, nullptr, nullptr);
+        else scan_row<L, false, false>(row, vocab, tr, 0, mx, at, nullptr, nullptr, nullptr);
     });
 }
 
@@ -185,35 +190,29 @@ static int64_t row_draw(const typename L::T* row, int vocab, float t, float lse,
 }
 
 extern "C" {
-int lm_row_stats_f32(const float* logits, int64_t row_stride, int rows, int vocab, float t, int n, float* out_lse,
-                     float* out_vals, int64_t* out_idx, int threads) {
-    if (rows < 0 || vocab < 1 || n < 0 || n > vocab) return 1;
-    row_stats<F32>(logits, row_stride, rows, vocab, t, n, out_lse, out_vals, out_idx, threads);
+int lm_row_scan_f32(const float* logits, int64_t row_stride, int rows, int vocab, const float* t, const int* n,
+                    const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index, float* out_lse,
+                    float* out_vals, int64_t* out_idx, int threads) {
+    if (rows < 0 || vocab < 1 || top_stride < 0) return 1;
+    for (int r = 0; n && r < rows; ++r)
+        if (n[r] < 0 || n[r] > vocab || n[r] > top_stride) return 1;
+    row_scan<F32>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse, out_vals,
+                  out_idx, threads);
     return 0;
 }
 
-int lm_row_stats_bf16(const uint16_t* logits, int64_t row_stride, int rows, int vocab, float t, int n,
-                      float* out_lse, float* out_vals, int64_t* out_idx, int threads) {
-    if (rows < 0 || vocab < 1 || n < 0 || n > vocab) return 1;
-    row_stats<BF16>(logits, row_stride, rows, vocab, t, n, out_lse, out_vals, out_idx, threads);
+int lm_row_scan_bf16(const uint16_t* logits, int64_t row_stride, int rows, int vocab, const float* t, const int* n,
+                     const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index, float* out_lse,
+                     float* out_vals, int64_t* out_idx, int threads) {
+    if (rows < 0 || vocab < 1 || top_stride < 0) return 1;
+    for (int r = 0; n && r < rows; ++r)
+        if (n[r] < 0 || n[r] > vocab || n[r] > top_stride) return 1;
+    row_scan<BF16>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse, out_vals,
+                   out_idx, threads);
     return 0;
 }
 
 int64_t lm_row_draw_f32(const float* row, int vocab, float t, float lse, double u) {
     return vocab < 1 ? -1 : row_draw<F32>(row, vocab, t, lse, u);
-}
-
-int lm_row_max_f32(const float* logits, int64_t row_stride, int rows, int vocab, float* out_max,
-                   int64_t* out_index, int threads) {
-    if (rows < 0 || vocab < 1) return 1;
-    row_max<F32>(logits, row_stride, rows, vocab, out_max, out_index, threads);
-    return 0;
-}
-
-int lm_row_max_bf16(const uint16_t* logits, int64_t row_stride, int rows, int vocab, float* out_max,
-                    int64_t* out_index, int threads) {
-    if (rows < 0 || vocab < 1) return 1;
-    row_max<BF16>(logits, row_stride, rows, vocab, out_max, out_index, threads);
-    return 0;
 }
 }
