@@ -7,7 +7,7 @@ a sampled row ranks only what its filters look at (its top-k, or a top holding t
 and draws with one uniform number (inverse CDF), and log-probabilities come from one pass per row
 for the log-sum-exp and the top values (row_max.row_stats): at Gemma 3's 262,144 ids a full sort and
 an exponential per id cost ~25 ms a row on one core, a log_softmax and a topk over a copy ~1 ms
-(reports/vocab-head/summary.md). Penalty tallies are kept per request and
+(docs/benchmarks.md, vocab-head). Penalty tallies are kept per request and
 updated with each new token instead of being rebuilt from the history every step.
 
 Constrained rows (a request with a compiled constraint) first have the ids their constraint does
