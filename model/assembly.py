@@ -25,7 +25,10 @@ from .checkpoints.layout import expected_shapes, split_fused
 from .checkpoints.sources import TensorSource
 from .config import ModelConfig
 from .errors import ModelLoadError, ShapeMismatchError
+from .linear import embedding as quantized_embedding
 from .linear import kernels as K
+from .linear.embedding import QuantizedEmbedding
+from .linear.formats import KQuantBlocks
 from .linear.serving import fuse_linears, planned_linears
 from .llama import DecoderLayer, LlamaForCausalLM
 
@@ -111,6 +114,18 @@ def _linear_weights(shapes: Mapping[str, tuple]) -> set[str]:
     return {n for n, s in shapes.items() if len(s) == 2 and n != "model.embed_tokens.weight"}
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _embedding_blocks(sources: Mapping[str, TensorSource], dtype: torch.dtype, device) -> KQuantBlocks | None:
+    """The embedding's K-quant blocks when the model serves it from them: bfloat16 on CPU with the native
+    library loaded (the rows it decodes are what a bfloat16 read of the file gives, bitwise)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not quantized_embedding.available():
+        return None
+    blocks = sources[EMBEDDING].blocks()
+    return blocks if isinstance(blocks, KQuantBlocks) else None
+
+
 def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], dtype: torch.dtype,
                 device: torch.device | str, prepare: bool = True, plan=None, q41: dict | None = None,
                 q80: dict | None = None, fused_ops=None, native_lib=None) -> LlamaForCausalLM:
@@ -130,6 +145,11 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], 
     streamed = prepare and plan is not None
     # a streamed build reads the linears role by role below; everything else is read now, in dtype
     eager = [n for n in shapes if not (streamed and n in _linear_weights(shapes))]
+    table = _embedding_blocks(sources, dtype, device) if streamed else None
+    if table is not None:  # rows decoded from the file's blocks when looked up (linear/embedding.py)
+        eager.remove(EMBEDDING)
+        model.model.embed_tokens = QuantizedEmbedding(table)
+        sources[EMBEDDING].release()
     state = {n: sources[n].read(dtype).to(device) for n in eager}
     model.load_state_dict(state, strict=False, assign=True)
     for n in eager:

@@ -38,7 +38,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Ends(ctypes.Structure):
-    _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("cos", ctypes.c_void_p),
+    _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("embed_type", ctypes.c_int64),
+                ("embed_row_bytes", ctypes.c_int64), ("cos", ctypes.c_void_p),
                 ("sin_signed", ctypes.c_void_p), ("table_len", ctypes.c_int64), ("final_norm", ctypes.c_void_p)]
 
 
@@ -69,13 +70,19 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
             and DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
 
 
+def _embedding_table(embed) -> tuple[Tensor, int]:
+    """(the table the step reads rows of, its GGML type or 0 for bfloat16 rows): an nn.Embedding's weight,
+    or a quantized embedding's file blocks (linear/embedding.py)."""
+    return (embed.raw, embed.ggml_type) if hasattr(embed, "ggml_type") else (embed.weight, 0)
+
+
 def why_not(model) -> str | None:
     """Why the model's steps cannot take the native loop, or None when they can."""
     if not model.config.is_plain_llama:  # the loop computes the Llama layer (and its sliding windows) only
         return f"the {model.config.model_type} layer (its norms, activation or RoPE) is not the loop's"
     if not model.prepared or not model.uses_fused_ops:
         return "the elementwise ops are not fused (float32, or no native library)"
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+    if _embedding_table(model.model.embed_tokens)[0].dtype not in (torch.bfloat16, torch.uint8):
         return "activations are not bfloat16"
     for layer in model.model.layers:
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -143,9 +150,10 @@ class NativeStep:
                                  cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale, cache.num_slots,
                                  cache.max_len)
             inner = self.model.model
-            embed, rotary = inner.embed_tokens.weight, inner.rotary
-            self._ends = _Ends(embed.data_ptr(), embed.shape[0], rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(),
-                               rotary.cos.shape[0], inner.norm.weight.data_ptr())
+            (table, ggml_type), rotary = _embedding_table(inner.embed_tokens), inner.rotary
+            self._ends = _Ends(table.data_ptr(), table.shape[0], ggml_type, table.stride(0) * table.element_size(),
+                               rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(), rotary.cos.shape[0],
+                               inner.norm.weight.data_ptr())
             self._layers = (cache, arr)
         return self._layers[1]
 

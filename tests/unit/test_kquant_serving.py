@@ -132,3 +132,30 @@ def test_kquant_refuses_a_file_whose_layers_are_not_all_k_quants_naming_the_tens
                       encode=encode, byte_tokenizer=True)
     with pytest.raises(PrecisionError, match=r"blk\.1\.ffn_up\.weight \(F32\)"):
         load_model(path, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=tmp_path)
+
+
+def test_the_embedding_is_served_from_the_files_blocks_bitwise_as_its_bfloat16_read(kquant_file, cache):
+    """A K-quant embedding stays in its blocks (the file's bytes: 4.3x smaller than bfloat16 for Q6_K)
+    and each looked-up row is what a bfloat16 read of the file holds, through the module and through the
+    native step's own lookup: logits bitwise those of the model with the bfloat16 table."""
+    from lmserve.model.linear.embedding import QuantizedEmbedding
+    from lmserve.model.native import build as native
+    from lmserve.model.native.step import NativeStep
+
+    path, _ = kquant_file
+    kq = load_model(path, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=cache)
+    embed = kq.model.model.embed_tokens
+    assert isinstance(embed, QuantizedEmbedding) and embed.ggml_type == int(Q.Q6_K)
+    with read_checkpoint(path) as ckpt:
+        table = ckpt.sources["model.embed_tokens.weight"].read(torch.bfloat16)
+        assert embed.raw.numel() == ckpt.sources["model.embed_tokens.weight"].nbytes
+    ids = torch.tensor([[0, 5, VOCAB - 1], [17, 17, 200]])
+    assert torch.equal(embed(ids), table[ids])
+    with pytest.raises(IndexError):
+        embed(torch.tensor([VOCAB]))
+    text = Qm.text_ids(kq.tokenizer, 120)
+    served = Qm.logits_of(kq.model, text, 64, kq.attention, torch.bfloat16)  # the native step where it runs
+    kq.model.model.embed_tokens = torch.nn.Embedding(*table.shape, _weight=table)
+    if kq.model.native_step is not None:  # a step whose tables point at the bfloat16 embedding
+        kq.model.native_step = NativeStep(native.loaded(), kq.model)
+    assert torch.equal(Qm.logits_of(kq.model, text, 64, kq.attention, torch.bfloat16), served)

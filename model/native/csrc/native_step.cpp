@@ -29,6 +29,7 @@
 #include <chrono>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "native_common.h"
 
 extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* sum_out,
@@ -177,8 +178,10 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
 }
 
 struct StepEnds {  // what a whole step needs beyond the layers
-    const uint16_t* embed;       // [vocab, D] token embeddings
+    const uint8_t* embed;        // [vocab, D] token embeddings: bfloat16, or rows of a GGML type's blocks
     int64_t vocab;
+    int64_t embed_type;          // 0: bfloat16 rows; else the GGML type of the rows (gguf_blocks.h)
+    int64_t embed_row_bytes;
     const uint16_t* cos;         // [table_len, d] RoPE tables by position (Rotary.cos, sin_signed)
     const uint16_t* sin_signed;
     int64_t table_len;
@@ -210,7 +213,10 @@ int lm_step_model(const StepLayer* layers, const StepShape* s, const StepEnds* e
     uint16_t* sin = cos + (size_t)N * d;
     uint16_t* picked = sin + (size_t)N * d;
     for (int t = 0; t < N; ++t) {
-        memcpy(x + (size_t)t * D, e->embed + ids[t] * D, D * sizeof(uint16_t));
+        if (e->embed_type == 0)
+            memcpy(x + (size_t)t * D, e->embed + ids[t] * e->embed_row_bytes, D * sizeof(uint16_t));
+        else if (!gguf::row_to_bf16((int)e->embed_type, e->embed + ids[t] * e->embed_row_bytes, D, x + (size_t)t * D))
+            return 1;
         memcpy(cos + (size_t)t * d, e->cos + rope_pos[t] * d, d * sizeof(uint16_t));
         memcpy(sin + (size_t)t * d, e->sin_signed + rope_pos[t] * d, d * sizeof(uint16_t));
     }
