@@ -189,27 +189,33 @@ static int64_t row_draw(const typename L::T* row, int vocab, float t, float lse,
     return last;
 }
 
+// row_scan after checking the arguments: 1 for a negative count, an empty vocabulary or a top-n wider
+// than the vocabulary or its output row, else 0.
+template <class T>
+static int checked_row_scan(const typename T::T* logits, int64_t row_stride, int rows, int vocab, const float* t,
+                            const int* n, const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index,
+                            float* out_lse, float* out_vals, int64_t* out_idx, int threads) {
+    if (rows < 0 || vocab < 1 || top_stride < 0) return 1;
+    for (int r = 0; n && r < rows; ++r)
+        if (n[r] < 0 || n[r] > vocab || n[r] > top_stride) return 1;
+    row_scan<T>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse, out_vals,
+                out_idx, threads);
+    return 0;
+}
+
 extern "C" {
 int lm_row_scan_f32(const float* logits, int64_t row_stride, int rows, int vocab, const float* t, const int* n,
                     const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index, float* out_lse,
                     float* out_vals, int64_t* out_idx, int threads) {
-    if (rows < 0 || vocab < 1 || top_stride < 0) return 1;
-    for (int r = 0; n && r < rows; ++r)
-        if (n[r] < 0 || n[r] > vocab || n[r] > top_stride) return 1;
-    row_scan<F32>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse, out_vals,
-                  out_idx, threads);
-    return 0;
+    return checked_row_scan<F32>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse,
+                                 out_vals, out_idx, threads);
 }
 
 int lm_row_scan_bf16(const uint16_t* logits, int64_t row_stride, int rows, int vocab, const float* t, const int* n,
                      const uint8_t* lse, int top_stride, float* out_max, int64_t* out_index, float* out_lse,
                      float* out_vals, int64_t* out_idx, int threads) {
-    if (rows < 0 || vocab < 1 || top_stride < 0) return 1;
-    for (int r = 0; n && r < rows; ++r)
-        if (n[r] < 0 || n[r] > vocab || n[r] > top_stride) return 1;
-    row_scan<BF16>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse, out_vals,
-                   out_idx, threads);
-    return 0;
+    return checked_row_scan<BF16>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse,
+                                  out_vals, out_idx, threads);
 }
 
 int64_t lm_row_draw_f32(const float* row, int vocab, float t, float lse, double u) {
