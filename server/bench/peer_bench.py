@@ -1,10 +1,11 @@
 """lmserve beside llama.cpp's `llama-server` in one run: the same GGUF, prompts and token counts.
 
     sh server/bench/build_llama_server.sh      # once: builds the peer into .cache/peers (~10 min)
-    lmserve bench peer [--rounds 3]
+    lmserve bench peer [--rounds 3] [--model gemma3 --api completions --skip json profile]
 
 One server at a time, each driven by the load generator's clients (lmserve through gRPC, the peer through
-its OpenAI API), streaming:
+its OpenAI API; with --api completions both through /v1/completions, the prompts sent as text, for a model
+without a chat template), streaming:
 - chat: the built-in chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32;
 - repeat: answers that repeat the prompt (code editing, quoting, document QA), greedy, at c=1, each
   to its end (EOS), at most 256 tokens; the peer runs without and with its n-gram speculation
@@ -36,25 +37,44 @@ from .constrained_bench import QUESTIONS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server"
-FLAGS = {"models_dir": None, "threads": os.cpu_count(), "requests": 8, "max_new_tokens": 128, "rounds": 3,
-         "skip": ("lmserve", "llama.cpp", "chat", "repeat", "json", "profile")}
+FLAGS = {"model": "smollm2", "models_dir": None, "threads": os.cpu_count(), "requests": 8, "max_new_tokens": 128,
+         "rounds": 3, "skip": ("lmserve", "llama.cpp", "chat", "repeat", "json", "profile")}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the peer's binary")
     p.add_argument("--repeat-max-new-tokens", type=int, default=256, help="most tokens of a repeat answer")
     p.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
+    p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="chat: the prompts as chat messages (lmserve through gRPC, the peer's /v1/chat/completions); "
+                        "completions: the same prompts as text to both servers' /v1/completions (a base model)")
 
 
-def drive(where: str, api: str, workload: str, concurrency: int, requests: int, max_new: int) -> dict:
-    """chat: EOS ignored, every request decodes max_new tokens; repeat: the answer as a user gets it (to EOS)."""
+def workload(name: str, api: str) -> tuple[list, str]:
+    """The workload's prompts and the load generator's API for `api` ("lmserve" or "openai": chat
+    messages; "completions": the same prompts as text, which an OpenAI client sends to /v1/completions)."""
+    from lmserve.client.bench import prompts as P
+
+    items = P.repeating_workload() if name == "repeat" else P.synthetic_workload()
+    if api != "completions":
+        return items, api
+    return [P.WorkItem(P.flatten_chat(it.prompt), it.max_new_tokens) for it in items], "openai"
+
+
+def apis(args) -> tuple[str, str]:
+    """The API lmserve and the peer are driven through: (lmserve's gRPC, the peer's chat) or both completions."""
+    return ("completions", "completions") if args.api == "completions" else ("lmserve", "openai")
+
+
+def drive(where: str, api: str, name: str, concurrency: int, requests: int, max_new: int) -> dict:
+    """chat: EOS ignored (`ignore_eos` in gRPC's SamplingParams and in both OpenAI APIs' bodies), every
+    request decodes max_new tokens; repeat: the answer as a user gets it (to EOS). api: workload()'s."""
     from lmserve.client.bench.load import wave
-    from lmserve.client.bench.prompts import repeating_workload, synthetic_workload
 
-    items = repeating_workload() if workload == "repeat" else synthetic_workload()
+    items, api = workload(name, api)
     _, agg = wave(where, concurrency, requests, max_new, api=api, items=items, warmup=min(2, requests),
-                  ignore_eos=workload != "repeat", timeout=600)
-    out = {"workload": workload, "concurrency": concurrency, "requests": requests, "completed": agg.completed,
+                  ignore_eos=name != "repeat", timeout=600)
+    out = {"workload": name, "concurrency": concurrency, "requests": requests, "completed": agg.completed,
            "failed": agg.failed, "output_tokens": agg.output_tokens,
            "tok_s": round(agg.output_token_throughput, 1),
            "itl_p50_ms": round(1e3 * agg.itl.p50, 2) if agg.itl else None,
@@ -125,8 +145,7 @@ def _repeat_rounds(starts: dict, rounds: int, max_new: int) -> dict[str, dict]:
         for _ in range(rounds):
             for name, (s, api) in live.items():
                 time.sleep(1.0)  # the previous server's worker threads stop spinning
-                rows[name].append(drive(s.grpc_target if api == "lmserve" else s.http_url, api, "repeat", 1, 6,
-                                         max_new))
+                rows[name].append(drive(_where(s, api), api, "repeat", 1, 6, max_new))
     out = {}
     for name, rs in rows.items():
         mid = statistics.median(r["tok_s"] for r in rs)
@@ -135,7 +154,12 @@ def _repeat_rounds(starts: dict, rounds: int, max_new: int) -> dict[str, dict]:
     return out
 
 
-def _step_profile(models_dir) -> dict | None:
+def _where(s: served.Served, api: str) -> str:
+    """The address a server is driven at: lmserve's gRPC target, or the OpenAI API's base URL."""
+    return s.grpc_target if api == "lmserve" else s.http_url
+
+
+def _step_profile(model: str, models_dir) -> dict | None:
     """lmserve's batch-1 decode step by phase in the default mode (step_profile.py in a process of its
     own, after the servers stopped): its summary, mode, kernels and the bytes a step streams."""
     import subprocess
@@ -143,7 +167,8 @@ def _step_profile(models_dir) -> dict | None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step_profile.json"
-        cmd = [sys.executable, "-m", "lmserve.client.cli", "bench", "step-profile", "--out", str(out), "--rounds", "3"]
+        cmd = [sys.executable, "-m", "lmserve.client.cli", "bench", "step-profile", "--out", str(out), "--rounds", "3",
+               "--model", model]
         if models_dir:
             cmd += ["--models-dir", str(models_dir)]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -185,16 +210,17 @@ def _each_alone(args, gguf: Path, lm_flags: list[str], peer: list[str]) -> dict:
     """lmserve, then llama-server, each serving alone: the chat runs and the json ones, unless skipped;
     per server its record (lmserve's with its startup line, the peer's with its flags)."""
     servers = {}
+    lm_api, peer_api = apis(args)
     if "lmserve" not in args.skip:
         with served.lmserve(lm_flags) as s:
             line = next((x for x in s.log.read_text().splitlines() if "lmserve listening" in x), "")
             servers["lmserve"] = {"startup_line": line.split("lmserve listening", 1)[-1].strip(),
-                                  "runs": _chat_runs(s.grpc_target, "lmserve", args)}
+                                  "runs": _chat_runs(_where(s, lm_api), lm_api, args)}
             if "json" not in args.skip:
                 servers["lmserve"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
     if "llama.cpp" not in args.skip:
         with served.llama_server(args.llama_server, gguf, peer) as s:
-            servers["llama.cpp"] = {"flags": peer, "runs": _chat_runs(s.http_url, "openai", args)}
+            servers["llama.cpp"] = {"flags": peer, "runs": _chat_runs(s.http_url, peer_api, args)}
             if "json" not in args.skip:
                 servers["llama.cpp"]["json"] = _json_runs(s.http_url, _model_id(s.http_url), 96, 2)
     return servers
@@ -204,15 +230,16 @@ def _repeat_servers(args, gguf: Path, lm_flags: list[str], peer: list[str]) -> d
     """The servers the repeat workload compares, name -> (start, api, flags): lmserve with speculation on
     and off, llama-server without and with its n-gram speculation (those not skipped)."""
     starts = {}
+    lm_api, peer_api = apis(args)
     if "lmserve" not in args.skip:
-        starts["lmserve"] = (lambda: served.lmserve(lm_flags), "lmserve", lm_flags)
+        starts["lmserve"] = (lambda: served.lmserve(lm_flags), lm_api, lm_flags)
         off = [*lm_flags, "--speculation", "off"]
-        starts["lmserve --speculation off"] = (lambda: served.lmserve(off), "lmserve", off)
+        starts["lmserve --speculation off"] = (lambda: served.lmserve(off), lm_api, off)
     if "llama.cpp" not in args.skip:
         for spec in (None, "ngram-simple", "ngram-mod"):
             flags = [*peer, "--spec-type", spec] if spec else peer
             starts[f"llama.cpp --spec-type {spec}" if spec else "llama.cpp"] = (
-                lambda flags=flags: served.llama_server(args.llama_server, gguf, flags), "openai", flags)
+                lambda flags=flags: served.llama_server(args.llama_server, gguf, flags), peer_api, flags)
     return starts
 
 
@@ -253,7 +280,9 @@ def run(args) -> dict:
 
     if "llama.cpp" not in args.skip and not args.llama_server.exists():
         raise SystemExit(f"{args.llama_server} is missing: run `sh server/bench/build_llama_server.sh` first")
-    gguf = resolve_model("smollm2", args.models_dir)
+    if args.api == "completions" and "json" not in args.skip:
+        raise SystemExit("the json runs ask /v1/chat/completions for a schema; with --api completions add --skip json")
+    gguf = resolve_model(args.model, args.models_dir)
     memory = {"read_bandwidth_before": read_bandwidth()}
     lm_flags = ["--model", str(gguf), "--threads", str(args.threads), *args.lmserve_flag]
     peer = peer_flags(args.threads)
@@ -266,13 +295,13 @@ def run(args) -> dict:
     ratios = _ratios(servers)
     memory["read_bandwidth_after"] = read_bandwidth()
     memory["machine_peaks"] = _machine_peaks()
-    profile = None if "profile" in args.skip else _step_profile(args.models_dir)
+    profile = None if "profile" in args.skip else _step_profile(args.model, args.models_dir)
     nbytes = {"llama.cpp": step_read_bytes(tensor_bytes(gguf))}
     if profile is not None:
         nbytes["lmserve"] = profile["linear_weight_bytes"]
     # the higher reading: a bound is the most the machine showed, so a share of it is not flattered
     gb_s = max(memory["read_bandwidth_before"]["median_gb_s"], memory["read_bandwidth_after"]["median_gb_s"])
-    report = {"gguf": gguf.name, "ratios": ratios, "memory": memory,
+    report = {"gguf": gguf.name, "api": args.api, "ratios": ratios, "memory": memory,
               "bounds_at_gb_s": gb_s, "bounds": _bounds(servers, nbytes, gb_s), "lmserve_step_profile": profile,
               "servers": servers}
     print(json.dumps(ratios, indent=2))

@@ -136,6 +136,38 @@ def test_peer_bounds_are_each_servers_step_bytes_at_the_bandwidth_and_the_share_
     assert out["b"]["bound_tok_s_c1"] == 1000.0 and "chat_c1_share_of_bound" not in out["b"]  # no chat run
 
 
+def test_peer_completions_send_the_chat_prompts_as_text_that_both_servers_read_with_eos_ignored():
+    """--api completions: the chat workload's prompts as text (no system turn), sent to /v1/completions
+    with the wave's max_tokens and ignore_eos, which lmserve's HTTP edge reads as EOS ignored."""
+    from types import SimpleNamespace
+
+    from lmserve.client.bench.load import BenchConfig
+    from lmserve.client.bench.prompts import synthetic_workload
+    from lmserve.client.openai_stream import OpenAIStreamClient
+    from lmserve.server.bench import peer_bench as PB
+    from lmserve.server.http.openai_requests import translate
+
+    chat, api = PB.workload("chat", "lmserve")
+    assert api == "lmserve" and chat == synthetic_workload()  # the chat runs are as they were
+    items, api = PB.workload("chat", "completions")
+    assert api == "openai" and len(items) == len(chat) == 36
+    assert items[0].prompt == "Explain the water cycle in one sentence."
+    assert [it.prompt for it in items] == [m.prompt[1].content for m in chat]  # the user turn of each
+    assert PB.workload("repeat", "completions")[0][1].prompt.startswith("Repeat the following paragraph word for word")
+    assert PB.apis(SimpleNamespace(api="completions")) == ("completions", "completions")
+    assert PB.apis(SimpleNamespace(api="chat")) == ("lmserve", "openai")
+
+    config = BenchConfig(concurrency=32, rate=None, requests=64, duration=None, warmup=2, max_new_tokens=128,
+                         temperature=0.0, seed=0, ignore_eos=True, timeout=600)  # as wave() builds it
+    path, body = OpenAIStreamClient("http://127.0.0.1:1/v1", model="gemma3")._payload(items[5].prompt,
+                                                                                        config.params(5, items[5]))
+    assert path == "/completions" and "messages" not in body
+    assert (body["prompt"], body["max_tokens"], body["ignore_eos"]) == (items[5].prompt, 128, True)
+    got = translate(body, chat=False).input
+    assert (got.prompt, got.params.max_new_tokens, got.params.ignore_eos, got.params.temperature) == (
+        items[5].prompt, 128, True, 0.0)
+
+
 def test_the_peer_streams_the_ggufs_tensors_which_are_nearly_the_whole_file(smollm2_gguf_path):
     from lmserve.server.bench.bounds import step_read_bytes, tensor_bytes
 
