@@ -79,6 +79,8 @@ def drive(where: str, api: str, name: str, concurrency: int, requests: int, max_
            "tok_s": round(agg.output_token_throughput, 1),
            "itl_p50_ms": round(1e3 * agg.itl.p50, 2) if agg.itl else None,
            "ttft_p50_ms": round(1e3 * agg.ttft.p50, 1) if agg.ttft else None}
+    if agg.failed:
+        out["errors"] = agg.errors  # what failed, by error code
     print(json.dumps(out), flush=True)
     return out
 
