@@ -55,6 +55,8 @@ BENCHMARKS = {b.name: b for b in (
               "grammar matcher libraries timed on the same vocabulary and constraints"),
     Benchmark("peer", "lmserve.server.bench.peer_bench",
               "lmserve beside llama.cpp's llama-server on the same GGUF and prompts"),
+    Benchmark("house-ab", "lmserve.server.bench.house_ab",
+              "served and engine tokens/s and TTFT: this checkout beside another (--base), taking turns"),
     Benchmark("shapes", "lmserve.server.bench.shapes_bench",
               "Llama-3.2-1B/3B and 3.1-8B shapes (random weights): start, memory, chat beside llama.cpp, read bound"),
 )}

@@ -4,6 +4,7 @@ way), or a peer such as llama.cpp's `llama-server`, each stopped when the `with`
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -94,13 +95,14 @@ def _serving(target: str) -> bool:
 
 
 @contextlib.contextmanager
-def _started(name: str, cmd: list[str], ready, startup_timeout: float):
-    """Process `cmd`, its output in a log file, until the `with` block ends. `ready(log, pid, t0)` is
-    polled until it returns the Served (None: not serving yet); a process that exits first fails."""
+def _started(name: str, cmd: list[str], ready, startup_timeout: float, env: dict[str, str] | None = None):
+    """Process `cmd` (in this environment, `env` added), its output in a log file, until the `with` block
+    ends. `ready(log, pid, t0)` is polled until it returns the Served (None: not serving yet); a process
+    that exits first fails."""
     log = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     memory = None  # the last reading while it started: what a process killed for memory had reached
     try:
         deadline = time.monotonic() + startup_timeout
@@ -118,9 +120,10 @@ def _started(name: str, cmd: list[str], ready, startup_timeout: float):
 
 
 def lmserve(flags: list[str], *, http: bool = True, metrics: bool = False, command=LMSERVE,
-            startup_timeout: float = 900):
+            startup_timeout: float = 900, env: dict[str, str] | None = None):
     """`lmserve serve` (or `command`, which logs the same startup lines) with these flags, gRPC and the
-    HTTP API on free ports it reports, /metrics when asked; yields a Served once health says SERVING."""
+    HTTP API on free ports it reports, /metrics when asked, `env` added to its environment; yields a
+    Served once health says SERVING."""
     metrics_port = _free_port() if metrics else 0  # the server logs no port it picked for /metrics
     cmd = [*command, "--port", "0", "--http-port", "-1" if http else "0", "--metrics-port", str(metrics_port),
            *flags]
@@ -135,7 +138,7 @@ def lmserve(flags: list[str], *, http: bool = True, metrics: bool = False, comma
                       f"http://127.0.0.1:{metrics_port}/metrics" if metrics else None, log, pid,
                       time.perf_counter() - t0)
 
-    return _started("lmserve", cmd, ready, startup_timeout)
+    return _started("lmserve", cmd, ready, startup_timeout, env)
 
 
 def llama_server(binary: Path, gguf: Path, flags: list[str], startup_timeout: float = 300):
