@@ -186,7 +186,8 @@ def _dequantize(buf, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
             raise UnsupportedQuantizationError(
                 f"tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized"
             ) from None
-        out[r0:r0 + step] = torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(-1, info.ne[0]))
+        # writable for torch (an F32 tensor's values are a view of the read-only mapping: copied here)
+        out[r0:r0 + step] = torch.from_numpy(np.require(arr, np.float32, "W").reshape(-1, info.ne[0]))
     return out.reshape(info.torch_shape)
 
 
