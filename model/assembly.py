@@ -28,7 +28,7 @@ from .errors import ModelLoadError, ShapeMismatchError
 from .linear import embedding as quantized_embedding
 from .linear import kernels as K
 from .linear.embedding import QuantizedEmbedding
-from .linear.formats import KQuantBlocks
+from .linear.formats import KQUANT_TYPES, KQuantBlocks
 from .linear.serving import fuse_linears, planned_linears
 from .llama import DecoderLayer, LlamaForCausalLM
 
@@ -120,9 +120,11 @@ EMBEDDING = "model.embed_tokens.weight"
 def _embedding_blocks(sources: Mapping[str, TensorSource], dtype: torch.dtype, device) -> KQuantBlocks | None:
     """The embedding's K-quant blocks when the model serves it from them: bfloat16 on CPU with the native
     library loaded (the rows it decodes are what a bfloat16 read of the file gives, bitwise)."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not quantized_embedding.available():
-        return None
-    blocks = sources[EMBEDDING].blocks()
+    src = sources[EMBEDDING]
+    if (dtype != torch.bfloat16 or torch.device(device).type != "cpu" or src.stored_as not in KQUANT_TYPES.values()
+            or not quantized_embedding.available()):
+        return None  # (another type's blocks are not even read)
+    blocks = src.blocks()
     return blocks if isinstance(blocks, KQuantBlocks) else None
 
 
