@@ -70,12 +70,15 @@ class _Connection:
         """The body as it arrives (chunked, or Content-Length bytes, or until the connection ends)."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
-                size = int((await self.reader.readline()).split(b";")[0], 16)
-                if size == 0:
-                    await self.reader.readline()  # the empty trailer
-                    return
-                data = await self.reader.readexactly(size)
-                await self.reader.readexactly(2)
+                try:
+                    size = int((await self.reader.readline()).split(b";")[0], 16)
+                    if size == 0:
+                        await self.reader.readline()  # the empty trailer
+                        return
+                    data = await self.reader.readexactly(size)
+                    await self.reader.readexactly(2)
+                except (ValueError, asyncio.IncompleteReadError):  # the stream ended or was cut mid-chunk
+                    raise ConnectionResetError("the server closed the connection mid-response") from None
                 yield data
         elif "content-length" in headers:
             yield await self.reader.readexactly(int(headers["content-length"]))
