@@ -64,3 +64,16 @@ def smollm2_tokenizer(smollm2_gguf_path):
 
     reader = gguf.GGUFReader(str(smollm2_gguf_path))
     return Tokenizer.from_gguf_fields({k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_gguf_path):
+    """Gemma 3's sentencepiece tokenizer (262,144 ids, no dummy prefix), read from the GGUF's metadata."""
+    import mmap
+
+    from lmserve.model.checkpoints.gguf_reader import read_directory
+    from lmserve.model.text.tokenizer import Tokenizer
+
+    with open(gemma3_gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        meta, _ = read_directory(buf)
+    return Tokenizer.from_gguf_fields({k: v for k, v in meta.items() if k.startswith("tokenizer.")})

@@ -17,6 +17,7 @@ never to text inside a message's content (which would let a user forge turns).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from functools import cached_property
@@ -28,6 +29,16 @@ from lmserve.model.errors import CheckpointNotFoundError, UnsupportedArchitectur
 
 # Token types shared by GGUF (llama.cpp) and sentencepiece's ModelProto.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _one_replacement_per_byte(error: UnicodeDecodeError) -> tuple[str, int]:
+    return "\ufffd", error.start + 1
+
+
+# The codecs error handler that decodes invalid UTF-8 as sentencepiece does: one U+FFFD for each byte
+# that does not start a valid character (Python's "replace" gives one per maximal invalid subpart).
+SENTENCEPIECE_ERRORS = "lmserve-sentencepiece"
+codecs.register_error(SENTENCEPIECE_ERRORS, _one_replacement_per_byte)
 
 # Turn-closing markers: when a chat template writes one of these and the vocabulary has it, the
 # model ends its reply with it, so it stops generation like the eos token does.
@@ -143,10 +154,17 @@ class Tokenizer:
     @cached_property
     def token_bytes(self) -> tuple[bytes, ...] | None:
         """The bytes each id contributes to decoded text, when that does not depend on the ids
-        around it (byte-level BPE: `decode(ids)` is the UTF-8 decoding of the concatenated bytes);
-        None for vocabularies whose decoding depends on context (sentencepiece's word-boundary
-        spaces). Lets a stream be detokenized in time proportional to its new bytes."""
+        around it (byte-level BPE, and sentencepiece without a dummy prefix, Gemma's: `decode(ids)` is the
+        UTF-8 decoding of the concatenated bytes, invalid bytes as `utf8_errors` says); None for
+        vocabularies whose decoding depends on context (a dummy prefix's word-boundary space). Lets a
+        stream be detokenized in time proportional to its new bytes."""
         return self._backend.token_bytes()
+
+    @property
+    def utf8_errors(self) -> str:
+        """The codecs error handler that turns `token_bytes` into the text `decode` gives: "replace" for
+        byte-level BPE, SENTENCEPIECE_ERRORS (one U+FFFD per invalid byte) for sentencepiece."""
+        return self._backend.utf8_errors
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry, spelled as the vocabulary spells it (e.g. `<|im_end|>`,
@@ -344,6 +362,7 @@ class _TokenizersBackend:
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
         self.special_text = {token.content: i for i, token in added.items() if token.special and token.content}
         self._plain = None  # a copy that reads special-token text as ordinary text, made on first use
+        self.utf8_errors = "replace"  # invalid bytes: one U+FFFD per maximal invalid subpart, as Python's "replace"
         self.vocab_size = max([tk.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
         self.default_bos_id = None
         self.default_eos_id = None
@@ -473,6 +492,14 @@ class _SentencePieceBackend:
         self._n_pieces = len(pieces)
         self._dummy_prefix = model_proto.normalizer_spec.add_dummy_prefix
         self._pieces = [p for p, _ in pieces]
+        self._types = [t for _, t in pieces]
+        # sentencepiece's decoder drops the leading space of the first piece of a call when the
+        # vocabulary adds a dummy prefix or removes extra whitespace; a denormalizer rewrites text;
+        # a suffix-space vocabulary drops a trailing one. With none of these, each id's text is fixed.
+        self._fixed_text = not (model_proto.normalizer_spec.add_dummy_prefix
+                                or model_proto.normalizer_spec.remove_extra_whitespaces
+                                or model_proto.denormalizer_spec.precompiled_charsmap
+                                or model_proto.trainer_spec.treat_whitespace_as_suffix)
         # Matched whole in text: control, unknown and user-defined pieces, and added tokens.
         matched = {p: i for i, (p, t) in enumerate(pieces) if t in (_CONTROL, _UNKNOWN, _USER_DEFINED) and p}
         self._extra: dict[int, str] = {}
@@ -489,6 +516,7 @@ class _SentencePieceBackend:
         self.vocab_size = max([self._n_pieces, *(i + 1 for i in self._extra)])
         self.special_text = {p: i for p, i in matched.items() if i in self.special_ids}
         self._split_plain = _alternation([p for p in matched if p not in self.special_text])
+        self.utf8_errors = SENTENCEPIECE_ERRORS
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         self.default_bos_id = bos if bos >= 0 else None
         self.default_eos_id = eos if eos >= 0 else None
@@ -554,8 +582,22 @@ class _SentencePieceBackend:
             ids += self._sp.encode(text[start:])
         return ids
 
-    def token_bytes(self) -> None:
-        return None  # a piece's leading space depends on where it falls
+    def token_bytes(self) -> tuple[bytes, ...] | None:
+        """Each id's bytes when decoding does not depend on context (no dummy prefix: Gemma's vocabulary):
+        a piece with its `▁` as a space, a byte-fallback piece `<0xNN>` the byte NN, a token rendered
+        apart (control, unknown, added) its text; None where a piece's leading space depends on where it
+        falls. Invalid UTF-8 then decodes as sentencepiece does it: one U+FFFD per byte (SENTENCEPIECE_ERRORS)."""
+        if not self._fixed_text:
+            return None
+        table = []
+        for i in range(self.vocab_size):
+            if i in self._rendered_apart or i >= self._n_pieces:
+                table.append((self.id_to_token(i) or "").encode("utf-8"))
+            elif self._types[i] == _BYTE:
+                table.append(bytes([int(self._pieces[i][3:5], 16)]))  # <0xNN>
+            else:
+                table.append(self._pieces[i].replace("\u2581", " ").encode("utf-8"))
+        return tuple(table)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         parts: list[str] = []
@@ -649,4 +691,4 @@ def _first_int(*values) -> int | None:
     return None
 
 
-__all__ = ["Tokenizer", "SUPPORTED_GGUF_PRE_TOKENIZERS"]
+__all__ = ["Tokenizer", "SENTENCEPIECE_ERRORS", "SUPPORTED_GGUF_PRE_TOKENIZERS"]

@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from lmserve.model.text.tokenizer import SENTENCEPIECE_ERRORS
+
 REALIGN = 3  # source tokens searched for the output's latest token where the output left its copy
 SEPARATOR = -1  # between a reference and the sequence: never a token, so no n-gram matches across it
 
@@ -73,8 +75,11 @@ class Speculation:
 def word_classes(tokenizer, vocab_size: int) -> tuple[int, ...] | None:
     """Each token id's class for matching: the id of the same text without its leading space where the
     vocabulary holds both (` The` -> `The`), else the id itself; None when no token pairs up. Byte-level
-    vocabularies are read from their token bytes, sentencepiece ones from their pieces (`▁The`)."""
+    vocabularies are read from their token bytes, sentencepiece ones from their pieces (`▁The`), also where
+    they have a byte table (Gemma's, whose runs of literal spaces would pair up by their bytes)."""
     table = getattr(tokenizer, "token_bytes", None)
+    if getattr(tokenizer, "utf8_errors", None) == SENTENCEPIECE_ERRORS:
+        table = None
     classes = list(range(vocab_size))
     if table is not None:
         ids: dict[bytes, int] = {}

@@ -1,6 +1,8 @@
 """IncrementalDetokenizer: streamed pieces add up to the full decode, never show a half-finished
 character as U+FFFD, and each step decodes a bounded window. Checked on SmolLM2's byte-level BPE
-and on a sentencepiece vocabulary with byte fallback."""
+and on a sentencepiece vocabulary with byte fallback. ByteStreamDetokenizer (fixed bytes per id): the
+same on SmolLM2's vocabulary and Gemma 3's (sentencepiece without a dummy prefix), where it also gives
+what the window detokenizer gave."""
 
 from __future__ import annotations
 
@@ -216,3 +218,74 @@ def test_byte_stream_emits_a_character_in_the_step_that_completes_it(smollm2_tok
     for n, piece in enumerate(out, 1):
         text += piece
         assert text == smollm2_tokenizer.decode(ids[:n]).rstrip(REPLACEMENT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3: a sentencepiece vocabulary read through a byte table
+
+
+def gemma_random_ids(tok, rng, n):
+    """Ids drawn to hit what sentencepiece decodes apart: byte-fallback pieces (often, so characters are
+    split and bytes are malformed), control tokens, user-defined pieces (newline and space runs),
+    pieces with a word-boundary space, and anything."""
+    pools = getattr(tok, "_test_pools", None)
+    if pools is None:
+        pieces = [tok.id_to_token(i) or "" for i in range(tok.vocab_size)]
+        pools = tok._test_pools = (
+            [i for i, p in enumerate(pieces) if len(p) == 6 and p.startswith("<0x") and p.endswith(">")],
+            sorted(tok.special_ids),
+            [i for i, p in enumerate(pieces) if p and set(p) <= {"\n", " ", "\t"}],
+            [i for i, p in enumerate(pieces) if p.startswith("\u2581")],
+        )
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        pool = pools[0] if r < 0.45 else pools[1] if r < 0.55 else pools[2] if r < 0.62 else pools[3] if r < 0.8 else None
+        out.append(rng.choice(pool) if pool else rng.randrange(tok.vocab_size))
+    return out
+
+
+def test_gemma_gets_a_byte_table_equal_to_sentencepiece_decode_of_every_id(gemma3_tokenizer):
+    tok = gemma3_tokenizer
+    table = tok.token_bytes
+    assert table is not None and len(table) == tok.vocab_size == 262144
+    assert isinstance(make_detokenizer(tok, [2, 9259]), ByteStreamDetokenizer)
+    wrong = [i for i in range(tok.vocab_size) if table[i].decode("utf-8", tok.utf8_errors) != tok.decode([i])]
+    assert wrong == []
+    assert table[tok.token_to_id("<0xE2>")] == b"\xe2" and table[tok.token_to_id("\u2581the")] == b" the"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_gemma_byte_stream_equals_sentencepiece_decode_and_the_window_detokenizer(gemma3_tokenizer, skip):
+    """Random ids (malformed bytes, special tokens, leading spaces): the streamed text is sentencepiece's decode
+    of the generated ids (a dropped special token is not there) and what the window detokenizer streamed
+    after the same prompt, wherever the prompt ends on a character boundary (the window took a prompt's
+    unfinished character as the prompt's; the byte stream, as for SmolLM2, starts with the generated ids)."""
+    tok = gemma3_tokenizer
+    rng = random.Random(11 + skip)
+    compared = 0
+    for _ in range(700):
+        ids = gemma_random_ids(tok, rng, rng.randint(1, 30))
+        prompt = gemma_random_ids(tok, rng, rng.randint(0, 8))
+        pieces = byte_stream(tok, ids, skip)
+        kept_ids = [i for i in ids if not (skip and i in tok.special_ids)]
+        assert "".join(pieces) == tok.decode(kept_ids, skip_special_tokens=skip), ids
+        if not tok.decode([i for i in prompt if i not in tok.special_ids]).endswith(REPLACEMENT):
+            assert "".join(pieces) == "".join(stream(tok, ids, prompt, skip)), (prompt, ids)
+            compared += 1
+    assert compared > 500
+    for text in STREAM_TEXTS + random_texts(7, 40):  # valid text: the same pieces, step by step
+        ids = tok.encode(text)
+        assert byte_stream(tok, ids, skip) == stream(tok, ids, tok.encode("Say:"), skip), text
+        assert "".join(byte_stream(tok, ids, skip)) == text
+
+
+def test_gemma_malformed_bytes_decode_one_replacement_per_byte_as_sentencepiece(gemma3_tokenizer):
+    tok = gemma3_tokenizer
+    byte = {b: tok.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    for raw in (b"\xe2\x82", b"\xe2\x82A", b"\xe2\x82\xe2\x82\xac", b"\xed\xa0\x80", b"\xc0\x80", b"\xf4\x90\x80\x80",
+                b"\xf0\x9f\x98", b"\xff\xfe"):
+        ids = [byte[b] for b in raw]
+        streamed = "".join(byte_stream(tok, ids))
+        assert streamed == tok.decode(ids) == tok._backend._sp.decode(ids), raw
+    assert "".join(byte_stream(tok, [byte[0xE2], byte[0x82]])) == REPLACEMENT * 2  # Python's "replace" gives one
