@@ -65,13 +65,47 @@ static inline bool any_greater(v16f a, v16f b) {  // some lane of a above b's
 #endif
 }
 
+// Built with -DLMSERVE_SCAN_ONE_BLOCK (tests only): the scan without its two shortcuts (a row at t = 1 skips the
+// products by t; the log-sum-exp's loop tests two blocks at a time for a moved maximum), which must give the
+// same bits.
+#ifdef LMSERVE_SCAN_ONE_BLOCK
+constexpr bool kShortcuts = false;
+#else
+constexpr bool kShortcuts = true;
+#endif
+
+static inline bool any_greater2(v16f a, v16f b, v16f c) {  // some lane of a or of b above c's
+#ifdef __AVX512F__
+    return (_mm512_cmp_ps_mask((__m512)a, (__m512)c, _CMP_GT_OQ) | _mm512_cmp_ps_mask((__m512)b, (__m512)c, _CMP_GT_OQ)) != 0;
+#else
+    return any_greater(a, c) || any_greater(b, c);
+#endif
+}
+
+// Whether some lane of x is a NaN, gathered over a row: a mask register under AVX-512 (no blend per block).
+struct NanSeen {
+#ifdef __AVX512F__
+    __mmask16 seen = 0;
+    void add(v16f x) { seen |= _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q); }
+    bool any() const { return seen != 0; }
+#else
+    v16f seen = v16f{};
+    void add(v16f x) { seen = (x != x) ? v16f{} + 1.0f : seen; }
+    bool any() const { return lanes_max(seen) != 0.0f; }
+#endif
+};
+
 // One row in one pass: its maximum and the first index holding it (out_max not null), the n largest
 // values (TOP) and the log-sum-exp at t (LSE). The maximum is kept per lane with the first index that
 // holds it (a lane moves only on a larger value), then the largest lane and, of the lanes holding it,
 // the lowest index; a NaN anywhere gives NaN and the first NaN's index. The log-sum-exp's lanes share
 // that running maximum, so a term's exponent t (x - max) is never positive: the clamp from above is left
-// out (exp_clamped's bits otherwise), and once every lane has seen a finite value no lane is masked.
-template <class L, bool TOP, bool LSE>
+// out (exp_clamped's bits otherwise). A lane that has seen only -inf holds nothing; once every lane has
+// seen a finite value (a lane's maximum only grows) the loop goes on without that mask. UNIT: t is 1, the
+// products by t left out (x * 1 is x: the same bits); logprobs rows ask at t = 1, and the exponential's
+// multiplies are what a block costs (the scan is compute-bound there: ~12 of its ~13 cycles a block of 16
+// on Zen 4 are multiplies and fused multiply-adds, one of them the product by t).
+template <class L, bool TOP, bool LSE, bool UNIT>
 static void scan_row(const typename L::T* row, int vocab, float t, int n, float* out_max, int64_t* out_index,
                      float* out_lse, float* out_vals, int64_t* out_idx) {
     auto load = [&](int j) {  // 16 values from j, -inf past the row
@@ -80,41 +114,86 @@ static void scan_row(const typename L::T* row, int vocab, float t, int n, float*
         for (int l = 0; l < 16; ++l) v[l] = j + l < vocab ? element(row, j + l) : -INFINITY;
         return v;
     };
+    auto at_t = [&](v16f x) { return UNIT ? x : x * t; };
     TopN top{out_vals, out_idx, n};
+    v16f floor = v16f{} - INFINITY;  // top.floor() in every lane: a block with nothing above it offers nothing
+    auto offer = [&](v16f v, int j) {
+        if (TOP && (top.count < n || any_greater(v, floor))) {
+            for (int l = 0; l < 16 && j + l < vocab; ++l) top.offer(v[l], j + l);
+            floor = v16f{} + top.floor();
+        }
+    };
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16i at = lane;
-    v16f m = v16f{} - INFINITY, sum = v16f{}, seen_nan = v16f{};
+    v16f m = v16f{} - INFINITY, sum = v16f{};
+    NanSeen nans;
     const v16f none = v16f{} - INFINITY;
-    bool empty = true;  // some lane has seen only -inf (it holds nothing)
-    for (int j = 0; j < vocab; j += 16) {
-        const v16f v = load(j);
-        if (TOP && (top.count < n || any_greater(v, v16f{} + top.floor())))
-            for (int l = 0; l < 16 && j + l < vocab; ++l) top.offer(v[l], j + l);
-        seen_nan = (v != v) ? v16f{} + 1.0f : seen_nan;
-        if (!LSE) {
+    int j = 0;
+    if (!LSE) {
+        for (; j < vocab; j += 16) {
+            const v16f v = load(j);
+            offer(v, j);
+            nans.add(v);
             const v16i up = v > m;
             m = up ? v : m;
             at = up ? lane + j : at;
-            continue;
         }
-        if (any_greater(v, m)) {  // a lane's maximum moves: rescale its sum
-            const v16i up = v > m;
-            const v16f moved = up ? v : m;
-            const v16f scale = exp_clamped((m - moved) * t);
-            sum = up ? (m == none ? v16f{} : sum * scale) : sum;
-            m = moved;
-            at = up ? lane + j : at;
-            empty = any_greater(v16f{} - FLT_MAX, m);  // some lane still -inf
+    } else {
+        bool empty = true;  // some lane has seen only -inf (it holds nothing)
+        for (; j < vocab && empty; j += 16) {
+            const v16f v = load(j);
+            offer(v, j);
+            nans.add(v);
+            if (any_greater(v, m)) {  // a lane's maximum moves: rescale its sum
+                const v16i up = v > m;
+                const v16f moved = up ? v : m;
+                const v16f scale = exp_clamped(at_t(m - moved));
+                sum = up ? (m == none ? v16f{} : sum * scale) : sum;
+                m = moved;
+                at = up ? lane + j : at;
+                empty = any_greater(v16f{} - FLT_MAX, m);  // some lane still -inf
+            }
+            const v16f e = exp_clamped<false>(at_t(v - m));  // (v - m) t <= 0, or NaN
+            sum = sum + (m == none ? v16f{} : e);
         }
-        const v16f e = exp_clamped<false>((v - m) * t);  // (v - m) t <= 0, or NaN
-        sum = sum + (empty ? (m == none ? v16f{} : e) : e);  // a lane that has seen only -inf holds nothing
+        auto step = [&](v16f v, int j) {  // every lane holds a finite maximum
+            if (any_greater(v, m)) {
+                const v16i up = v > m;
+                const v16f moved = up ? v : m;
+                const v16f scale = exp_clamped(at_t(m - moved));
+                sum = up ? sum * scale : sum;
+                m = moved;
+                at = up ? lane + j : at;
+            }
+            sum = sum + exp_clamped<false>(at_t(v - m));
+        };
+        for (; kShortcuts && j + 32 <= vocab; j += 32) {  // two blocks at a time, one branch for their maxima
+            const v16f a = L::load(row + j), b = L::load(row + j + 16);
+            nans.add(a);
+            nans.add(b);
+            offer(a, j);
+            offer(b, j + 16);
+            if (any_greater2(a, b, m)) {
+                step(a, j);
+                step(b, j + 16);
+            } else {
+                sum = sum + exp_clamped<false>(at_t(a - m));
+                sum = sum + exp_clamped<false>(at_t(b - m));
+            }
+        }
+        for (; j < vocab; j += 16) {
+            const v16f v = load(j);
+            offer(v, j);
+            nans.add(v);
+            step(v, j);
+        }
     }
-    const bool nan = lanes_max(seen_nan) != 0.0f;
+    const bool nan = nans.any();
     if (LSE) {
         const float mx = lanes_max(m);
-        v16f part = exp_clamped((m - mx) * t) * sum;
+        v16f part = exp_clamped(at_t(m - mx)) * sum;
         part = (m == none) ? v16f{} : part;
-        *out_lse = nan ? NAN : mx * t + logf(total(part));
+        *out_lse = nan ? NAN : (UNIT ? mx : mx * t) + logf(total(part));
     }
     if (!out_max) return;
     float mx = m[0];
@@ -155,10 +234,13 @@ static void row_scan(const typename L::T* x, int64_t row_stride, int rows, int v
         float* vals = k ? out_vals + (int64_t)r * top_stride : nullptr;
         int64_t* idx = k ? out_idx + (int64_t)r * top_stride : nullptr;
         const float tr = t ? t[r] : 1.0f;
-        if (k && sums) scan_row<L, true, true>(row, vocab, tr, k, mx, at, out_lse + r, vals, idx);
-        else if (k) scan_row<L, true, false>(row, vocab, tr, k, mx, at, nullptr, vals, idx);
-        else if (sums) scan_row<L, false, true>(row, vocab, tr, 0, mx, at, out_lse + r, nullptr, nullptr);
-        else scan_row<L, false, false>(row, vocab, tr, 0, mx, at, nullptr, nullptr, nullptr);
+        const bool unit = kShortcuts && tr == 1.0f;
+        if (k && sums && unit) scan_row<L, true, true, true>(row, vocab, tr, k, mx, at, out_lse + r, vals, idx);
+        else if (k && sums) scan_row<L, true, true, false>(row, vocab, tr, k, mx, at, out_lse + r, vals, idx);
+        else if (k) scan_row<L, true, false, false>(row, vocab, tr, k, mx, at, nullptr, vals, idx);
+        else if (sums && unit) scan_row<L, false, true, true>(row, vocab, tr, 0, mx, at, out_lse + r, nullptr, nullptr);
+        else if (sums) scan_row<L, false, true, false>(row, vocab, tr, 0, mx, at, out_lse + r, nullptr, nullptr);
+        else scan_row<L, false, false, false>(row, vocab, tr, 0, mx, at, nullptr, nullptr, nullptr);
     });
 }
 
