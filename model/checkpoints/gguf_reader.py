@@ -216,14 +216,14 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_q41: bool = False) -> GGUFCheckpoint:
-    """Read and dequantize a GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0 tensors' own
+    """Read and dequantize a GGUF file (keep_q41: also keep Q4_0/Q4_1/Q8_0/Q5_0 tensors' own
     blocks). Raises as open_gguf does, and UnsupportedQuantizationError for a tensor type gguf
     cannot dequantize."""
     ckpt = open_gguf(path)
     try:
         for name, src in ckpt.sources.items():  # one tensor at a time: peak memory is one float32 copy
             ckpt.tensors[name] = src.read(dtype)
-            kept = {"Q4_0": ckpt.q41, "Q4_1": ckpt.q41, "Q8_0": ckpt.q80}.get(src.stored_as) if keep_q41 else None
+            kept = {"Q4_0": ckpt.q41, "Q4_1": ckpt.q41, "Q8_0": ckpt.q80, "Q5_0": ckpt.q80}.get(src.stored_as) if keep_q41 else None
             if kept is not None:
                 kept[name] = src.blocks()
             src.release()
@@ -336,7 +336,7 @@ def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
 
 
 def _quant_blocks(buf, info: TensorInfo):
-    """A Q4_0/Q4_1 (formats.Q41Blocks) or Q8_0 (formats.Q80Blocks) tensor's own codes and steps, a
+    """A Q4_0/Q4_1 (formats.Q41Blocks) or Q8_0/Q5_0 (formats.Q80Blocks) tensor's own codes and steps, a
     Q4_K/Q5_K/Q6_K tensor's bytes as stored (formats.KQuantBlocks), or None for other types."""
     from gguf import GGMLQuantizationType as T
 
@@ -346,7 +346,8 @@ def _quant_blocks(buf, info: TensorInfo):
         row_bytes = info.ne[0] // QK_K * KQUANT_BLOCK_BYTES[info.type_id]
         raw = np.frombuffer(buf, np.uint8, row_bytes * info.ne[1], info.offset).reshape(info.ne[1], row_bytes)
         return KQuantBlocks.from_raw(raw, info.type_id)
-    read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw)}
+    read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw),
+            T.Q5_0: (22, Q80Blocks.from_raw_q50)}
     if info.type_id not in read:
         return None
     block_bytes, parse = read[info.type_id]

@@ -6,7 +6,8 @@ Two sources:
   torch's kernel, or Q8_0's recipe per block of 32 for the native one; int4 = Q4_1's recipe per
   group of 32 (asymmetric: min and step, q in 0..15);
 - a GGUF tensor already stored as Q4_0/Q4_1 (`Q41Blocks`; Q4_0's w = d * (q - 8) is Q4_1 with
-  m = -8 d) or Q8_0 (`Q80Blocks`): its codes, steps and minimums are served as they are.
+  m = -8 d) or Q8_0 (`Q80Blocks`; Q5_0's w = d * (q - 16) is Q8_0 with codes q - 16): its codes, steps
+  and minimums are served as they are.
   Q4_1 reads w = d * q + m; torch's int4 kernels read w = (q - 8) * scale + zero, so scale = d
   and zero = m + 8 d, the same weight, with d and m rounded from float16 to the activation dtype
   (bfloat16 on CPU). The native kernel (quant_matmul.py) keeps d and m in float16;
@@ -92,6 +93,21 @@ class Q80Blocks:
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
         q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)  # [N, K]
         return Q80Blocks(torch.from_numpy(q), torch.from_numpy(d))
+
+    @staticmethod
+    def from_raw_q50(raw: np.ndarray) -> "Q80Blocks":
+        """raw [N, K/32 * 22] bytes of GGUF Q5_0 blocks: float16 d, 32 high bits, 16 bytes of low nibbles;
+        w = d * (q - 16) with q in 0..31. The same weights exactly as 8-bit codes q - 16 under the same d
+        (Q8_0's layout, which the native kernel serves; 34 bytes a block instead of 22)."""
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 22)  # [N, K/32, 22]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        high = blocks[..., 2:6].copy().view("<u4")  # [N, K/32, 1]: bit j is code j's fifth bit
+        high = (high >> np.arange(32, dtype=np.uint32)) & 1  # [N, K/32, 32]
+        nib = blocks[..., 6:]  # [N, K/32, 16]: codes j (low nibble) and j + 16 (high nibble)
+        low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # [N, K/32, 32]
+        q = (low.astype(np.int8) | (high.astype(np.int8) << 4)) - np.int8(16)
+        return Q80Blocks(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(d))
 
     def rows(self, index: Tensor) -> "Q80Blocks":
         return Q80Blocks(self.q[index], self.d[index])

@@ -21,9 +21,11 @@ are measured here, on the model's real shapes, at load:
           products), for the LM head, whose output the int8 step barely moves. Q8_0 blocks (a step
           per 32 weights) are finer than torch int8's step per row: the mode's quality check
           (precision.py) covers the kernels chosen.
-- native-kquant / native-kquant-a8: the same kernel's K-quant path (kquant_matmul.cpp) on a GGUF
-          file's own Q4_K, Q5_K and Q6_K blocks, a fused weight's parts each in its own type, with
-          two activation codes or one.
+- native-kquant / native-kquant-a8: a GGUF file's own blocks, whatever their type, with two
+          activation codes or one: Q4_K, Q5_K and Q6_K on the kernel's K-quant path (kquant_matmul.cpp),
+          a fused weight's parts each in its own type; the Q8_0 and Q5_0 (as 8-bit codes, exactly) or
+          Q4_0/Q4_1 tensors that llama.cpp's K-quant mixes hold where a row is not a multiple of 256 on
+          the int8 / int4 paths above.
 
 Invariance: a kernel is batch-invariant when every output row is bitwise the same whatever other
 rows share the call (1 row, a decode batch, a packed prompt). Some GEMMs change their blocking or
@@ -34,7 +36,6 @@ model's own weights.
 from __future__ import annotations
 
 import copy
-
 import time
 from dataclasses import dataclass
 
@@ -272,6 +273,10 @@ class WeightSource:
         held = {} if blocks is None else {fields[type(blocks)]: [blocks] if isinstance(blocks, KQuantBlocks) else blocks}
         return WeightSource(weight, bias, **held, **kw)
 
+    def file_blocks(self):
+        """The file's own blocks of every part (K-quant, Q8_0-coded or Q4_1-coded), or None."""
+        return next((b for b in (self.kq, self.q80, self.q41) if b is not None), None)
+
     def floats(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [N, K] in `dtype` (each part read and converted in turn)."""
         if len(self.parts) == 1:
@@ -321,9 +326,9 @@ def build(kernel: str, src: WeightSource, dtype: torch.dtype) -> nn.Module:
         blocks = src.q41 if src.q41 is not None else src.quantized(lambda w: quantize_q41(w).half_steps())
         return NativeQuantLinear(blocks, bias, precise=kernel == "native-int4")
     if kernel in ("native-kquant", "native-kquant-a8"):
-        if src.kq is None:
-            raise ValueError("native-kquant serves a GGUF file's own Q4_K/Q5_K/Q6_K blocks; this weight has none")
-        return NativeQuantLinear(src.kq, bias, precise=kernel == "native-kquant")
+        if src.file_blocks() is None:
+            raise ValueError("native-kquant serves a GGUF file's own blocks; this weight has none of one format")
+        return NativeQuantLinear(src.file_blocks(), bias, precise=kernel == "native-kquant")
     if kernel in ("native-int8", "native-int8-a8"):
         return NativeQuantLinear(src.q80 if src.q80 is not None else src.quantized(quantize_q80), bias,
                                  precise=kernel == "native-int8")

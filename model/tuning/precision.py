@@ -1,8 +1,8 @@
 """Precision modes and the per-machine choice of mode and kernels, measured at load and cached on disk.
 
 A mode is (compute dtype, weight quantization): float32, bfloat16, float16, bfloat16+int8,
-bfloat16+int4, and on a GGUF file whose layers are K-quants bfloat16+kquant (its Q4_K/Q5_K/Q6_K blocks
-served as they are, each tensor in its own type). `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
+bfloat16+int4, and on a GGUF file of K-quants bfloat16+kquant (its own blocks served as they are, each
+tensor in its own type: Q4_K/Q5_K/Q6_K, and the Q8_0/Q5_0/Q4_0/Q4_1 of rows that are not a multiple of 256). `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
 mode's linear layers are timed on the model's real weights at the decode batch buckets, each
 kernel is checked for batch invariance (kernels.py), and the fastest mode whose quality on the
 held-out text stays within quality.py's bounds (against this checkpoint in float32) wins.
@@ -29,8 +29,15 @@ from ..errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4", "kquant")  # kquant: a GGUF file's own Q4_K/Q5_K/Q6_K blocks
-KQUANT_STORED = ("Q4_K", "Q5_K", "Q6_K")  # the types bfloat16+kquant serves
+QUANTIZATIONS = ("none", "int8", "int4", "kquant")  # kquant: a GGUF file's own blocks, each tensor in its type
+KQUANT_STORED = ("Q4_K", "Q5_K", "Q6_K")  # K-quants: a file with one of them offers bfloat16+kquant
+# The types bfloat16+kquant serves as they are, by the kernel path that takes them (Q5_0 as 8-bit codes):
+# llama.cpp's K-quant mixes store a row that is not a multiple of 256 (Gemma 3 270M's 640, SmolLM2's 576)
+# in Q5_0/Q5_1/Q8_0 instead. Q5_1 (Q5_K's fallback) has a minimum that 8-bit codes without one cannot hold.
+FILE_PATHS = {"Q4_K": "K-quant", "Q5_K": "K-quant", "Q6_K": "K-quant", "Q8_0": "8-bit", "Q5_0": "8-bit",
+              "Q4_0": "4-bit", "Q4_1": "4-bit"}
+_FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
+                "ffn_up": "ffn_gate_up"}  # GGUF names of the parts that load as one fused weight
 TIMED_BYTES = 256 << 20  # float32 weight bytes of the layers timed: far beyond any last-level cache, so the
 # timing streams weights from memory as serving does (4 SmolLM2 layers fit a 32 MB L3 in bfloat16 and
 # made bfloat16 look faster than int4 on a machine where it is 3x slower)
@@ -101,15 +108,16 @@ def candidate_modes(device: torch.device, dtype, quantization: str | None,
             raise PrecisionError(f"--quantization {q} is served on CPU only (weight-only CPU kernels); "
                                  f"on {device.type} use --quantization none with bfloat16 or float16")
         return [Mode(dt or torch.bfloat16)]
-    not_kquant = [f"{name} ({t})" for name, t in (stored or {}).items() if t not in KQUANT_STORED]
-    file_modes = [Mode(torch.bfloat16, "kquant")] if stored and not not_kquant else []
+    not_kquant = kquant_refusal(stored or {})
+    file_modes = ([Mode(torch.bfloat16, "kquant")]
+                  if stored and not not_kquant and any(t in KQUANT_STORED for t in stored.values()) else [])
     if q in ("int8", "int4", "kquant"):
         if dt not in (None, torch.bfloat16):
             raise PrecisionError(f"--quantization {q} computes in bfloat16 on CPU (its kernels have no fast "
                                  f"path for {str(dt).removeprefix('torch.')} activations); use --dtype bfloat16 or auto")
         if q == "kquant" and not_kquant:
-            raise PrecisionError("--quantization kquant serves a GGUF file's Q4_K, Q5_K and Q6_K tensors as they are; "
-                                 f"this checkpoint stores {not_kquant[0]} (use auto, int8 or int4)")
+            raise PrecisionError(f"--quantization kquant serves a GGUF file's own {', '.join(FILE_PATHS)} tensors "
+                                 f"as they are; {not_kquant} (use auto, int8 or int4)")
         return [Mode(torch.bfloat16, q)]
     if q == "none":
         return [Mode(dt)] if dt is not None else [Mode(torch.float32), Mode(torch.bfloat16)]
@@ -122,6 +130,22 @@ def candidate_modes(device: torch.device, dtype, quantization: str | None,
     if dt == torch.bfloat16:
         return [Mode(dt), Mode(dt, "int8"), Mode(dt, "int4"), *file_modes]
     return [Mode(dt)]
+
+
+def kquant_refusal(stored: dict[str, str]) -> str | None:
+    """Why bfloat16+kquant cannot serve these layer weights (name -> stored type) as the file holds
+    them, naming the tensor, or None: a type outside FILE_PATHS, or the parts of one fused weight
+    (q|k|v, gate|up) on different kernel paths."""
+    seen: dict[tuple, tuple[str, str]] = {}
+    for name, t in stored.items():
+        if t not in FILE_PATHS:
+            return f"this checkpoint stores {name} ({t})"
+        parts = name.split(".")
+        fused = (parts[1], _FUSED_PARTS.get(parts[2], parts[2])) if parts[0] == "blk" and len(parts) == 4 else (name,)
+        first = seen.setdefault(fused, (name, t))
+        if FILE_PATHS[first[1]] != FILE_PATHS[t]:
+            return f"{first[0]} ({first[1]}) and {name} ({t}) are parts of one fused weight on different kernel paths"
+    return None
 
 
 # ---- the machine and the cache key ----------------------------------------------------------------
@@ -145,8 +169,9 @@ def cpu_identity() -> dict:
 # the quantized mode that serves the file's own blocks before int8; 4: int4 may take one centred
 # activation code, native-int4-a8, within the quality bounds; 5: the head timed on a slice of its rows,
 # candidates checked for invariance over their first layers and their quality streamed a layer at a time;
-# 6: bfloat16+kquant on K-quant files).
-CHOICE_VERSION = 6
+# 6: bfloat16+kquant on K-quant files; 7: kquant also serves a mix's Q8_0/Q5_0/Q4_0/Q4_1 tensors, int8 a
+# file's Q5_0 as its own codes).
+CHOICE_VERSION = 7
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -217,6 +242,8 @@ def measure_mode(config, mode: Mode, batch_invariant: bool, device: torch.device
     for role in K.ROLES:
         kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device)
                    if role == "head" or k not in exclude]
+        if mode.quantization == "kquant" and role == "head" and any(s.kq is None for s in sources[role]):
+            kernels = [k for k in kernels if not k.startswith("native-kquant")]  # int8 (a Q8_0 head: its own codes)
         if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
             kernels = [k for k in kernels if k.startswith("native")] or kernels
         ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
@@ -280,12 +307,14 @@ _BITS = {"none": 0, "int8": 1, "int4": 2, "kquant": 2}
 
 def file_exact_modes(sources: dict[str, list[K.WeightSource]], modes) -> frozenset:
     """The quantized modes that serve every layer's own blocks from the file (int4: Q4_0/Q4_1,
-    int8: Q8_0, kquant: Q4_K/Q5_K/Q6_K) instead of quantizing its dequantized weights again. On a Q4_1 GGUF int4 is the
+    int8: Q8_0/Q5_0, kquant: any of FILE_PATHS) instead of quantizing its dequantized weights again. On a Q4_1 GGUF int4 is the
     file itself and int8 adds a rounding (SmolLM2: mean KL 0.0017 in int4 against 0.0032 in int8)."""
     layer_roles = [r for r in K.ROLES if r != "head"]
 
     def exact(md) -> bool:
-        field = {"int4": "q41", "int8": "q80", "kquant": "kq"}.get(md.quantization)
+        if md.quantization == "kquant":
+            return all(s.file_blocks() is not None for r in layer_roles for s in sources[r])
+        field = {"int4": "q41", "int8": "q80"}.get(md.quantization)
         return field is not None and all(getattr(s, field) is not None for r in layer_roles for s in sources[r])
     return frozenset(md for md in modes if exact(md))
 
@@ -475,7 +504,7 @@ def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.de
     return plan
 
 
-__all__ = ["ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
+__all__ = ["FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
            "reference_plan", "uses_one_code", "ModeBuilder", "INVARIANCE_LAYERS",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "parse_dtype", "asdict"]

@@ -159,3 +159,77 @@ def test_the_embedding_is_served_from_the_files_blocks_bitwise_as_its_bfloat16_r
     if kq.model.native_step is not None:  # a step whose tables point at the bfloat16 embedding
         kq.model.native_step = NativeStep(native.loaded(), kq.model)
     assert torch.equal(Qm.logits_of(kq.model, text, 64, kq.attention, torch.bfloat16), served)
+
+
+# ---- a mix whose rows are not all a multiple of 256 -------------------------------------------------
+# llama.cpp stores a K-quant mix's tensors whose rows cannot hold 256-weight super-blocks (Gemma 3 270M's
+# 640, SmolLM2's 576) in Q5_0 / Q8_0 instead of Q4_K / Q6_K; Gemma 3 270M's own Q4_K_M file holds q, k,
+# gate and up in Q5_0, v in Q8_0 or Q5_0, o and down in Q4_K / Q6_K and the embedding in Q8_0. This tiny
+# file holds the same pattern (its rows are 256 wide, the types chosen per tensor as in that file).
+
+def fallback_mix(name: str, arr: np.ndarray):
+    from gguf import quants
+
+    layer0 = name.startswith("model.layers.0.")
+    if name == "model.embed_tokens.weight" or (layer0 and ".v_proj." in name):
+        return quants.quantize(arr, Q.Q8_0), Q.Q8_0
+    if ".o_proj." in name or ".down_proj." in name:
+        qtype = Q.Q6_K if layer0 and ".down_proj." in name else Q.Q4_K
+        return CODECS[qtype](arr), qtype
+    return quants.quantize(arr, Q.Q5_0), Q.Q5_0
+
+
+@pytest.fixture(scope="module")
+def fallback_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-fallback-mix.gguf", tiny_llama(9),
+                      encode=fallback_mix, byte_tokenizer=True)
+
+
+def test_q5_0_and_q8_0_tensors_of_a_k_quant_mix_keep_their_own_weights_as_8_bit_codes(fallback_file):
+    from lmserve.model.linear.formats import Q80Blocks
+
+    with read_checkpoint(fallback_file) as ckpt:
+        src = ckpt.sources
+        stored = CheckpointModes(ckpt.config, src).stored_types()
+        assert stored["blk.1.attn_v.weight"] == "Q5_0" and stored["blk.0.attn_v.weight"] == "Q8_0"
+        for name in [n for n in src if n.startswith("model.layers.") and n.endswith("proj.weight")]:
+            blocks = src[name].blocks()
+            assert type(blocks) is (KQuantBlocks if (".o_proj." in name or ".down_proj." in name) else Q80Blocks)
+            # the weights a float read of the file gives (gguf's own dequantization, bitwise: test_gguf_dequant)
+            assert torch.equal(blocks.dequantize(), src[name].read()), name
+
+
+def test_kquant_serves_a_mix_with_q5_0_and_q8_0_tensors_within_the_quality_bounds(fallback_file, cache):
+    from lmserve.model.linear.formats import Q80Blocks
+
+    kq = load_model(fallback_file, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=cache)
+    assert kq.mode == "bfloat16+kquant"
+    for layer in kq.model.model.layers:
+        assert layer.self_attn.qkv_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 8  # Q5_0 | Q8_0 codes
+        assert layer.self_attn.o_proj.bits == QM.KQUANT_BITS and layer.mlp.down_proj.bits == QM.KQUANT_BITS
+    with read_checkpoint(fallback_file) as ckpt:  # the packed 8-bit codes are the file's, not re-quantized
+        src = ckpt.sources
+        names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+        packed = QM.pack_q8(Q80Blocks.cat([src[n].blocks() for n in names]))
+    assert torch.equal(kq.model.model.layers[1].self_attn.qkv_proj.packed, packed)
+    reference = load_model(fallback_file, dtype="float32", quantization="none", device="cpu", cache_dir=cache)
+    ids = Qm.text_ids(kq.tokenizer, 200)
+    want = Qm.logits_of(reference.model, ids, 128)
+    got = Qm.logits_of(kq.model, ids, 128)
+    q = Qm.compare(want, got, ids, 128)
+    assert q.mean_kl <= Qm.MAX_MEAN_KL, q.as_dict()
+    assert ((got.float() - want).abs().amax(-1) <= 0.25 * want.std(-1)).all()
+    assert model_batch_invariant(kq.model, ids)
+    loaded = load_model(fallback_file, device="cpu", cache_dir=cache)  # auto: the mix is a candidate mode
+    assert "bfloat16+kquant" in loaded.plan.measurements["modes"], list(loaded.plan.measurements["modes"])
+
+
+def test_kquant_refuses_a_fused_weight_whose_parts_need_different_kernel_paths_naming_both(tmp_path):
+    def encode(name, arr):
+        from gguf import quants
+        if name == "model.layers.1.self_attn.v_proj.weight":
+            return quants.quantize(arr, Q.Q8_0), Q.Q8_0
+        return q4k_encode(arr), Q.Q4_K
+    path = write_gguf(tmp_path / "fused-mix.gguf", tiny_llama(8), encode=encode, byte_tokenizer=True)
+    with pytest.raises(PrecisionError, match=r"blk\.1\.attn_k\.weight \(Q4_K\) and blk\.1\.attn_v\.weight \(Q8_0\)"):
+        load_model(path, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=tmp_path)
