@@ -28,7 +28,7 @@ from .errors import ModelLoadError, ShapeMismatchError
 from .linear import embedding as quantized_embedding
 from .linear import kernels as K
 from .linear.embedding import QuantizedEmbedding
-from .linear.formats import KQUANT_TYPES, KQuantBlocks
+from .linear.formats import KQUANT_TYPES, KQuantBlocks, Q80Blocks
 from .linear.serving import fuse_linears, planned_linears
 from .llama import DecoderLayer, LlamaForCausalLM
 
@@ -117,15 +117,16 @@ def _linear_weights(shapes: Mapping[str, tuple]) -> set[str]:
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def _embedding_blocks(sources: Mapping[str, TensorSource], dtype: torch.dtype, device) -> KQuantBlocks | None:
-    """The embedding's K-quant blocks when the model serves it from them: bfloat16 on CPU with the native
-    library loaded (the rows it decodes are what a bfloat16 read of the file gives, bitwise)."""
+def _embedding_blocks(sources: Mapping[str, TensorSource], dtype: torch.dtype, device) -> KQuantBlocks | Q80Blocks | None:
+    """The embedding's own blocks when the model serves it from them (K-quants, Q8_0 and Q5_0): bfloat16
+    on CPU with the native library loaded (the rows it decodes are what a bfloat16 read of the file gives,
+    bitwise)."""
     src = sources[EMBEDDING]
-    if (dtype != torch.bfloat16 or torch.device(device).type != "cpu" or src.stored_as not in KQUANT_TYPES.values()
-            or not quantized_embedding.available()):
+    if (dtype != torch.bfloat16 or torch.device(device).type != "cpu"
+            or src.stored_as not in (*KQUANT_TYPES.values(), "Q8_0", "Q5_0") or not quantized_embedding.available()):
         return None  # (another type's blocks are not even read)
     blocks = src.blocks()
-    return blocks if isinstance(blocks, KQuantBlocks) else None
+    return blocks if isinstance(blocks, (KQuantBlocks, Q80Blocks)) else None
 
 
 def build_model(cfg: ModelConfig, weights: Mapping[str, Tensor | TensorSource], dtype: torch.dtype,

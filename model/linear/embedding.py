@@ -1,4 +1,4 @@
-"""The token embedding served from a GGUF file's own K-quant blocks: the table stays at the file's size
+"""The token embedding served from a GGUF file's own blocks (K-quants, or Q8_0 / Q5_0 as Q8_0 bytes): the table stays at the file's size
 (a Llama-3.1-8B Q4_K_M's 128256 x 4096 table is 0.29 GB as Q4_K, 1.05 GB in bfloat16) and each looked-up
 row is decoded to bfloat16 when a step needs it (model/native/csrc/gguf_blocks.h: the values a bfloat16
 read of the file gives, bitwise). The native step decodes its rows itself (native_step.cpp StepEnds)."""
@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from ..native.build import bound
-from .formats import KQuantBlocks
+from .formats import KQuantBlocks, Q80Blocks
+
+Q8_0 = 8  # GGML type id
 
 
 class _RowsBf16:
@@ -28,16 +30,17 @@ def available() -> bool:
 
 
 class QuantizedEmbedding(nn.Module):
-    """ids [...] -> bfloat16 rows [..., D] of a K-quant table (CPU). `raw` is the file's bytes, one row
+    """ids [...] -> bfloat16 rows [..., D] of a K-quant or Q8_0 table (CPU). `raw` is the file's bytes, one row
     of blocks per token id; `ggml_type` their type."""
 
     dtype = torch.bfloat16
 
-    def __init__(self, blocks: KQuantBlocks):
+    def __init__(self, blocks: KQuantBlocks | Q80Blocks):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = blocks.shape
-        self.ggml_type = blocks.qtype
-        self.register_buffer("raw", blocks.raw.contiguous(), persistent=False)  # [V, row bytes] uint8
+        self.num_embeddings, self.embedding_dim = blocks.shape if isinstance(blocks, KQuantBlocks) else blocks.q.shape
+        self.ggml_type = blocks.qtype if isinstance(blocks, KQuantBlocks) else Q8_0
+        raw = blocks.raw if isinstance(blocks, KQuantBlocks) else blocks.to_raw()
+        self.register_buffer("raw", raw.contiguous(), persistent=False)  # [V, row bytes] uint8
 
     @property
     def row_bytes(self) -> int:

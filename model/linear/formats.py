@@ -120,6 +120,13 @@ class Q80Blocks:
         """[N, K] float32."""
         return self.q.float() * self.d.repeat_interleave(GROUP, 1)
 
+    def to_raw(self) -> Tensor:
+        """The GGUF Q8_0 bytes of these blocks, [N, K/32 * 34] uint8: a Q8_0 tensor's own bytes, and a
+        Q5_0 tensor's weights exactly (its step is a float16 already)."""
+        n = self.q.shape[0]
+        d = self.d.half().view(torch.uint8).reshape(n, -1, 2)  # [N, K/32, 2]
+        return torch.cat([d, self.q.view(torch.uint8).reshape(n, -1, GROUP)], dim=-1).reshape(n, -1)
+
 
 def quantize_q80(w: Tensor) -> Q80Blocks:
     """Q8_0's recipe on a float weight [N, K] (K a multiple of 32): per block, d = max|w| / 127

@@ -211,7 +211,12 @@ def test_kquant_serves_a_mix_with_q5_0_and_q8_0_tensors_within_the_quality_bound
         src = ckpt.sources
         names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
         packed = QM.pack_q8(Q80Blocks.cat([src[n].blocks() for n in names]))
+        table = src["model.embed_tokens.weight"].read(torch.bfloat16)
     assert torch.equal(kq.model.model.layers[1].self_attn.qkv_proj.packed, packed)
+    embed = kq.model.model.embed_tokens  # the Q8_0 table stays in its bytes; rows as a bfloat16 read gives them
+    assert embed.ggml_type == int(Q.Q8_0) and embed.raw.numel() == table.numel() // 32 * 34
+    every = torch.arange(VOCAB)[None]
+    assert torch.equal(embed(every), table[every])
     reference = load_model(fallback_file, dtype="float32", quantization="none", device="cpu", cache_dir=cache)
     ids = Qm.text_ids(kq.tokenizer, 200)
     want = Qm.logits_of(reference.model, ids, 128)
