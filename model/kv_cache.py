@@ -202,13 +202,7 @@ class KVCache:
     def copy_prefix(self, src: int, dst: int, length: int, start: int = 0, layers: tuple[int, ...] | None = None) -> None:
         """Positions [start, length) of slot src -> slot dst, in `layers` (all by default), every head
         (a prefix-cache hit; a sliding layer's copy starts where the continuation's window does)."""
-        if layers is None:
-            self.k[:, dst, :, start:length].copy_(self.k[:, src, :, start:length])
-            self.v[:, dst, :, start:length].copy_(self.v[:, src, :, start:length])
-            if self.scales is not None:
-                self.scales[:, dst, start:length].copy_(self.scales[:, src, start:length])
-            return
-        for layer in layers:
+        for layer in (slice(None),) if layers is None else layers:  # every layer in one copy by default
             self.k[layer, dst, :, start:length].copy_(self.k[layer, src, :, start:length])
             self.v[layer, dst, :, start:length].copy_(self.v[layer, src, :, start:length])
             if self.scales is not None:

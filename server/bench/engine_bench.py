@@ -103,13 +103,20 @@ def bench_quality(path: Path, window: int = 512) -> dict:
 
     from lmserve.model.tuning import quality as Q
     from lmserve.model.loader import load_model
+    from lmserve.model.tuning.precision import PrecisionError
 
     out = {}
     ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     ref = None
-    for dtype, quant in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")):
-        loaded = load_model(path, dtype=dtype, quantization=quant, device="cpu")
+    for dtype, quant in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
+                         ("bfloat16", "kquant")):
+        try:
+            loaded = load_model(path, dtype=dtype, quantization=quant, device="cpu")
+        except PrecisionError as e:  # kquant on a file with a type it does not serve as stored
+            out[f"{dtype}+{quant}"] = {"refused": str(e)}
+            print(f"quality       {dtype}+{quant} refused: {e}", flush=True)
+            continue
         ids = Q.text_ids(loaded.tokenizer)
         if ref is None:
             with torch.inference_mode():
@@ -282,6 +289,9 @@ def precision_summary(report: dict) -> str:
                   "| --- | ---: | ---: | ---: | --- |"]
         for mode, v in q.items():
             if mode == "bounds":
+                continue
+            if "refused" in v:
+                lines.append(f"| {mode} | refused: {v['refused']} | | | no |")
                 continue
             lines.append(f"| {mode} | {v['perplexity']:.3f} ({v['reference_perplexity']:.3f}) | {v['mean_kl']:.5f} "
                          f"| {v['top1_agreement']:.3f} | {'yes' if v['within_bounds'] else 'no'} |")

@@ -27,7 +27,7 @@ from lmserve.model.loader import LoadedModel, release_thread_pool
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
 from .kv_choice import choose_kv_dtype
-from .kv_manager import window_classes
+from .kv_manager import page_weight
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
 from .processor import OutputProcessor, StepOutput
@@ -221,7 +221,7 @@ class Engine:
         if not c.virtual:  # allocated up front: the budget is what the slots took
             self.kv_cache_bytes = c.nbytes
         self._kv_windows = loaded.config.layer_windows if c.virtual else ()
-        weight = sum(k.weight for k in window_classes(self._kv_windows))  # pages of one position page in every layer
+        weight = page_weight(self._kv_windows)
         self.kv_page_bytes = c.bytes_per_page // weight
         kv_pages = budget // self.kv_page_bytes if c.virtual else c.num_slots * c.pages(c.max_len)
         if kv_pages < weight * c.pages(self.max_model_len):

@@ -84,6 +84,11 @@ def window_classes(layer_windows: tuple[int, ...] = ()) -> tuple[WindowClass, ..
     return tuple(WindowClass(w, None if every else tuple(g), len(g) // unit) for w, g in sorted(groups.items()))
 
 
+def page_weight(layer_windows: tuple[int, ...] = ()) -> int:
+    """KV pages of one position page in every layer (the sum of window_classes' weights)."""
+    return sum(c.weight for c in window_classes(layer_windows))
+
+
 @dataclass(eq=False)
 class _Holding:
     """What a running sequence's slot holds: positions [0, pages * page_tokens) in global layers, and in
@@ -111,7 +116,7 @@ class KvManager:
         self.prefix_tag = prefix_tag or (lambda seq: 0)
         self.classes = window_classes(layer_windows)
         self._sliding = [i for i, c in enumerate(self.classes) if c.window]
-        self.page_weight = sum(c.weight for c in self.classes)  # KV pages of one position page in every layer
+        self.page_weight = page_weight(layer_windows)
         self._held: dict[Sequence, _Holding] = {}  # what each running sequence's slot holds
         self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
         # accounting (tests check that what was handed out came back)
@@ -316,4 +321,4 @@ class KvManager:
         self._pinned = []
 
 
-__all__ = ["KvManager", "SlotAllocator", "WindowClass", "window_classes"]
+__all__ = ["KvManager", "SlotAllocator", "WindowClass", "page_weight", "window_classes"]
