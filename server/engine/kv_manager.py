@@ -117,6 +117,8 @@ class KvManager:
         self.classes = window_classes(layer_windows)
         self._sliding = [i for i, c in enumerate(self.classes) if c.window]
         self.page_weight = page_weight(layer_windows)
+        # the first query from which some sliding layer has a page wholly below its window (slide: nothing before)
+        self._slides_from = min((self.classes[i].window for i in self._sliding), default=0) + page_tokens - 1
         self._held: dict[Sequence, _Holding] = {}  # what each running sequence's slot holds
         self._pinned: list[PrefixEntry] = []  # copy sources of the step being built
         # accounting (tests check that what was handed out came back)
@@ -211,6 +213,8 @@ class KvManager:
     def slide(self, seq: Sequence, first_query: int) -> None:
         """No step queries `seq` below first_query any more: its sliding layers' pages wholly below that
         query's window go back to the cache (and out of its charge)."""
+        if not self._sliding or first_query < self._slides_from:
+            return
         h = self._held.get(seq)
         if h is None or self.kv_pages is None:
             return
@@ -230,6 +234,8 @@ class KvManager:
         for c in self.classes:
             start = self._dropped(c.window, hit) * self.page_tokens if c.window else 0
             out.append((src, dst, hit, start, c.layers))
+        if len(out) > 1 and all(start == 0 for *_, start, _ in out):
+            return [(src, dst, hit, 0, None)]  # a hit inside every window: one copy of every layer
         return out
 
     # ---- eviction ------------------------------------------------------------------------
