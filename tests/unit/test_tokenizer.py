@@ -511,3 +511,24 @@ def test_another_chat_template_replaces_the_models_and_its_end_markers(smol_meta
     tok.use_chat_template("{% for m in messages %}{{ m.content }}\n{% endfor %}")
     assert tok.eos_ids == named
     assert tok.has_special_text("a <|im_start|> b") and not tok.has_special_text("a <|im_sta b")
+
+
+def test_special_token_split_finds_what_an_alternation_of_the_strings_finds(gemma):
+    """The special-token split regex (a trie) matches where, and as long as, an alternation of the strings
+    longest first does, on Gemma 3's 6,414 special and user-defined pieces and on text built from them,
+    their prefixes and plain characters."""
+    import random
+    import re
+
+    from lmserve.model.text.tokenizer import _alternation
+
+    strings = sorted(gemma._backend._matched)
+    reference = re.compile("|".join(re.escape(s) for s in sorted(strings, key=len, reverse=True)))
+    trie = _alternation(strings)
+    rng = random.Random(3)
+    parts = strings + ["<", "<unused", "<start_of_turn", "\n", " ", "\t", "</", "a", "é", "😀"]
+    texts = ["".join(rng.choice(parts) if rng.random() < 0.6 else rng.choice("ab <>/\n\té")
+                     for _ in range(rng.randint(1, 40))) for _ in range(1500)]
+    for text in texts + strings:
+        assert [m.span() for m in trie.finditer(text)] == [m.span() for m in reference.finditer(text)], text
+    assert _alternation(["<|im", "<|im_end|>", ""]).fullmatch("<|im_end|>") and _alternation([]) is None
