@@ -33,8 +33,7 @@ from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
 from .ngram import kept
-from .row_max import Stats, row_draw, row_scan, row_stats
-from .row_max import row_max as _row_max
+from .row_max import Stats, row_draw, row_scan, row_stats, rows_max
 from .request import SamplingParams
 
 
@@ -372,7 +371,7 @@ class Sampler:
             mask_logits(logits, masked, _constraint_masks(seqs, masked, drafts))  # in place
             index = torch.tensor(masked, device=logits.device)
             with torch.inference_mode():  # the maxima of the masked rows replace theirs (inference tensors)
-                row_max[index], tokens[index] = _row_max(logits[index])
+                row_max[index], tokens[index] = rows_max(logits, masked)
         if (logits.device.type == "cuda" and not constrained and not biased
                 and all(_plain_greedy(seq.request.params) for seq in seqs)):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here

@@ -93,3 +93,20 @@ def test_a_model_loaded_on_cpu_leaves_its_library_to_the_sampler(monkeypatch, na
     want = _reference(logits, rows, bits)
     S.mask_logits(logits, rows, bits)  # through the loader's library
     assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("V,W", [(70, 3), (96, 3), (1000, 32), (1000, 30)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_sets_exactly_the_disallowed_ids(tmp_path_factory, V, W, dtype):
+    """The kernel built without AVX-512 (its word-by-word stores, where AVX-512 stores a word's 32 ids in
+    two masked stores) against the same rule."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    lib, why = native.build(tmp_path_factory.mktemp("mask-avx2"), march="x86-64-v3",
+                            sources=[native.CSRC / "logit_mask.cpp"])
+    assert lib is not None, why
+    for kernel in (S._NativeMask(lib), S._NativeMask(native.load()[0])):
+        logits, rows, bits = _case(V, W, 3 * V + W, dtype)
+        want = _reference(logits, rows, bits)
+        kernel(logits, rows, bits)
+        assert torch.equal(logits, want)

@@ -239,3 +239,19 @@ def test_the_scans_shortcuts_and_the_avx2_build_give_the_same_bits(lib, tmp_path
                 assert torch.equal(a[3][ok], b[3][ok]) and torch.equal(a[4][ok], b[4][ok]), (V, t, n)
                 if lse:
                     assert a[2].view(torch.int32).equal(b[2].view(torch.int32)), (V, t, n, a[2], b[2])
+
+
+def test_rows_max_reads_the_chosen_rows_in_place(lib, native_kernels_dir):
+    """A constrained step's masked rows: their maxima and first indices as logits[rows].max(dim=-1) gives
+    them, for rows in a run, scattered, alone, in either dtype, with ties and a NaN."""
+    native.load(native_kernels_dir)  # as a CPU server has it
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(7, 49155, generator=g) * 3).round()
+    logits[5, 77] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        for rows in ([2, 3, 4], [0, 5, 6], [6], [4, 1]):
+            got_v, got_i = RM.rows_max(x, rows)
+            want_v, want_i = x[rows].max(dim=-1)
+            assert torch.equal(got_i, want_i), rows
+            assert [(math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got_v.tolist(), want_v.float().tolist())] == [True] * len(rows)
