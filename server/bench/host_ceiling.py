@@ -48,12 +48,25 @@ class StandInModel:
     uses_fused_ops = False  # what the startup line asks of a model
     native_step = None
 
-    def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int):
-        gen = torch.Generator().manual_seed(0)
-        self.bank = torch.randn(BANK_ROWS + max_rows, vocab_size, generator=gen)  # [R, V]
-        peaks = torch.tensor([text_ids[r % len(text_ids)] for r in range(self.bank.shape[0])])
-        self.bank[torch.arange(self.bank.shape[0]), peaks] = 30.0
+    def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int, bank: torch.Tensor | None = None):
+        if bank is None:
+            gen = torch.Generator().manual_seed(0)
+            bank = torch.randn(BANK_ROWS + max_rows, vocab_size, generator=gen)  # [R, V]
+            peaks = torch.tensor([text_ids[r % len(text_ids)] for r in range(bank.shape[0])])
+            bank[torch.arange(bank.shape[0]), peaks] = 30.0
+        self.bank = bank
+        self.out = None  # views of the bank (the sampler must not write into them), or two buffers copied into
+        self.copy_seconds = 0.0  # thread CPU time spent copying rows into them: the model's part of a step
         self.calls = 0
+
+    def with_fresh_logits(self) -> "StandInModel":
+        """The same bank, each call's rows copied into one of two buffers (as a model writes its logits), for
+        requests whose sampler writes into the logits in place: a constraint's mask or a logit bias would
+        otherwise stay in the bank, reach the rows of later calls and requests, and (a row masked twice over)
+        end them with an error. The copies' CPU time is kept in copy_seconds, for a benchmark to take out."""
+        other = StandInModel(self.bank.shape[1], [], 0, bank=self.bank)
+        other.out = [torch.empty(self.bank.shape[0] - BANK_ROWS, self.bank.shape[1]) for _ in range(2)]
+        return other
 
     def weight_bytes(self) -> int:
         return 0
@@ -61,7 +74,14 @@ class StandInModel:
     def forward_segments(self, segments, cache, logits_index):
         self.calls += 1
         start = (self.calls * 7) % BANK_ROWS
-        return self.bank[start: start + logits_index.shape[0]]  # [n, V]
+        rows = self.bank[start: start + logits_index.shape[0]]  # [n, V]
+        if self.out is None:
+            return rows
+        t0 = time.thread_time()
+        out = self.out[self.calls % 2][: rows.shape[0]]
+        out.copy_(rows)
+        self.copy_seconds += time.thread_time() - t0
+        return out
 
 
 def stand_in_loaded(model: str, models_dir: str | None, max_rows: int):
