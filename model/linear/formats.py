@@ -22,6 +22,7 @@ The kernels that consume these layouts live in kernels.py and quant_matmul.py.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,9 +129,40 @@ class Q80Blocks:
         return torch.cat([d, self.q.view(torch.uint8).reshape(n, -1, GROUP)], dim=-1).reshape(n, -1)
 
 
+class _NativeQ8:
+    """The native library's Q8_0 quantizer and int8 packer (native/csrc/quantize_q8.cpp: the bits of
+    quantize_q80 and quant_matmul.pack_q8), used when the model loader has loaded the library."""
+
+    def __init__(self, lib):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.quantize, self.pack = lib.lm_quantize_q80, lib.lm_pack_q8
+        self.quantize.argtypes = [p, ctypes.c_int, i64, i64, p, p, ctypes.c_int]
+        self.pack.argtypes = [p, p, i64, i64, p, ctypes.c_int]
+        self.quantize.restype = self.pack.restype = ctypes.c_int
+
+
+def native_q8() -> _NativeQ8 | None:
+    from ..native.build import bound
+
+    return bound(_NativeQ8)
+
+
 def quantize_q80(w: Tensor) -> Q80Blocks:
     """Q8_0's recipe on a float weight [N, K] (K a multiple of 32): per block, d = max|w| / 127
     rounded to float16, q = round(w / d)."""
+    N, K = w.shape
+    native = native_q8() if w.dtype in (torch.float32, torch.bfloat16) and K % GROUP == 0 else None
+    if native is not None:  # the same bits in one pass over the rows
+        w = w.contiguous()
+        q, d = torch.empty(N, K, dtype=torch.int8), torch.empty(N, K // GROUP)
+        if not native.quantize(w.data_ptr(), int(w.dtype == torch.bfloat16), N, K, q.data_ptr(), d.data_ptr(),
+                               torch.get_num_threads()):
+            return Q80Blocks(q, d)
+    return quantize_q80_torch(w)
+
+
+def quantize_q80_torch(w: Tensor) -> Q80Blocks:
+    """quantize_q80 in torch ops (where the native library is not loaded; the native one's oracle)."""
     N, K = w.shape
     g = w.float().reshape(N, K // GROUP, GROUP)
     d = (g.abs().amax(-1) / 127).half().float()  # [N, K/32]
@@ -221,4 +253,4 @@ def kquant_codes(blocks: KQuantBlocks) -> Tensor:
     return q.reshape(N, K)
 
 
-__all__ = ["GROUP", "Q4_K", "Q5_K", "Q6_K", "KQUANT_BLOCK_BYTES", "KQUANT_TYPES", "KQuantBlocks", "QK_K", "Q41Blocks", "Q80Blocks", "kquant_codes", "quantize_q41", "quantize_q80", "int4_pack", "int8_per_channel"]
+__all__ = ["GROUP", "Q4_K", "Q5_K", "Q6_K", "KQUANT_BLOCK_BYTES", "KQUANT_TYPES", "KQuantBlocks", "QK_K", "Q41Blocks", "Q80Blocks", "kquant_codes", "quantize_q41", "quantize_q80", "quantize_q80_torch", "native_q8", "int4_pack", "int8_per_channel"]

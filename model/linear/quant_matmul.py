@@ -25,7 +25,7 @@ from torch import Tensor
 
 import numpy as np
 
-from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks
+from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, native_q8
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
@@ -143,6 +143,18 @@ def pack_q4(blocks: Q41Blocks) -> Tensor:
 
 def pack_q8(blocks: Q80Blocks) -> Tensor:
     """Q8_0 blocks [N, K] -> the kernel's int8 layout (uint8, N/16 * K/32 * 544 bytes): codes + 128."""
+    N, K = blocks.q.shape
+    native = native_q8() if N % GROUP_COLS == 0 and K % GROUP == 0 else None
+    if native is not None:  # the same bytes in one pass
+        q, d = blocks.q.contiguous(), blocks.d.float().contiguous()
+        out = torch.empty(N // GROUP_COLS * (K // GROUP) * 544, dtype=torch.uint8)
+        if not native.pack(q.data_ptr(), d.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
+            return out
+    return pack_q8_torch(blocks)
+
+
+def pack_q8_torch(blocks: Q80Blocks) -> Tensor:
+    """pack_q8 in torch ops (where the native library is not loaded; the native one's oracle)."""
     N, K = blocks.q.shape
     G, B = N // GROUP_COLS, K // GROUP
     q = (blocks.q.to(torch.int16) + 128).to(torch.uint8).reshape(G, GROUP_COLS, B, 8, 4)  # [G, c, B, j, t]
