@@ -185,9 +185,20 @@ def build_layer(cfg: ModelConfig, sources: Mapping[str, TensorSource], i: int, p
     return layer
 
 
+def _released(src: TensorSource, index: Tensor | None):
+    """A reader of the source's float32 weight (or of its rows in `index`) that hands the file's pages
+    back after each read."""
+    def read() -> Tensor:
+        w = src.read() if index is None else src.rows(index)
+        src.release()
+        return w
+    return read
+
+
 class _RoleSamples(Mapping):
-    """role -> its timed weights (held float32 and the file's blocks), read on first access; reading a
-    role drops the one read before."""
+    """role -> its timed weights (the file's blocks, and readers of the float32 weights that a kernel
+    reads when it needs floats: a mode served from the blocks reads none), made on first access;
+    making a role drops the one made before."""
 
     ROLE_NAMES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
                   "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -213,12 +224,14 @@ class _RoleSamples(Mapping):
         for name in names:
             s = self.sources[name]
             index = None if rows is None else torch.arange(rows)
-            w, blocks = (s.read(), s.blocks()) if index is None else (s.rows(index), s.blocks())
+            blocks = s.blocks()
             if blocks is not None and index is not None:
                 blocks = blocks.rows(index)
             s.release()
             bias = self.sources.get(name.replace(".weight", ".bias"))
-            parts.append(K.WeightSource.of(w, None if bias is None else bias.read(), blocks))
+            shape = (s.shape[0] if rows is None else rows, s.shape[1])
+            parts.append(K.WeightSource.of(None, None if bias is None else bias.read(), blocks,
+                                           parts=(_released(s, index),), shape=shape))
         return K.WeightSource.cat(parts)
 
     def _read(self, role: str) -> list[K.WeightSource]:

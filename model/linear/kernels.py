@@ -98,6 +98,14 @@ class OneDNNLinear(ServingLinear):
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def sharing(self, variant: type["OneDNNLinear"]) -> "OneDNNLinear":
+        """The same packed weight run as another oneDNN variant (OneDNNLinearM2, OneDNNLinearChunked):
+        nothing reordered again."""
+        twin = copy.copy(self)  # a shallow copy: the same packed tensor and buffers
+        twin._buffers = dict(self._buffers)
+        twin.__class__ = variant
+        return twin
+
 
 class OneDNNLinearM2(OneDNNLinear):
     """oneDNN with a lone row computed as the first of two: some oneDNN builds take a different
@@ -415,10 +423,13 @@ class RoleMeasurement:
 FLOAT_KERNELS = frozenset({"dense", "onednn", "onednn-m2", "onednn-c16"})
 
 
+ONEDNN_VARIANTS = {"onednn": OneDNNLinear, "onednn-m2": OneDNNLinearM2, "onednn-c16": OneDNNLinearChunked}
+
+
 def _build_candidates(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype) -> dict[str, list[nn.Module]]:
     """kernel -> its linears on these weights, for the kernels that take them here. The float kernels
-    share one read of the weights in dtype; a native kernel's one-code and two-code variants share one
-    packed weight (with_codes)."""
+    share one read of the weights in dtype, and the oneDNN variants one reordered weight (sharing); a
+    native kernel's one-code and two-code variants share one packed weight (with_codes)."""
     if FLOAT_KERNELS.intersection(kernels):
         floats = [WeightSource(s.floats(dtype), s.bias) for s in sources]
     sets = {}
@@ -426,6 +437,10 @@ def _build_candidates(kernels: list[str], sources: list[WeightSource], dtype: to
         sibling = kernel.removesuffix("-a8") if kernel.endswith("-a8") else f"{kernel}-a8"
         if kernel.startswith("native") and sibling in sets:
             sets[kernel] = [m.with_codes(precise=not kernel.endswith("-a8")) for m in sets[sibling]]
+            continue
+        packed = next((k for k in ONEDNN_VARIANTS if k in sets), None) if kernel in ONEDNN_VARIANTS else None
+        if packed is not None:
+            sets[kernel] = [m.sharing(ONEDNN_VARIANTS[kernel]) for m in sets[packed]]
             continue
         try:
             sets[kernel] = [build(kernel, s, dtype) for s in (floats if kernel in FLOAT_KERNELS else sources)]
@@ -435,23 +450,30 @@ def _build_candidates(kernels: list[str], sources: list[WeightSource], dtype: to
 
 
 def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.dtype, batch_invariant: bool = True,
-                 buckets=DECODE_BUCKETS) -> tuple[list[RoleMeasurement], RoleMeasurement | None]:
+                 buckets=DECODE_BUCKETS, verify: bool = True) -> tuple[list[RoleMeasurement], RoleMeasurement | None]:
     """Time each candidate kernel on these weights (one per layer) at every bucket, then take the
     fastest (pick) whose rows are batch-invariant when that is required; invariance is checked in
-    that order only as far as needed. Returns (all measurements, the choice or None)."""
+    that order only as far as needed (verify_role). Returns (all measurements, the choice or None).
+    verify=False: the fastest is returned unchecked (invariant None), for verify_role to check later
+    if its mode can win at all; the linears built for timing are dropped on return."""
     sets = _build_candidates(kernels, sources, dtype)
     times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3)
     measured = [RoleMeasurement(k, times[k], None) for k in sets]
-    remaining = list(measured)
-    while remaining:
-        best = pick(remaining, batch_invariant=False)
-        if not batch_invariant:
-            return measured, best
-        best.invariant = rows_invariant(sets[best.kernel][0], sets[best.kernel][0].in_features, dtype)
-        if best.invariant:
-            return measured, best
-        remaining.remove(best)
-    return measured, None
+    if not batch_invariant or not verify:
+        return measured, pick(measured, batch_invariant=False)
+    return measured, verify_role(measured, lambda kernel: sets[kernel][0], dtype)
+
+
+def verify_role(measured: list[RoleMeasurement], first, dtype: torch.dtype) -> RoleMeasurement | None:
+    """The fastest of a role's timed kernels (pick) whose rows are batch-invariant (rows_invariant on
+    `first(kernel)`, its linear on the role's first timed weight), checking kernels in that order only
+    as far as needed and recording each verdict in its measurement; None when none is invariant."""
+    while True:
+        best = pick([m for m in measured if m.invariant is not False], batch_invariant=False)
+        if best is None or best.invariant:
+            return best
+        layer = first(best.kernel)
+        best.invariant = rows_invariant(layer, layer.in_features, dtype)
 
 
 BUCKET_WEIGHTS = {1: 2.0}  # batch 1 weighs as much as the other buckets together; the rest 1 each
@@ -479,4 +501,4 @@ def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurem
 __all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "OneDNNLinearChunked", "Int8Linear", "Int4Linear",
            "NativeQuantLinear",
            "WeightSource", "build", "candidates", "onednn_supports", "rows_invariant", "time_layers", "time_candidates",
-           "measure_role", "pick", "speed_score", "BUCKET_WEIGHTS", "RoleMeasurement", "native_qmm"]
+           "measure_role", "verify_role", "pick", "speed_score", "BUCKET_WEIGHTS", "RoleMeasurement", "native_qmm"]

@@ -67,6 +67,9 @@ class Plan:
     how: str = "default"  # "default", "measured in N s", "cached"
     measurements: dict = field(default_factory=dict)
     reason: str = ""  # why this mode won (choice_reason), when it was measured
+    # (ids, window, float32 reference logits [T, V]) the quality probe computed, when it measured: the
+    # engine's int8 KV check scores the same text against it and drops it (never written to disk)
+    reference: tuple | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         """Short text for the startup line, GetModelInfo and `lmserve info`."""
@@ -170,8 +173,9 @@ def cpu_identity() -> dict:
 # activation code, native-int4-a8, within the quality bounds; 5: the head timed on a slice of its rows,
 # candidates checked for invariance over their first layers and their quality streamed a layer at a time;
 # 6: bfloat16+kquant on K-quant files; 7: kquant also serves a mix's Q8_0/Q5_0/Q4_0/Q4_1 tensors, int8 a
-# file's Q5_0 as its own codes).
-CHOICE_VERSION = 7
+# file's Q5_0 as its own codes; 8: kernels checked for batch invariance only for the modes that contend,
+# ranked fastest first, and modes clearly behind timed in part).
+CHOICE_VERSION = 8
 
 
 def cache_key(source: Path, request: dict) -> str:
@@ -230,31 +234,88 @@ def uses_one_code(kernels: dict[str, str]) -> bool:
     return not ONE_CODE_KERNELS.isdisjoint(k for role, k in kernels.items() if role != "head")
 
 
+# roles in the order a mode's kernels are timed: the largest share of a step first, so that a mode
+# timed in part (time_mode's `behind`) is known to be out of the running after as few roles as possible
+TIMING_ORDER = ("gate_up", "down", "head", "qkv", "o")
+
+
+def time_mode(config, mode: Mode, batch_invariant: bool, device: torch.device, timed: tuple[dict, dict],
+              exclude: frozenset = frozenset(), verify: bool = True, roles: dict | None = None,
+              behind=None) -> tuple[dict, dict[str, list[K.RoleMeasurement]]]:
+    """Each role's candidate kernels timed on the timed weights: (the summary measure_mode returns, each
+    role's measurements). verify=False: each role's fastest kernel is taken unchecked for batch
+    invariance (settle_mode checks it once the mode is a contender), so that a mode that cannot win
+    costs no invariance checks. roles: measurements of a mode timed in part before, kept (verify=False).
+    behind: a test of step times per bucket (ms) at least as long as the mode's (lower_bound): once it
+    holds, the rest of the roles are left untimed and the summary says "kernels" None and "at_least_ms"."""
+    sources, scale = timed
+    roles, chosen = dict(roles or {}), {}
+    in_loop = native_step.possible(config, mode.dtype, mode.quantization, device)
+    for role in TIMING_ORDER:
+        if role in roles:  # timed before (verify=False): its fastest again
+            chosen[role] = K.pick(roles[role], batch_invariant=False)
+        else:
+            kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device)
+                       if role == "head" or k not in exclude]
+            if mode.quantization == "kquant" and role == "head" and any(s.kq is None for s in sources[role]):
+                kernels = [k for k in kernels if not k.startswith("native-kquant")]  # int8 (a Q8_0 head: its own codes)
+            if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
+                kernels = [k for k in kernels if k.startswith("native")] or kernels
+            roles[role], chosen[role] = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant,
+                                                       verify=verify)
+        if chosen[role] is None:
+            break
+        if behind is not None and len(roles) < len(K.ROLES) and behind(lower_bound(roles, scale)):
+            return {**_summary(roles, chosen, scale), "at_least_ms": lower_bound(roles, scale)}, roles
+    return _summary(roles, chosen, scale), roles
+
+
+def lower_bound(roles: dict[str, list[K.RoleMeasurement]], scale: dict[str, float]) -> dict[int, float]:
+    """Step ms per bucket that a mode timed on these roles takes at least, whichever kernels serve it:
+    each timed role's fastest kernel at that bucket (invariant or not), the untimed roles counted as 0."""
+    return {b: round(sum(min(m.seconds[b] for m in ms) * scale[role] for role, ms in roles.items()) * 1e3, 3)
+            for b in K.DECODE_BUCKETS}
+
+
+def clearly_behind(at_least_ms: dict[int, float], step_ms: dict[int, float]) -> bool:
+    """Whether step times of at least `at_least_ms` are more than TIE slower than `step_ms` at every
+    bucket: such a mode scores more than (1 + TIE) times the other whatever the best at each bucket is
+    (a score is a positive mix of the buckets' times), so it ranks behind it and is not tied with the
+    fastest, and being the best at no bucket it moves no other mode's score."""
+    return all(at_least_ms[b] > (1 + TIE) * step_ms[b] for b in step_ms)
+
+
+def _summary(roles: dict[str, list[K.RoleMeasurement]], chosen: dict, scale: dict[str, float]) -> dict:
+    """measure_mode's dict from each role's measurements and chosen kernel (None: the mode has none)."""
+    detail = {role: {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
+                                "batch_invariant": m.invariant} for m in ms} for role, ms in roles.items()}
+    if any(chosen.get(role) is None for role in K.ROLES):
+        return {"kernels": None, "detail": detail}
+    step = {b: sum(chosen[role].seconds[b] * scale[role] for role in K.ROLES) for b in K.DECODE_BUCKETS}
+    return {"kernels": {role: chosen[role].kernel for role in K.ROLES},
+            "step_ms": {b: round(s * 1e3, 3) for b, s in step.items()}, "detail": detail}
+
+
 def measure_mode(config, mode: Mode, batch_invariant: bool, device: torch.device,
                  timed: tuple[dict, dict], exclude: frozenset = frozenset()) -> dict | None:
     """Per-role kernel choice and the mode's decode-step matmul time per bucket (the whole model, from
     the timed weights scaled by `timed`'s factors), or None when some role has no allowed kernel
     (none is batch-invariant and invariance is required). exclude: kernels not to consider."""
+    return time_mode(config, mode, batch_invariant, device, timed, exclude)[0]
+
+
+def settle_mode(mode: Mode, roles: dict[str, list[K.RoleMeasurement]], timed: tuple[dict, dict]) -> dict:
+    """A mode timed with verify=False, its kernels now checked for batch invariance (kernels.verify_role:
+    each role's fastest kernel on the role's first timed weight, the next fastest where it fails):
+    measure_mode's dict for the kernels that pass ("kernels" None where some role has none)."""
     sources, scale = timed
-    chosen, step = {}, {b: 0.0 for b in K.DECODE_BUCKETS}
-    detail = {}
-    in_loop = native_step.possible(config, mode.dtype, mode.quantization, device)
+    chosen = {}
     for role in K.ROLES:
-        kernels = [k for k in K.candidates(mode.quantization, mode.dtype, role, device)
-                   if role == "head" or k not in exclude]
-        if mode.quantization == "kquant" and role == "head" and any(s.kq is None for s in sources[role]):
-            kernels = [k for k in kernels if not k.startswith("native-kquant")]  # int8 (a Q8_0 head: its own codes)
-        if in_loop and role in native_step.LAYER_ROLES:  # the native step needs them
-            kernels = [k for k in kernels if k.startswith("native")] or kernels
-        ms, best = K.measure_role(kernels, sources[role], mode.dtype, batch_invariant)
-        detail[role] = {m.kernel: {"ms": {b: round(s * 1e3, 3) for b, s in m.seconds.items()},
-                                   "batch_invariant": m.invariant} for m in ms}
-        if best is None:
-            return {"kernels": None, "detail": detail}
-        chosen[role] = best.kernel
-        for b in step:
-            step[b] += best.seconds[b] * scale[role]
-    return {"kernels": chosen, "step_ms": {b: round(s * 1e3, 3) for b, s in step.items()}, "detail": detail}
+        chosen[role] = K.verify_role(roles[role], lambda kernel: K.build(kernel, sources[role][0], mode.dtype),
+                                     mode.dtype)
+        if chosen[role] is None:
+            break
+    return _summary(roles, chosen, scale)
 
 
 @torch.inference_mode()
@@ -352,9 +413,10 @@ def rank_modes(step_ms: dict[Mode, dict[int, float]], tie: float = TIE, exact: f
 
 
 def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: dict[str, str],
-                  exact: frozenset = frozenset()) -> str:
+                  exact: frozenset = frozenset(), in_part: dict[str, dict[int, float]] | None = None) -> str:
     """One line saying why `chosen` won: every mode's score and its step ms per bucket, a near tie
-    that precision broke, and what ruled out the modes ranked before it."""
+    that precision broke, what ruled out the modes ranked before it, and the modes timed in part
+    (name -> the step ms they take at least)."""
     score = mode_scores(step_ms)
     weights = "/".join(f"{K.BUCKET_WEIGHTS.get(b, 1.0):g}" for b in next(iter(step_ms.values())))
     parts = [f"{md.name} {score[md]:.2f} ({'/'.join(f'{v:.1f}' for v in step_ms[md].values())} ms)"
@@ -367,24 +429,40 @@ def choice_reason(step_ms: dict[Mode, dict[int, float]], chosen: Mode, skipped: 
         text += f"; {chosen.name} within {TIE:.0%} of {fastest.name} and {why}"
     if skipped:
         text += "; passed over: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
+    if in_part:
+        text += (f"; timed in part, more than {TIE:.0%} slower than {chosen.name} at every batch on their first roles: "
+                 + ", ".join(f"{n} (at least {'/'.join(f'{v:.1f}' for v in ms.values())} ms)" for n, ms in in_part.items()))
     return text
 
 
 def _measure_all(builder: ModeBuilder, modes: list[Mode], batch_invariant: bool, device: torch.device,
-                 timed) -> dict[Mode, dict]:
-    """Every mode's kernels and step times (modes with no allowed kernel left out)."""
-    measured = {}
-    for mode in modes:
+                 timed) -> tuple[dict[Mode, dict], dict[Mode, dict], dict[Mode, dict]]:
+    """Every mode's kernels and step times, its fastest kernels not yet checked for batch invariance
+    (settle_mode does it for the modes that contend), and each mode's role measurements; and apart, the
+    modes timed in part: those whose first roles already made them clearly_behind a mode timed whole
+    (the fewest bytes first: quantized modes, then 2-byte, then float32). choose times them whole when
+    the mode it would serve is not clearly ahead of them after all."""
+    measured, roles, partial = {}, {}, {}
+    order = sorted(modes, key=lambda m: (m.quantization == "none", m.dtype.itemsize, -_BITS.get(m.quantization, 0)))
+    for mode in order:
         if device.type != "cpu":
             measured[mode] = {"kernels": {r: "dense" for r in K.ROLES}, "step_ms": {b: 0.0 for b in K.DECODE_BUCKETS}}
             continue
-        m = measure_mode(builder.config, mode, batch_invariant, device, timed)
-        if m["kernels"] is not None:
-            measured[mode] = m
-    if not measured:
-        raise PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
-                             "pass --batch-invariant false to serve it anyway")
-    return measured
+        ahead = [m["step_ms"] for m in measured.values()]
+        entry, roles[mode] = time_mode(builder.config, mode, batch_invariant, device, timed, verify=False,
+                                       behind=lambda lb: any(clearly_behind(lb, s) for s in ahead))
+        if "at_least_ms" in entry:
+            partial[mode] = entry
+        elif entry["kernels"] is None:  # a role with no kernel at all on this machine
+            del roles[mode]
+        else:
+            measured[mode] = entry
+    return {m: measured[m] for m in modes if m in measured}, roles, partial
+
+
+def _no_invariant_kernel() -> PrecisionError:
+    return PrecisionError("no kernel of the requested mode is batch-invariant on this machine; "
+                          "pass --batch-invariant false to serve it anyway")
 
 
 class _Probe:
@@ -395,47 +473,84 @@ class _Probe:
         from . import quality as Qm
 
         self.builder, self.batch_invariant, self.Qm = builder, batch_invariant, Qm
-        self.ids = Qm.text_ids(tokenizer, 256)
+        self.ids = Qm.text_ids(tokenizer, Qm.PROBE_TOKENS)
         self.window = min(512, builder.config.max_position_embeddings)  # a small model's context may be shorter
-        self._ref = None
+        self.ref = None
 
     def invariant(self, plan: Plan) -> bool:
         """The plan's kernels give bitwise the same rows alone and batched, end to end over its first layers."""
         return model_batch_invariant(self.builder.model(plan, layers=INVARIANCE_LAYERS), self.ids)
 
     def quality(self, plan: Plan):
-        if self._ref is None:
-            self._ref = self.builder.logits(reference_plan(), self.ids, self.window)
-        return self.Qm.compare(self._ref, self.builder.logits(plan, self.ids, self.window), self.ids, self.window)
+        if self.ref is None:
+            self.ref = self.builder.logits(reference_plan(), self.ids, self.window)
+        return self.Qm.compare(self.ref, self.builder.logits(plan, self.ids, self.window), self.ids, self.window)
 
 
 def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device) -> Plan:
-    """Measure every mode, then walk them fastest first and keep the first that is batch-invariant end
-    to end (where required) and within the quality bounds."""
+    """Time every mode, then walk them fastest first and keep the first whose kernels are batch-invariant
+    (where required: checked when the mode comes first, the mode's times taken again from the kernels
+    that pass and the modes ranked again when one fails), that is batch-invariant end to end, and that
+    is within the quality bounds. A mode ranked behind the one served is never checked (its unchecked
+    kernels say batch_invariant None in the report)."""
     t0 = time.perf_counter()
     timed = builder.timing_sources(TIMED_BYTES)
-    measured = _measure_all(builder, modes, batch_invariant, device, timed)
+    measured, roles, partial = _measure_all(builder, modes, batch_invariant, device, timed)
+    if not measured:
+        raise _no_invariant_kernel()
     exact = file_exact_modes(timed[0], measured)
-    ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
-    report = {"modes": {md.name: measured[md] for md in ranked}}
+    report = {"modes": {}}
     probe = _Probe(builder, tokenizer, batch_invariant)
     skipped: dict[str, str] = {}
     chosen = None
-    for md in ranked:
-        if _acceptable(md, ranked, measured, report, probe, skipped, builder, device, timed):
-            chosen = md
+    while chosen is None:
+        ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
+        report["modes"] = {md.name: measured[md] for md in ranked}
+        md = next((m for m in ranked if m.name not in skipped), None)
+        if md is None and partial:  # every mode timed whole was passed over: time the rest whole
+            rivals = list(partial)
+        elif md is None:
             break
+        else:
+            rivals = []
+        if batch_invariant and md in roles:
+            settled = settle_mode(md, roles[md], timed)
+            if settled["kernels"] is None:  # some role has no batch-invariant kernel: the mode is out
+                del measured[md], roles[md]
+                if not measured:
+                    raise _no_invariant_kernel()
+                continue
+            changed = settled["kernels"] != measured[md]["kernels"]
+            measured[md] = report["modes"][md.name] = settled
+            del roles[md]  # checked: its kernels and times are final
+            if changed:  # slower now: rank again
+                continue
+        rivals = rivals or [p for p, e in partial.items() if not clearly_behind(e["at_least_ms"], measured[md]["step_ms"])]
+        if rivals:  # modes timed in part that could rank with md: timed whole, then ranked again
+            for p in rivals:
+                entry, roles[p] = time_mode(builder.config, p, batch_invariant, device, timed, verify=False,
+                                            roles=roles[p])
+                del partial[p]
+                if entry["kernels"] is not None:
+                    measured[p] = entry
+            continue
+        if _acceptable(md, [*ranked, *partial], measured, report, probe, skipped, builder, device, timed):
+            chosen = md
     if chosen is None:
         raise PrecisionError("no requested mode is batch-invariant end to end on this machine "
                              f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
     dt = time.perf_counter() - t0
     report["seconds"] = round(dt, 2)
-    reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped, exact)
+    if partial:
+        report["timed_in_part"] = {p.name: e for p, e in partial.items()}
+    reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped, exact,
+                           {p.name: e["at_least_ms"] for p, e in partial.items()})
     if "quality" in report["modes"][chosen.name]:
         q = report["modes"][chosen.name]["quality"]
         reason += f"; {chosen.name} within the quality bounds (mean KL {q['mean_kl']:.4f}, perplexity x{q['ppl_ratio']:.3f})"
     report["reason"] = reason
-    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason)
+    reference = None if probe.ref is None else (probe.ids, probe.window, probe.ref)
+    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason, reference)
 
 
 def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, probe: _Probe, skipped: dict,
@@ -504,7 +619,7 @@ def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.de
     return plan
 
 
-__all__ = ["FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "rank_modes",
+__all__ = ["FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "time_mode", "settle_mode", "rank_modes",
            "reference_plan", "uses_one_code", "ModeBuilder", "INVARIANCE_LAYERS",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "parse_dtype", "asdict"]

@@ -8,6 +8,7 @@ measures the same thing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,9 @@ HELD_OUT_TEXT = (Path(__file__).with_name("quality_text.txt")).read_text(encodin
 # (the file's own Q4_1 codes) stay far inside; int8 re-quantizes the already 4-bit weights.
 MAX_MEAN_KL = 0.02  # nats per token
 MAX_PPL_RATIO = 1.03  # perplexity / reference perplexity
+# tokens of the held-out text every check scores (the precision probe, the int8 KV check): one float32
+# reference forward, computed once at a first start, serves both (precision.Plan.reference)
+PROBE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -68,20 +72,29 @@ def logits_of(model, ids: list[int], window: int = 512, attention=None, cache_dt
     return torch.cat(out)  # [T, V]
 
 
+COMPARE_ROWS = 32  # positions compared at a time: a few [rows, V] temporaries, not [T, V] ones
+
+
 def compare(ref_logits: Tensor, logits: Tensor, ids: list[int], window: int = 512) -> Quality:
-    """Quality of `logits` against `ref_logits` ([T, V] each) on the text `ids` (the first token of each window predicts nothing)."""
+    """Quality of `logits` against `ref_logits` ([T, V] each) on the text `ids` (the first token of each
+    window predicts nothing). Positions are taken COMPARE_ROWS at a time (a 1B model's log-probabilities
+    over 256 positions are 131 MB a copy), their sums added in float64."""
     targets = torch.tensor(ids)
     keep = torch.ones(len(ids), dtype=torch.bool)
     keep[::window] = False  # position t predicts token t+1 within its window
     pred = torch.nonzero(keep).squeeze(1) - 1  # logits rows that have a target
-    ref_lp = torch.log_softmax(ref_logits[pred], -1)  # [n, V]
-    lp = torch.log_softmax(logits[pred], -1)
     tgt = targets[keep]
-    nll_ref = -ref_lp.gather(1, tgt[:, None]).mean()
-    nll = -lp.gather(1, tgt[:, None]).mean()
-    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean()
-    agree = (ref_lp.argmax(-1) == lp.argmax(-1)).float().mean()
-    return Quality(int(pred.numel()), float(nll.exp()), float(nll_ref.exp()), float(kl), float(agree))
+    nll_ref = nll = kl = agree = 0.0
+    for r0 in range(0, len(pred), COMPARE_ROWS):
+        rows, t = pred[r0:r0 + COMPARE_ROWS], tgt[r0:r0 + COMPARE_ROWS, None]
+        ref_lp = torch.log_softmax(ref_logits[rows], -1)  # [rows, V]
+        lp = torch.log_softmax(logits[rows], -1)
+        nll_ref -= float(ref_lp.gather(1, t).double().sum())
+        nll -= float(lp.gather(1, t).double().sum())
+        kl += float((ref_lp.exp() * (ref_lp - lp)).sum(-1).double().sum())
+        agree += float((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+    n = int(pred.numel())
+    return Quality(n, math.exp(nll / n), math.exp(nll_ref / n), kl / n, agree / n)
 
 
 def text_ids(tokenizer, max_tokens: int | None = None) -> list[int]:

@@ -171,6 +171,8 @@ class Engine:
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         self.kv_choice = choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        if loaded.plan is not None:
+            loaded.plan.reference = None  # the probe's float32 logits, which the KV check may have used
         self.cache, kv_pages = self._kv_cache(s, loaded)
         c = self.cache
         self.max_batch = min(c.num_slots, s.max_batch or c.num_slots)  # requests admitted at once (what clients are told)

@@ -16,9 +16,10 @@ across rounding steps, and the two caches differed from each other more than eit
 float32. Both are measured once per loaded model, so every engine built on it holds the same cache
 (a timing near the floor must not give two engines different bits), and kept on disk beside the
 precision plan (`<cache_dir>/kernels/kv-<key>.json`, keyed like the plan by the machine, the
-checkpoint file, the served mode and kernels): the check reads the checkpoint again for its
-float32 reference (~3 s of a SmolLM2 start on 2 cores), which a restart then skips, and a restart
-makes the same choice. The choice and its numbers go in the startup line and GetModelInfo.
+checkpoint file, the served mode and kernels), so a restart skips it and makes the same choice.
+It scores the precision probe's text (quality.PROBE_TOKENS): at a start that measured the precision
+mode it takes the probe's float32 reference logits (precision.Plan.reference), else it reads the
+checkpoint again for them (~3 s of a SmolLM2 start on 2 cores). The choice and its numbers go in the startup line and GetModelInfo.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from .settings import KV_CACHE_DTYPES as CHOICES
 # what the int8 cache may add to a mode's distance from float32 (quality.py): a quarter of each bound
 MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
-QUALITY_TOKENS = 512
+QUALITY_TOKENS = Q.PROBE_TOKENS  # the precision probe's text: its float32 reference serves both
 SPEED_FLOOR = 0.8  # int8 is passed over only when its decode kernel runs below this fraction of the model dtype's speed
-CHECK_VERSION = 1  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
+CHECK_VERSION = 2  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
 
 log = logging.getLogger("lmserve.server")
 
@@ -96,7 +97,11 @@ def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> CacheQuality:
 
     ids = Q.text_ids(loaded.tokenizer, tokens)
     window = min(512, loaded.config.max_position_embeddings)
-    ref = reference_logits(loaded.source, ids, window)
+    kept = loaded.plan.reference if loaded.plan is not None else None
+    if kept is not None and kept[0] == ids and kept[1] == window:  # the precision probe's, at a first start
+        ref = kept[2]
+    else:
+        ref = reference_logits(loaded.source, ids, window)
     return CacheQuality(*(Q.compare(ref, Q.logits_of(loaded.model, ids, window, loaded.attention, dtype), ids, window)
                           for dtype in (loaded.dtype, torch.int8)))
 

@@ -235,7 +235,7 @@ def test_auto_takes_int8_only_within_its_quality_bounds_and_says_why(smol_int4):
     q, speedup = KC.measured(smol_int4)
     # both caches against float32: the int8 one computes differently (its codes reach the logits) and
     # keeps the mode within quality.py's bounds
-    assert q.int8.tokens == q.model.tokens > 400 and q.int8.mean_kl != q.model.mean_kl
+    assert q.int8.tokens == q.model.tokens == KC.QUALITY_TOKENS - 1 and q.int8.mean_kl != q.model.mean_kl
     assert 0 < q.model.mean_kl and q.int8.within_bounds() and q.added_kl <= KC.MAX_MEAN_KL
     assert q.int8.top1_agreement >= 0.9
     # whether it also stays within a quarter of them depends on the kernels this machine chose for
@@ -252,6 +252,29 @@ def test_auto_takes_int8_only_within_its_quality_bounds_and_says_why(smol_int4):
     # measured once: every engine on this loaded model holds the same cache, however timings move
     assert KC.measured(smol_int4) == (q, speedup) and KC.choose_kv_dtype("auto", smol_int4) == choice
     assert KC.choose_kv_dtype("model", smol_int4).dtype == torch.bfloat16
+
+
+def test_the_check_takes_the_precision_probes_float32_reference_where_the_start_measured_one(smol_int4, monkeypatch):
+    """At a start that measured the precision mode, the probe's reference logits (same text, same
+    window) serve the check: the checkpoint is not read again and the numbers are the same."""
+    from lmserve.model import loader
+    from lmserve.model.tuning import quality as Q
+    from lmserve.server.engine import kv_choice as KC
+
+    ids = Q.text_ids(smol_int4.tokenizer, KC.QUALITY_TOKENS)
+    window = min(512, smol_int4.config.max_position_embeddings)
+    read_again = KC.measure_int8(smol_int4)
+    smol_int4.plan.reference = (ids, window, loader.reference_logits(smol_int4.source, ids, window))
+
+    def reference_read(*args, **kwargs):
+        raise AssertionError("the float32 reference was read again")
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(loader, "reference_logits", reference_read)
+            assert KC.measure_int8(smol_int4) == read_again
+    finally:
+        smol_int4.plan.reference = None
 
 
 def test_a_restart_reads_the_check_from_the_disk_cache_without_the_float32_reference(smol_int4, monkeypatch):

@@ -202,14 +202,27 @@ def test_auto_measures_caches_and_a_restart_reads_the_choice(smollm2_gguf_path, 
     assert plan.how.startswith("measured")
     assert set(plan.kernels) == set(K.ROLES)
     modes = plan.measurements["modes"]
-    assert set(modes) >= {"float32", "bfloat16", "bfloat16+int4"}
-    for m in modes.values():  # every candidate was timed at every bucket; the chosen ones are invariant
+    in_part = plan.measurements.get("timed_in_part", {})  # clearly slower than the served mode on their first roles
+    assert set(modes) | set(in_part) >= {"float32", "bfloat16", "bfloat16+int4"} and not set(modes) & set(in_part)
+    for name, m in in_part.items():
+        assert P.clearly_behind(m["at_least_ms"], modes[plan.mode.name]["step_ms"]) and name in plan.reason
+    served = list(modes).index(plan.mode.name)  # the report lists the modes fastest first
+    for i, m in enumerate(modes.values()):  # every candidate was timed at every bucket
         for role in K.ROLES:
             for kernel in m["detail"][role].values():
                 assert set(kernel["ms"]) == set(K.DECODE_BUCKETS)
-            assert m["detail"][role][m["kernels"][role]]["batch_invariant"] is True
+            # the served mode's kernels and those of every mode ranked before it were checked invariant; a
+            # mode ranked behind it is left unchecked (None), and no mode keeps a kernel that failed
+            verdict = m["detail"][role][m["kernels"][role]]["batch_invariant"]
+            assert verdict is True if i <= served else verdict is not False
     if plan.mode.name != "float32":
         assert modes[plan.mode.name]["quality"]["mean_kl"] <= Q.MAX_MEAN_KL
+        # the probe's float32 reference, kept for the int8 KV check: the loader's own reference, bitwise
+        from lmserve.model.loader import reference_logits
+
+        ids, window, ref = plan.reference
+        assert ids == Q.text_ids(auto_loaded.tokenizer, Q.PROBE_TOKENS)
+        assert torch.equal(ref, reference_logits(smollm2_gguf_path, ids, window))
     files = list((kernel_cache / "kernels").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["kernels"] == plan.kernels
 
@@ -384,3 +397,25 @@ def test_compile_true_refuses_a_plan_the_compiler_cannot_take(smollm2_gguf_path,
         load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="true")
     auto = load_model(smollm2_gguf_path, dtype="float32", device="cpu", cache_dir=kernel_cache, compile="auto")
     assert not auto.compiled.compiled and "opaque" in auto.compiled.reason
+
+
+def test_a_mode_clearly_behind_another_ranks_behind_it_whatever_the_other_modes_time():
+    """What choose relies on to leave a mode timed in part: step times at least `at_least` (more than TIE
+    slower than B at every bucket) rank behind B, untied with the fastest, and change no other mode's score."""
+    g = torch.Generator().manual_seed(0)
+    buckets = K.DECODE_BUCKETS
+    for _ in range(200):
+        b = {k: float(v) for k, v in zip(buckets, torch.rand(3, generator=g) * 100 + 1)}
+        at_least = {k: v * (1 + P.TIE) * (1 + float(torch.rand(1, generator=g)) * 0.5 + 1e-3) for k, v in b.items()}
+        assert P.clearly_behind(at_least, b)
+        slow = {k: v * (1 + float(torch.rand(1, generator=g))) for k, v in at_least.items()}  # what it really takes
+        others = {P.Mode(torch.float16, q): {k: float(torch.rand(1, generator=g)) * 300 + 1 for k in buckets}
+                  for q in ("none", "int8")}
+        A, B = P.Mode(torch.float32), P.Mode(torch.bfloat16)
+        with_a = P.mode_scores({A: slow, B: b, **others})
+        without = P.mode_scores({B: b, **others})
+        assert with_a[A] > (1 + P.TIE) * min(with_a.values())
+        assert all(abs(with_a[m] - s) < 1e-9 for m, s in without.items())
+        ranked = P.rank_modes({A: slow, B: b, **others})
+        assert ranked.index(A) > ranked.index(B) and [m for m in ranked if m != A] == P.rank_modes({B: b, **others})
+    assert not P.clearly_behind({1: 11.0, 8: 30.0, 32: 40.0}, {1: 10.0, 8: 10.0, 32: 10.0})  # 10% is a tie, not behind
