@@ -12,11 +12,13 @@ under a lock; results cross back with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
 import torch
@@ -153,6 +155,22 @@ def usable_memory_bytes() -> int:
         if raw.isdigit():
             total = min(total, int(raw))
     return total
+
+
+STEP_COSTS_VERSION = 1  # bumped when what _seed_step_costs runs or records changes: cached seeds are then measured again
+
+
+def _read_step_costs(path: Path, n: int) -> list[tuple[list[float], float]] | None:
+    """The (features, ms) pairs a previous start recorded at `path` (n of them), or None (absent or unreadable)."""
+    try:
+        steps = json.loads(path.read_text())["steps"]
+        found = [([float(v) for v in s["features"]], float(s["ms"])) for s in steps]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the cached step costs at %s are unreadable (%s); measuring again", path, exc)
+        return None
+    return found if len(found) == n else None
 
 
 class Engine:
@@ -317,6 +335,12 @@ class Engine:
                    ScheduledBatch(prefill=(continued,))]
         if slots > rows:
             batches.append(ScheduledBatch(decode=decodes, prefill=(continued,)))
+        path = self._step_costs_path(batches)
+        found = _read_step_costs(path, len(batches)) if path is not None else None
+        if found is not None:  # measured by an earlier start on this machine, model, mode and settings
+            for x, ms in found:
+                self.step_pacer.model.observe(x, ms)
+            return
         best = [math.inf] * len(batches)
         try:
             for r in range(rounds + 1):  # the first round warms up (first calls, pages of the cache)
@@ -333,8 +357,31 @@ class Engine:
         finally:
             for slot in {*range(rows), prompt}:
                 self.cache.release(slot)
-        for batch, seconds in zip(batches, best):  # the fastest round: a neighbour's burst is not the step's cost
-            self.step_pacer.model.observe(batch_features(batch.decode, batch.prefill), seconds * 1000.0)
+        seeds = [(batch_features(batch.decode, batch.prefill), seconds * 1000.0) for batch, seconds in zip(batches, best)]
+        for x, ms in seeds:  # the fastest round: a neighbour's burst is not the step's cost
+            self.step_pacer.model.observe(x, ms)
+        if path is not None:
+            from lmserve.model.cache_dir import write_cached
+
+            write_cached(path, {"steps": [{"features": x, "ms": ms} for x, ms in seeds]}, "seeded step costs")
+
+    def _step_costs_path(self, batches: list[ScheduledBatch]) -> Path | None:
+        """Where _seed_step_costs keeps what it measured, beside the precision plan (kernels/steps-<key>.json):
+        keyed like the plan by this CPU, torch and threads, the checkpoint file, and by everything a step's
+        cost follows here (mode, kernels, attention, compiled layers, KV dtype and the seeded batches'
+        shapes), so that a restart skips the steps (~2 s of a 1B model's start on 2 cores). None on an
+        accelerator (the key names the CPU only) or without a cache directory."""
+        loaded = self.loaded
+        if loaded.cache_dir is None or loaded.device.type != "cpu":
+            return None
+        from lmserve.model.tuning.precision import cache_key
+
+        request = {"step_costs": STEP_COSTS_VERSION, "mode": loaded.mode,
+                   "kernels": loaded.plan.kernels if loaded.plan is not None else None,
+                   "attention": loaded.attention.describe(), "kv": self.kv_choice.name,
+                   "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled),
+                   "batches": [[[s.num_cached for s in b.decode], [[c.start, c.length] for c in b.prefill]] for b in batches]}
+        return Path(loaded.cache_dir) / "kernels" / f"steps-{cache_key(Path(loaded.source), request)}.json"
 
     @torch.inference_mode()
     def _verify_cost(self, k: int, rounds: int = 5) -> float:

@@ -86,3 +86,25 @@ async def test_a_new_engines_pacer_has_seen_every_kind_of_step_and_the_cache_is_
             assert result.token_ids == greedy_reference(trained.model, p, 6)[0]
     finally:
         engine.shutdown()
+
+
+def test_a_restart_takes_the_seeded_step_costs_from_the_disk_cache(trained, tmp_path, monkeypatch):
+    """What the start-up steps measured is kept beside the precision plan: a second engine on the same
+    model, mode and settings fits the same pacer without running a step."""
+    import dataclasses
+
+    from lmserve.server.engine import Engine, EngineSettings
+    from lmserve.server.engine.runner import ModelRunner
+
+    loaded = dataclasses.replace(trained, cache_dir=tmp_path)
+    settings = EngineSettings(max_batch=6, max_model_len=128, speculation="off")
+    first = Engine(loaded, settings)
+    assert len(list((tmp_path / "kernels").glob("steps-*.json"))) == 1
+    ran, real = [], ModelRunner.run
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: ran.append(batch) or real(self, batch))
+    again = Engine(loaded, settings)
+    assert not ran
+    assert again.step_pacer.model.counts == first.step_pacer.model.counts
+    assert again.step_pacer.model.coef == first.step_pacer.model.coef
+    other = Engine(loaded, dataclasses.replace(settings, max_model_len=64))  # other steps: measured again
+    assert ran and other.step_pacer.model.ready
