@@ -129,33 +129,42 @@ class Q80Blocks:
         return torch.cat([d, self.q.view(torch.uint8).reshape(n, -1, GROUP)], dim=-1).reshape(n, -1)
 
 
-class _NativeQ8:
-    """The native library's Q8_0 quantizer and int8 packer (native/csrc/quantize_q8.cpp: the bits of
-    quantize_q80 and quant_matmul.pack_q8), used when the model loader has loaded the library."""
+class _NativeBlocks:
+    """The native library's Q8_0 / Q4_1 quantizers and the kernel's packers (native/csrc/quantize_blocks.cpp:
+    the bits of quantize_q80, quantize_q41, quant_matmul.pack_q8 and pack_q4), used when the model loader
+    has loaded the library."""
 
     def __init__(self, lib):
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.quantize, self.pack = lib.lm_quantize_q80, lib.lm_pack_q8
-        self.quantize.argtypes = [p, ctypes.c_int, i64, i64, p, p, ctypes.c_int]
-        self.pack.argtypes = [p, p, i64, i64, p, ctypes.c_int]
-        self.quantize.restype = self.pack.restype = ctypes.c_int
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.quantize_q80, self.pack_q8 = lib.lm_quantize_q80, lib.lm_pack_q8
+        self.quantize_q41, self.pack_q4 = lib.lm_quantize_q41, lib.lm_pack_q4
+        self.quantize_q80.argtypes = [p, i32, i64, i64, p, p, i32]
+        self.quantize_q41.argtypes = [p, i32, i64, i64, p, p, p, i32]
+        self.pack_q8.argtypes = [p, p, i64, i64, p, i32]
+        self.pack_q4.argtypes = [p, p, p, i64, i64, p, i32]
+        for fn in (self.quantize_q80, self.pack_q8, self.quantize_q41, self.pack_q4):
+            fn.restype = i32
 
 
-def native_q8() -> _NativeQ8 | None:
+def native_blocks(w: Tensor | None = None) -> _NativeBlocks | None:
+    """The native quantizers where the library is loaded (and `w`, when given, is a float32 or bfloat16
+    matrix whose rows are whole blocks), else None."""
     from ..native.build import bound
 
-    return bound(_NativeQ8)
+    if w is not None and (w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2 or w.shape[1] % GROUP):
+        return None
+    return bound(_NativeBlocks)
 
 
 def quantize_q80(w: Tensor) -> Q80Blocks:
     """Q8_0's recipe on a float weight [N, K] (K a multiple of 32): per block, d = max|w| / 127
     rounded to float16, q = round(w / d)."""
     N, K = w.shape
-    native = native_q8() if w.dtype in (torch.float32, torch.bfloat16) and K % GROUP == 0 else None
+    native = native_blocks(w)
     if native is not None:  # the same bits in one pass over the rows
         w = w.contiguous()
         q, d = torch.empty(N, K, dtype=torch.int8), torch.empty(N, K // GROUP)
-        if not native.quantize(w.data_ptr(), int(w.dtype == torch.bfloat16), N, K, q.data_ptr(), d.data_ptr(),
+        if not native.quantize_q80(w.data_ptr(), int(w.dtype == torch.bfloat16), N, K, q.data_ptr(), d.data_ptr(),
                                torch.get_num_threads()):
             return Q80Blocks(q, d)
     return quantize_q80_torch(w)
@@ -173,6 +182,19 @@ def quantize_q80_torch(w: Tensor) -> Q80Blocks:
 
 def quantize_q41(w: Tensor) -> Q41Blocks:
     """Q4_1's recipe on a float weight [N, K] (K a multiple of 32): per group, m = min, d = (max - min) / 15."""
+    N, K = w.shape
+    native = native_blocks(w)
+    if native is not None:  # the same bits in one pass over the rows
+        w = w.contiguous()
+        q, d, m = torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // GROUP), torch.empty(N, K // GROUP)
+        if not native.quantize_q41(w.data_ptr(), int(w.dtype == torch.bfloat16), N, K, q.data_ptr(), d.data_ptr(),
+                                   m.data_ptr(), torch.get_num_threads()):
+            return Q41Blocks(q, d, m)
+    return quantize_q41_torch(w)
+
+
+def quantize_q41_torch(w: Tensor) -> Q41Blocks:
+    """quantize_q41 in torch ops (where the native library is not loaded; the native one's oracle)."""
     N, K = w.shape
     g = w.float().reshape(N, K // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)  # [N, K/32]
@@ -253,4 +275,4 @@ def kquant_codes(blocks: KQuantBlocks) -> Tensor:
     return q.reshape(N, K)
 
 
-__all__ = ["GROUP", "Q4_K", "Q5_K", "Q6_K", "KQUANT_BLOCK_BYTES", "KQUANT_TYPES", "KQuantBlocks", "QK_K", "Q41Blocks", "Q80Blocks", "kquant_codes", "quantize_q41", "quantize_q80", "quantize_q80_torch", "native_q8", "int4_pack", "int8_per_channel"]
+__all__ = ["GROUP", "Q4_K", "Q5_K", "Q6_K", "KQUANT_BLOCK_BYTES", "KQUANT_TYPES", "KQuantBlocks", "QK_K", "Q41Blocks", "Q80Blocks", "kquant_codes", "quantize_q41", "quantize_q80", "quantize_q80_torch", "quantize_q41_torch", "native_blocks", "int4_pack", "int8_per_channel"]

@@ -25,7 +25,7 @@ from torch import Tensor
 
 import numpy as np
 
-from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, native_q8
+from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, native_blocks
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
@@ -132,6 +132,19 @@ def pack_q4(blocks: Q41Blocks) -> Tensor:
     """Q4_0/Q4_1 blocks [N, K] -> the kernel's int4 layout (uint8, N/16 * K/32 * 320 bytes); d and m
     in float16 (as GGUF stores them)."""
     N, K = blocks.q.shape
+    native = native_blocks() if N % GROUP_COLS == 0 and K % GROUP == 0 else None
+    if native is not None:  # the same bytes in one pass
+        q, d, m = (blocks.q.to(torch.uint8).contiguous(), blocks.d.float().contiguous(),
+                   blocks.m.float().contiguous())
+        out = torch.empty(N // GROUP_COLS * (K // GROUP) * 320, dtype=torch.uint8)
+        if not native.pack_q4(q.data_ptr(), d.data_ptr(), m.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
+            return out
+    return pack_q4_torch(blocks)
+
+
+def pack_q4_torch(blocks: Q41Blocks) -> Tensor:
+    """pack_q4 in torch ops (where the native library is not loaded; the native one's oracle)."""
+    N, K = blocks.q.shape
     G, B = N // GROUP_COLS, K // GROUP
     q = blocks.q.to(torch.uint8).reshape(G, GROUP_COLS, B, 4, 2, 4)  # [G, c, B, j, h, t]: k = 32B + 8j + 4h + t
     q = q.permute(0, 2, 3, 1, 4, 5)  # [G, B, j, c, h, t]
@@ -144,11 +157,11 @@ def pack_q4(blocks: Q41Blocks) -> Tensor:
 def pack_q8(blocks: Q80Blocks) -> Tensor:
     """Q8_0 blocks [N, K] -> the kernel's int8 layout (uint8, N/16 * K/32 * 544 bytes): codes + 128."""
     N, K = blocks.q.shape
-    native = native_q8() if N % GROUP_COLS == 0 and K % GROUP == 0 else None
+    native = native_blocks() if N % GROUP_COLS == 0 and K % GROUP == 0 else None
     if native is not None:  # the same bytes in one pass
         q, d = blocks.q.contiguous(), blocks.d.float().contiguous()
         out = torch.empty(N // GROUP_COLS * (K // GROUP) * 544, dtype=torch.uint8)
-        if not native.pack(q.data_ptr(), d.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
+        if not native.pack_q8(q.data_ptr(), d.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
             return out
     return pack_q8_torch(blocks)
 

@@ -209,20 +209,25 @@ def test_float_weights_are_blocked_like_the_files():
         assert (err <= span / step * 0.51 + 1e-3).all()
 
 
-def test_native_q8_quantizer_and_packer_give_the_torch_recipes_bits():
-    """Weights quantized at load (quantize_q80, pack_q8) by the native library: bitwise the torch
-    recipes, from float32 and bfloat16, with all-zero blocks, ties at .5 steps, tiny and huge values."""
-    from lmserve.model.linear.formats import native_q8, quantize_q80_torch
+def test_native_quantizers_and_packers_give_the_torch_recipes_bits():
+    """Weights quantized at load (quantize_q80 / quantize_q41, pack_q8 / pack_q4) by the native library:
+    bitwise the torch recipes, from float32 and bfloat16, with flat blocks, ties at .5 steps, tiny and
+    huge values."""
+    from lmserve.model.linear.formats import native_blocks, quantize_q41_torch, quantize_q80_torch
 
-    assert native_q8() is not None  # the fixture loaded the library: quantize_q80 takes the native path
+    assert native_blocks() is not None  # the fixture loaded the library: the quantizers take the native path
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 1024, generator=g) * torch.logspace(-6, 3, 96)[:, None]  # rows from 1e-6 to 1e3
     w[5, 64:96] = 0.0  # a block of zeros: step 0, codes 0
+    w[6, 96:128] = -2.5  # a flat block: Q4_1's step 0
     w[7, :32] = torch.arange(32) - 15.5  # max 16.5: codes at exact .5 ties after the division
     for x in (w, w.bfloat16()):
         native, torch_ = quantize_q80(x), quantize_q80_torch(x)
         assert torch.equal(native.q, torch_.q) and torch.equal(native.d, torch_.d)
         assert torch.equal(QM.pack_q8(native), QM.pack_q8_torch(native))
+        native, torch_ = quantize_q41(x), quantize_q41_torch(x)
+        assert all(torch.equal(a, b) for a, b in ((native.q, torch_.q), (native.d, torch_.d), (native.m, torch_.m)))
+        assert torch.equal(QM.pack_q4(native.half_steps()), QM.pack_q4_torch(native.half_steps()))
 
 
 @pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3 -mavxvnni", "x86-64-v3", "x86-64-v2"])
