@@ -71,12 +71,14 @@ PART_ELEMENTS = 1 << 23  # float32 elements a weight is read in at most (32 MB),
 
 def row_slices(src: TensorSource) -> tuple:
     """Readers of a 2-D source's rows in slices of about PART_ELEMENTS (one reader: the whole tensor), so
-    that quantizing a large weight (a head) holds one slice's floats at a time."""
+    that quantizing a large weight (a head) holds one slice's floats at a time: float32, or bfloat16 where
+    the file stores bfloat16 (no float32 copy to quantize it: the same values)."""
     rows, cols = src.shape
     step = max(1, PART_ELEMENTS // cols)
+    dtype = torch.bfloat16 if src.stored_as == "BF16" else torch.float32  # as stored: the quantizers take bfloat16
     if rows <= step:
-        return (src.read,)
-    return tuple((lambda r0=r0: src.rows(torch.arange(r0, min(rows, r0 + step)))) for r0 in range(0, rows, step))
+        return (lambda: src.read(dtype),)
+    return tuple((lambda r0=r0: src.rows(torch.arange(r0, min(rows, r0 + step)), dtype)) for r0 in range(0, rows, step))
 
 
 class _Sourced:
