@@ -173,6 +173,17 @@ def _read_step_costs(path: Path, n: int) -> list[tuple[list[float], float]] | No
     return found if len(found) == n else None
 
 
+def _read_verify_cost(path: Path) -> float | None:
+    """The verify cost a previous start recorded at `path`, or None (absent or unreadable)."""
+    try:
+        return float(json.loads(path.read_text())["verify_cost"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the cached verify cost at %s is unreadable (%s); measuring again", path, exc)
+        return None
+
+
 class Engine:
     @staticmethod
     def _rope_regime(loaded: LoadedModel):
@@ -280,12 +291,19 @@ class Engine:
             def dear(cost: float) -> bool:
                 return (cost - 1.0) / spec.max_draft > AUTO_SPECULATION_MAX_BREAK_EVEN
 
-            self.verify_cost = self._verify_cost(spec.max_draft)
-            for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
-                if not dear(self.verify_cost):            # starts alone measured 1.7-1.9x: look again later
-                    break
-                time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
-                self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
+            path = self._measured_path({"verify_cost": STEP_COSTS_VERSION, "drafts": spec.max_draft})
+            self.verify_cost = _read_verify_cost(path) if path is not None else None
+            if self.verify_cost is None:  # not measured by an earlier start on this machine, model, mode
+                self.verify_cost = self._verify_cost(spec.max_draft)
+                for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
+                    if not dear(self.verify_cost):            # starts alone measured 1.7-1.9x: look again later
+                        break
+                    time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
+                    self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
+                if path is not None:
+                    from lmserve.model.cache_dir import write_cached
+
+                    write_cached(path, {"verify_cost": self.verify_cost}, "speculation's verify cost")
             if dear(self.verify_cost):
                 log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
                          self.verify_cost)
@@ -366,21 +384,24 @@ class Engine:
             write_cached(path, {"steps": [{"features": x, "ms": ms} for x, ms in seeds]}, "seeded step costs")
 
     def _step_costs_path(self, batches: list[ScheduledBatch]) -> Path | None:
-        """Where _seed_step_costs keeps what it measured, beside the precision plan (kernels/steps-<key>.json):
-        keyed like the plan by this CPU, torch and threads, the checkpoint file, and by everything a step's
-        cost follows here (mode, kernels, attention, compiled layers, KV dtype and the seeded batches'
-        shapes), so that a restart skips the steps (~2 s of a 1B model's start on 2 cores). None on an
-        accelerator (the key names the CPU only) or without a cache directory."""
+        """Where _seed_step_costs keeps what it measured (_measured_path, keyed also by the seeded batches'
+        shapes), so that a restart skips the steps (~2 s of a 1B model's start on 2 cores)."""
+        return self._measured_path({"step_costs": STEP_COSTS_VERSION, "batches": [
+            [[s.num_cached for s in b.decode], [[c.start, c.length] for c in b.prefill]] for b in batches]})
+
+    def _measured_path(self, what: dict) -> Path | None:
+        """Where a start-up measurement of steps (`what` names it) is kept beside the precision plan
+        (kernels/steps-<key>.json): keyed like the plan by this CPU, torch and threads, the checkpoint file,
+        and by everything a step's cost follows here (mode, kernels, attention, compiled layers, KV dtype).
+        None on an accelerator (the key names the CPU only) or without a cache directory."""
         loaded = self.loaded
         if loaded.cache_dir is None or loaded.device.type != "cpu":
             return None
         from lmserve.model.tuning.precision import cache_key
 
-        request = {"step_costs": STEP_COSTS_VERSION, "mode": loaded.mode,
-                   "kernels": loaded.plan.kernels if loaded.plan is not None else None,
+        request = {**what, "mode": loaded.mode, "kernels": loaded.plan.kernels if loaded.plan is not None else None,
                    "attention": loaded.attention.describe(), "kv": self.kv_choice.name,
-                   "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled),
-                   "batches": [[[s.num_cached for s in b.decode], [[c.start, c.length] for c in b.prefill]] for b in batches]}
+                   "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled)}
         return Path(loaded.cache_dir) / "kernels" / f"steps-{cache_key(Path(loaded.source), request)}.json"
 
     @torch.inference_mode()

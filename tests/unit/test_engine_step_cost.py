@@ -108,3 +108,22 @@ def test_a_restart_takes_the_seeded_step_costs_from_the_disk_cache(trained, tmp_
     assert again.step_pacer.model.coef == first.step_pacer.model.coef
     other = Engine(loaded, dataclasses.replace(settings, max_model_len=64))  # other steps: measured again
     assert ran and other.step_pacer.model.ready
+
+
+def test_a_restart_takes_auto_speculations_verify_cost_from_the_disk_cache(trained, tmp_path, monkeypatch):
+    """auto speculation's verify cost (steps verifying drafts against plain ones) is kept beside the plan
+    too: a second engine decides with the recorded cost without running a step."""
+    import dataclasses
+
+    from lmserve.server.engine import Engine, EngineSettings
+    from lmserve.server.engine.runner import ModelRunner
+
+    loaded = dataclasses.replace(trained, cache_dir=tmp_path)
+    settings = EngineSettings(max_batch=6, max_model_len=128, speculation="auto", overlap_steps=False)
+    first = Engine(loaded, settings)
+    assert first.verify_cost is not None and len(list((tmp_path / "kernels").glob("steps-*.json"))) == 2
+    ran, real = [], ModelRunner.step
+    monkeypatch.setattr(ModelRunner, "step", lambda self, batch: ran.append(batch) or real(self, batch))
+    again = Engine(loaded, settings)
+    assert not ran and again.verify_cost == first.verify_cost
+    assert (again.scheduler.speculation is None) == (first.scheduler.speculation is None)

@@ -157,6 +157,7 @@ def test_auto_speculates_only_where_it_is_exact_and_measured_to_pay(trained, mon
     from lmserve.server.engine import Engine, EngineSettings
     from lmserve.server.engine import engine as engine_module
 
+    trained = replace(trained, cache_dir=None)  # each engine measures (no cost kept from an earlier start)
     monkeypatch.setattr(engine_module, "AUTO_SPECULATION_MAX_BREAK_EVEN", float("inf"))  # no timing in the test
     auto = Engine(trained, EngineSettings())
     assert auto.scheduler.speculation is not None and auto.verify_cost > 0  # measured; CPU, batch-invariant
