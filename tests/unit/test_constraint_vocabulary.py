@@ -114,3 +114,42 @@ def test_sentencepiece_forced_text_is_spelled_without_the_word_space(trained_mod
         assert allowed and all(first.startswith(table[i]) for i in allowed), [table[i] for i in allowed]
         state.advance(allowed[0])
     compiler.close()
+
+
+@pytest.mark.parametrize("kind", ["schema", "regex", "lark"])
+def test_mask_slices_give_the_masks_of_a_walk_over_every_id(smol_vocab, kind):
+    """The length slices (MASK_SLICES) change what a mask costs, never what it holds: along seeded random
+    walks, each mask equals the one the library computes with no slices (every id walked)."""
+    from llguidance import LLMatcher
+
+    from lmserve.server.engine.constraints.compiler import JSON_OPTIONS
+    from lmserve.server.engine.constraints.state import fill_bitmask, new_bitmask, unpack
+
+    grammar = {
+        "schema": LLMatcher.grammar_from_json_schema(
+            {"type": "object", "properties": {"a": {"type": "string", "maxLength": 7}, "b": {"type": "string", "maxLength": 33},
+                                              "c": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 4}},
+                                              "d": {"type": "string"}, "n": {"type": "integer"}},
+             "required": ["a", "b", "c", "d", "n"]}, defaults=JSON_OPTIONS),
+        "regex": LLMatcher.grammar_from_regex(r'"[a-z ]{0,12}" and \w{3,5}[ \t]+[^"]{1,9}'),
+        "lark": LLMatcher.grammar_from_lark('start: ("x" /[^"\\n]{2,6}/ " ")+ "end"'),
+    }[kind]
+    sliced = LLMatcher(smol_vocab.ll_tokenizer, grammar, log_level=0)
+    plain = LLMatcher(smol_vocab.ll_tokenizer.with_slices([]), grammar, log_level=0)
+    gen = torch.Generator().manual_seed(7)
+    compared = 0
+    for _ in range(6):
+        a, b = sliced.deep_copy(), plain.deep_copy()
+        for _ in range(60):
+            ma, mb = new_bitmask(smol_vocab.size), new_bitmask(smol_vocab.size)
+            fill_bitmask(a, ma)
+            fill_bitmask(b, mb)
+            assert torch.equal(ma, mb)
+            compared += 1
+            allowed = unpack(ma, smol_vocab.size)[0].nonzero().flatten().tolist()
+            text = [t for t in allowed if t not in smol_vocab.eos_ids]
+            if not text:
+                break
+            token = text[int(torch.randint(len(text), (1,), generator=gen))]
+            assert a.consume_token(token) and b.consume_token(token)
+    assert compared > 40  # every walk ran to its end or 60 tokens
