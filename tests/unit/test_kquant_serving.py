@@ -80,17 +80,9 @@ def test_the_loader_keeps_each_k_quant_tensor_in_its_blocks_and_type(kquant_file
             assert torch.equal(src[name].blocks().dequantize(), src[name].read()), name
 
 
-def test_a_k_quant_mix_serves_in_its_own_types_within_the_quality_bounds_of_float32(kquant_file, cache):
-    path, base = kquant_file
-    kq = load_model(path, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=cache)
-    assert kq.mode == "bfloat16+kquant"
-    layers = kq.model.model.layers
-    for layer in layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert isinstance(m, NativeQuantLinear) and m.kernel.startswith("native-kquant"), m
-    qkv = [QM.kquant_segments(layer.self_attn.qkv_proj.packed) for layer in layers]
-    assert qkv[0] == [(base.name, 256 + 128), ("Q6_K", 128)]  # q|k in the base type, v in Q6_K: one weight
-    assert qkv[1] == [(base.name, 512)] and QM.kquant_segments(layers[0].mlp.down_proj.packed) == [("Q6_K", 256)]
+def assert_close_to_float32(path, kq, cache) -> list[int]:
+    """kq's logits on held-out text against a float32 model of the file's own (dequantized) weights, and
+    kq's rows batch-invariant; returns the text's ids."""
     reference = load_model(path, dtype="float32", quantization="none", device="cpu", cache_dir=cache)
     ids = Qm.text_ids(kq.tokenizer, 200)
     want = Qm.logits_of(reference.model, ids, 128)
@@ -104,6 +96,21 @@ def test_a_k_quant_mix_serves_in_its_own_types_within_the_quality_bounds_of_floa
     # 0.15-0.17, two codes 0.07-0.08, bfloat16 weights 0.07-0.08; int4 requantized from these weights 0.65-1.4)
     assert ((got.float() - want).abs().amax(-1) <= 0.25 * want.std(-1)).all()
     assert model_batch_invariant(kq.model, ids)
+    return ids
+
+
+def test_a_k_quant_mix_serves_in_its_own_types_within_the_quality_bounds_of_float32(kquant_file, cache):
+    path, base = kquant_file
+    kq = load_model(path, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=cache)
+    assert kq.mode == "bfloat16+kquant"
+    layers = kq.model.model.layers
+    for layer in layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(m, NativeQuantLinear) and m.kernel.startswith("native-kquant"), m
+    qkv = [QM.kquant_segments(layer.self_attn.qkv_proj.packed) for layer in layers]
+    assert qkv[0] == [(base.name, 256 + 128), ("Q6_K", 128)]  # q|k in the base type, v in Q6_K: one weight
+    assert qkv[1] == [(base.name, 512)] and QM.kquant_segments(layers[0].mlp.down_proj.packed) == [("Q6_K", 256)]
+    ids = assert_close_to_float32(path, kq, cache)
     if kq.model.native_step is not None:  # the layers in one native call (lm_qmm hands K-quants on): bitwise eager
         native = Qm.logits_of(kq.model, ids, 128, kq.attention, torch.bfloat16)
         step, kq.model.native_step = kq.model.native_step, None
@@ -217,14 +224,7 @@ def test_kquant_serves_a_mix_with_q5_0_and_q8_0_tensors_within_the_quality_bound
     assert embed.ggml_type == int(Q.Q8_0) and embed.raw.numel() == table.numel() // 32 * 34
     every = torch.arange(VOCAB)[None]
     assert torch.equal(embed(every), table[every])
-    reference = load_model(fallback_file, dtype="float32", quantization="none", device="cpu", cache_dir=cache)
-    ids = Qm.text_ids(kq.tokenizer, 200)
-    want = Qm.logits_of(reference.model, ids, 128)
-    got = Qm.logits_of(kq.model, ids, 128)
-    q = Qm.compare(want, got, ids, 128)
-    assert q.mean_kl <= Qm.MAX_MEAN_KL, q.as_dict()
-    assert ((got.float() - want).abs().amax(-1) <= 0.25 * want.std(-1)).all()
-    assert model_batch_invariant(kq.model, ids)
+    assert_close_to_float32(fallback_file, kq, cache)
     loaded = load_model(fallback_file, device="cpu", cache_dir=cache)  # auto: the mix is a candidate mode
     assert "bfloat16+kquant" in loaded.plan.measurements["modes"], list(loaded.plan.measurements["modes"])
 
