@@ -33,4 +33,16 @@ def write_cached(path: Path, data: dict, what: str) -> None:
         log.warning("%s not cached (%s)", what, exc)
 
 
-__all__ = ["default_cache_dir", "write_cached"]
+def read_cached(path: Path, what: str, parse):
+    """parse(the JSON at `path`) as written by write_cached, or None: absent (never measured), or
+    unreadable (logged: measured again and written over)."""
+    try:
+        return parse(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the cached %s at %s is unreadable (%s); measuring again", what, path, exc)
+        return None
+
+
+__all__ = ["default_cache_dir", "read_cached", "write_cached"]

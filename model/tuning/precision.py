@@ -190,6 +190,20 @@ def cache_key(source: Path, request: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def measurement_path(loaded, prefix: str, what: dict) -> Path | None:
+    """Where a measurement of a loaded model (`what` names it and its settings) is cached beside the
+    plan (kernels/<prefix>-<key>.json): keyed like the plan by this CPU, torch and threads and the
+    checkpoint file, and by everything a step's cost follows (mode, kernels, attention, compiled
+    layers); None without a cache directory."""
+    if getattr(loaded, "cache_dir", None) is None:
+        return None
+    plan = loaded.plan
+    request = {**what, "mode": loaded.mode, "kernels": plan.kernels if plan is not None else None,
+               "attention": loaded.attention.describe(),
+               "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled)}
+    return Path(loaded.cache_dir) / "kernels" / f"{prefix}-{cache_key(Path(loaded.source), request)}.json"
+
+
 def _plan_to_json(plan: Plan) -> dict:
     return {"dtype": str(plan.mode.dtype).removeprefix("torch."), "quantization": plan.mode.quantization,
             "kernels": plan.kernels, "measurements": plan.measurements, "reason": plan.reason}
@@ -619,7 +633,7 @@ def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.de
     return plan
 
 
-__all__ = ["FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "time_mode", "settle_mode", "rank_modes",
+__all__ = ["measurement_path", "FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "time_mode", "settle_mode", "rank_modes",
            "reference_plan", "uses_one_code", "ModeBuilder", "INVARIANCE_LAYERS",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "parse_dtype", "asdict"]

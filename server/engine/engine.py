@@ -12,7 +12,6 @@ under a lock; results cross back with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import threading
@@ -23,9 +22,11 @@ from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
+from lmserve.model.cache_dir import read_cached, write_cached
 from lmserve.model.config import LongRopeScaling
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
+from lmserve.model.tuning.precision import measurement_path
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
 from .kv_choice import choose_kv_dtype
@@ -160,28 +161,9 @@ def usable_memory_bytes() -> int:
 STEP_COSTS_VERSION = 1  # bumped when what _seed_step_costs runs or records changes: cached seeds are then measured again
 
 
-def _read_step_costs(path: Path, n: int) -> list[tuple[list[float], float]] | None:
-    """The (features, ms) pairs a previous start recorded at `path` (n of them), or None (absent or unreadable)."""
-    try:
-        steps = json.loads(path.read_text())["steps"]
-        found = [([float(v) for v in s["features"]], float(s["ms"])) for s in steps]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("the cached step costs at %s are unreadable (%s); measuring again", path, exc)
-        return None
-    return found if len(found) == n else None
-
-
-def _read_verify_cost(path: Path) -> float | None:
-    """The verify cost a previous start recorded at `path`, or None (absent or unreadable)."""
-    try:
-        return float(json.loads(path.read_text())["verify_cost"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("the cached verify cost at %s is unreadable (%s); measuring again", path, exc)
-        return None
+def _step_costs(d: dict) -> list[tuple[list[float], float]]:
+    """The (features, ms) pairs of a recorded seeding (read_cached)."""
+    return [([float(v) for v in s["features"]], float(s["ms"])) for s in d["steps"]]
 
 
 class Engine:
@@ -292,7 +274,8 @@ class Engine:
                 return (cost - 1.0) / spec.max_draft > AUTO_SPECULATION_MAX_BREAK_EVEN
 
             path = self._measured_path({"verify_cost": STEP_COSTS_VERSION, "drafts": spec.max_draft})
-            self.verify_cost = _read_verify_cost(path) if path is not None else None
+            self.verify_cost = (read_cached(path, "verify cost", lambda d: float(d["verify_cost"]))
+                                if path is not None else None)
             if self.verify_cost is None:  # not measured by an earlier start on this machine, model, mode
                 self.verify_cost = self._verify_cost(spec.max_draft)
                 for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
@@ -301,8 +284,6 @@ class Engine:
                     time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
                     self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
                 if path is not None:
-                    from lmserve.model.cache_dir import write_cached
-
                     write_cached(path, {"verify_cost": self.verify_cost}, "speculation's verify cost")
             if dear(self.verify_cost):
                 log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
@@ -354,8 +335,8 @@ class Engine:
         if slots > rows:
             batches.append(ScheduledBatch(decode=decodes, prefill=(continued,)))
         path = self._step_costs_path(batches)
-        found = _read_step_costs(path, len(batches)) if path is not None else None
-        if found is not None:  # measured by an earlier start on this machine, model, mode and settings
+        found = read_cached(path, "step costs", _step_costs) if path is not None else None
+        if found is not None and len(found) == len(batches):  # measured by an earlier start on this machine, model, mode and settings
             for x, ms in found:
                 self.step_pacer.model.observe(x, ms)
             return
@@ -379,8 +360,6 @@ class Engine:
         for x, ms in seeds:  # the fastest round: a neighbour's burst is not the step's cost
             self.step_pacer.model.observe(x, ms)
         if path is not None:
-            from lmserve.model.cache_dir import write_cached
-
             write_cached(path, {"steps": [{"features": x, "ms": ms} for x, ms in seeds]}, "seeded step costs")
 
     def _step_costs_path(self, batches: list[ScheduledBatch]) -> Path | None:
@@ -391,18 +370,11 @@ class Engine:
 
     def _measured_path(self, what: dict) -> Path | None:
         """Where a start-up measurement of steps (`what` names it) is kept beside the precision plan
-        (kernels/steps-<key>.json): keyed like the plan by this CPU, torch and threads, the checkpoint file,
-        and by everything a step's cost follows here (mode, kernels, attention, compiled layers, KV dtype).
-        None on an accelerator (the key names the CPU only) or without a cache directory."""
-        loaded = self.loaded
-        if loaded.cache_dir is None or loaded.device.type != "cpu":
+        (precision.measurement_path, kernels/steps-<key>.json, keyed also by the KV dtype). None on an
+        accelerator (the key names the CPU only) or without a cache directory."""
+        if self.loaded.device.type != "cpu":
             return None
-        from lmserve.model.tuning.precision import cache_key
-
-        request = {**what, "mode": loaded.mode, "kernels": loaded.plan.kernels if loaded.plan is not None else None,
-                   "attention": loaded.attention.describe(), "kv": self.kv_choice.name,
-                   "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled)}
-        return Path(loaded.cache_dir) / "kernels" / f"steps-{cache_key(Path(loaded.source), request)}.json"
+        return measurement_path(self.loaded, "steps", {**what, "kv": self.kv_choice.name})
 
     @torch.inference_mode()
     def _verify_cost(self, k: int, rounds: int = 5) -> float:

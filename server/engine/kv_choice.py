@@ -24,26 +24,25 @@ checkpoint again for them (~3 s of a SmolLM2 start on 2 cores). The choice and i
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lmserve.model.cache_dir import read_cached
 from lmserve.model.tuning import quality as Q
+from lmserve.model.tuning.precision import measurement_path
 from lmserve.model.attention.backend import NativeCpuBackend
 from lmserve.model.errors import ModelLoadError
 
 from .settings import KV_CACHE_DTYPES as CHOICES
+
 # what the int8 cache may add to a mode's distance from float32 (quality.py): a quarter of each bound
 MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
 QUALITY_TOKENS = Q.PROBE_TOKENS  # the precision probe's text: its float32 reference serves both
 SPEED_FLOOR = 0.8  # int8 is passed over only when its decode kernel runs below this fraction of the model dtype's speed
 CHECK_VERSION = 2  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
-
-log = logging.getLogger("lmserve.server")
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ def measured(loaded) -> tuple[CacheQuality, float]:
     already checked this checkpoint in this mode, else measured (~3 s for SmolLM2-135M on 2 cores, the
     float32 reference included) and written there."""
     path = cache_path(loaded)
-    found = _read(path) if path is not None else None
+    found = read_cached(path, "int8 KV check", _parse) if path is not None else None
     if found is None:
         found = (measure_int8(loaded), decode_speedup(loaded))
         if path is not None:
@@ -121,28 +120,13 @@ def measured(loaded) -> tuple[CacheQuality, float]:
 
 def cache_path(loaded) -> Path | None:
     """Where this loaded model's check is cached, or None (no cache directory)."""
-    if getattr(loaded, "cache_dir", None) is None:
-        return None
-    from lmserve.model.tuning.precision import cache_key
-
-    plan = loaded.plan
-    request = {"kv_check": CHECK_VERSION, "tokens": QUALITY_TOKENS, "mode": loaded.mode,
-               "kernels": plan.kernels if plan is not None else None, "attention": loaded.attention.describe(),
-               "compiled": bool(loaded.compiled is not None and loaded.compiled.compiled)}
-    return Path(loaded.cache_dir) / "kernels" / f"kv-{cache_key(Path(loaded.source), request)}.json"
+    return measurement_path(loaded, "kv", {"kv_check": CHECK_VERSION, "tokens": QUALITY_TOKENS})
 
 
-def _read(path: Path) -> tuple[CacheQuality, float] | None:
-    try:
-        d = json.loads(path.read_text())
-        fields = ("tokens", "perplexity", "reference_perplexity", "mean_kl", "top1_agreement")
-        q = CacheQuality(*(Q.Quality(**{f: d[which][f] for f in fields}) for which in ("model", "int8")))
-        return q, float(d["decode_speedup"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable: measured again, written over
-        log.warning("the cached int8 KV check at %s is unreadable (%s); measuring again", path, exc)
-        return None
+def _parse(d: dict) -> tuple[CacheQuality, float]:
+    fields = ("tokens", "perplexity", "reference_perplexity", "mean_kl", "top1_agreement")
+    q = CacheQuality(*(Q.Quality(**{f: d[which][f] for f in fields}) for which in ("model", "int8")))
+    return q, float(d["decode_speedup"])
 
 
 def _write(path: Path, found: tuple[CacheQuality, float]) -> None:
