@@ -38,16 +38,19 @@ inline float weight(const void* src, int bf16, int64_t i) {
     return w;
 }
 
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(__F16C__)
+#if defined(__AVX512F__)
 inline __m512 load16(const void* src, int bf16, int64_t i) {
     if (!bf16) return _mm512_loadu_ps((const float*)src + i);
     const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)src + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#endif
 
-// One Q8_0 block of 32 in two vectors: the scalar loop's operations (|x| max, the step's float16
-// rounding, x * inv rounded to nearest even, the clamp) on 16 lanes at a time, so the same bits.
-inline bool quantize_q80_block_avx512(const void* w, int bf16, int64_t at, int8_t* q, float* d) {
+// One Q8_0 block of 32 (weights at `at`): |x| max, the step rounded to float16, x * inv rounded to nearest
+// even and clamped. With AVX-512, the same operations on 16 lanes at a time, so the same bits.
+inline void quantize_q80_block(const void* w, int bf16, int64_t at, int8_t* q, float* d) {
+#if defined(__AVX512F__)
     const __m512 x0 = load16(w, bf16, at), x1 = load16(w, bf16, at + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const float step = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
@@ -59,9 +62,37 @@ inline bool quantize_q80_block_avx512(const void* w, int bf16, int64_t at, int8_
         _mm_storeu_si128((__m128i*)(q + 16 * h), _mm512_cvtsepi32_epi8(c));
     }
     *d = step;
-    return true;
+#else
+    float x[BLOCK], a[BLOCK];
+    for (int l = 0; l < BLOCK; ++l) {  // loops the compiler vectorizes
+        x[l] = weight(w, bf16, at + l);
+        a[l] = std::fabs(x[l]);
+    }
+    float amax = 0.0f;
+    for (int l = 0; l < BLOCK; ++l) amax = a[l] > amax ? a[l] : amax;
+    const float step = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
+    const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+    for (int l = 0; l < BLOCK; ++l) {
+        const float r = round_even(x[l] * inv);
+        q[l] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    *d = step;
+#endif
 }
 #endif
+
+// body(dst, row, b, c) for each row c of each group of 16 rows and each block b of 32 along K, dst the
+// group's packed block of `bytes` (the int8 and int4 layouts share this order).
+template <class Body>
+void each_packed_row(int64_t N, int64_t K, int64_t bytes, uint8_t* out, int threads, Body body) {
+    const int64_t B = K / BLOCK;
+    for_rows((int)(N / COLS), COLS * K, threads, [&](int g) {
+        for (int64_t b = 0; b < B; ++b) {
+            uint8_t* dst = out + (g * B + b) * bytes;
+            for (int c = 0; c < COLS; ++c) body(dst, (int64_t)g * COLS + c, b, c);
+        }
+    });
+}
 
 }  // namespace
 
@@ -74,26 +105,8 @@ int lm_quantize_q80(const void* w, int bf16, int64_t N, int64_t K, int8_t* q, fl
 #if defined(__F16C__)
     if (K % BLOCK) return 1;
     for_rows((int)N, K, threads, [&](int r) {
-        for (int64_t b = 0; b < K / BLOCK; ++b) {
-            const int64_t at = r * K + b * BLOCK;
-#if defined(__AVX512F__) && defined(__F16C__)
-            if (quantize_q80_block_avx512(w, bf16, at, q + at, d + r * (K / BLOCK) + b)) continue;
-#endif
-            float x[BLOCK], a[BLOCK];
-            for (int l = 0; l < BLOCK; ++l) {  // loops the compiler vectorizes
-                x[l] = weight(w, bf16, at + l);
-                a[l] = std::fabs(x[l]);
-            }
-            float amax = 0.0f;
-            for (int l = 0; l < BLOCK; ++l) amax = a[l] > amax ? a[l] : amax;
-            const float step = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
-            const float inv = step > 0.0f ? 1.0f / step : 0.0f;
-            for (int l = 0; l < BLOCK; ++l) {
-                const float r = round_even(x[l] * inv);
-                q[at + l] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-            }
-            d[r * (K / BLOCK) + b] = step;
-        }
+        for (int64_t b = 0; b < K / BLOCK; ++b)
+            quantize_q80_block(w, bf16, r * K + b * BLOCK, q + r * K + b * BLOCK, d + r * (K / BLOCK) + b);
     });
     return 0;
 #else
@@ -108,18 +121,11 @@ int lm_quantize_q80(const void* w, int bf16, int64_t N, int64_t K, int8_t* q, fl
 int lm_pack_q8(const int8_t* q, const float* d, int64_t N, int64_t K, uint8_t* out, int threads) {
 #if defined(__F16C__)
     if (N % COLS || K % BLOCK) return 1;
-    const int64_t B = K / BLOCK;
-    for_rows((int)(N / COLS), COLS * K, threads, [&](int g) {
-        for (int64_t b = 0; b < B; ++b) {
-            uint8_t* dst = out + (g * B + b) * GROUP_BYTES;
-            for (int c = 0; c < COLS; ++c) {
-                const int64_t row = (int64_t)g * COLS + c;
-                const int8_t* src = q + row * K + b * BLOCK;
-                for (int j = 0; j < 8; ++j)
-                    for (int t = 0; t < 4; ++t) dst[64 * j + 4 * c + t] = (uint8_t)(src[4 * j + t] + 128);
-                put_half(dst + 512 + 2 * c, d[row * B + b]);
-            }
-        }
+    each_packed_row(N, K, GROUP_BYTES, out, threads, [&](uint8_t* dst, int64_t row, int64_t b, int c) {
+        const int8_t* src = q + row * K + b * BLOCK;
+        for (int j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t) dst[64 * j + 4 * c + t] = (uint8_t)(src[4 * j + t] + 128);
+        put_half(dst + 512 + 2 * c, d[row * (K / BLOCK) + b]);
     });
     return 0;
 #else
@@ -162,20 +168,12 @@ int lm_quantize_q41(const void* w, int bf16, int64_t N, int64_t K, uint8_t* q, f
 int lm_pack_q4(const uint8_t* q, const float* d, const float* m, int64_t N, int64_t K, uint8_t* out, int threads) {
 #if defined(__F16C__)
     if (N % COLS || K % BLOCK) return 1;
-    const int64_t B = K / BLOCK;
-    for_rows((int)(N / COLS), COLS * K, threads, [&](int g) {
-        for (int64_t b = 0; b < B; ++b) {
-            uint8_t* dst = out + (g * B + b) * GROUP_BYTES_Q4;
-            for (int c = 0; c < COLS; ++c) {
-                const int64_t row = (int64_t)g * COLS + c;
-                const uint8_t* src = q + row * K + b * BLOCK;
-                for (int j = 0; j < 4; ++j)
-                    for (int t = 0; t < 4; ++t)
-                        dst[64 * j + 4 * c + t] = (uint8_t)(src[8 * j + t] | (src[8 * j + 4 + t] << 4));
-                put_half(dst + 256 + 2 * c, d[row * B + b]);
-                put_half(dst + 288 + 2 * c, m[row * B + b]);
-            }
-        }
+    each_packed_row(N, K, GROUP_BYTES_Q4, out, threads, [&](uint8_t* dst, int64_t row, int64_t b, int c) {
+        const uint8_t* src = q + row * K + b * BLOCK;
+        for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 4; ++t) dst[64 * j + 4 * c + t] = (uint8_t)(src[8 * j + t] | (src[8 * j + 4 + t] << 4));
+        put_half(dst + 256 + 2 * c, d[row * (K / BLOCK) + b]);
+        put_half(dst + 288 + 2 * c, m[row * (K / BLOCK) + b]);
     });
     return 0;
 #else
