@@ -28,6 +28,9 @@ class _NativeRows:
             fn.argtypes, fn.restype = [p, i64, i32, i32, p, p, p, i32, p, p, p, p, p, i32], i32
         self._draw = lib.lm_row_draw_f32
         self._draw.argtypes, self._draw.restype = [p, i32, f32, f32, ctypes.c_double], i64
+        self._masked = {torch.float32: lib.lm_masked_row_max_f32, torch.bfloat16: lib.lm_masked_row_max_bf16}
+        for fn in self._masked.values():
+            fn.argtypes, fn.restype = [p, i64, p, p, i32, i32, i32, p, p, i32], i32
 
     def applies(self, rows: Tensor) -> bool:
         return (rows.device.type == "cpu" and rows.dtype in self._scan and rows.dim() == 2
@@ -55,6 +58,20 @@ class _NativeRows:
         if rc:
             raise ValueError(f"row scan refused its arguments ({R} rows of {rows.shape[1]}, top {n})")
         return out_max, out_index, out_lse, vals, idx
+
+    def masked_max(self, logits: Tensor, rows: list[int], bitmasks: Tensor) -> tuple[Tensor, Tensor]:
+        """(maxima [R], first indices [R]) of logits [N, V]'s rows `rows` as if the ids each one's bitmask
+        (bitmasks [R, W] int32) does not allow were -inf; the logits are read, not written."""
+        R = len(rows)
+        index = torch.tensor(rows, dtype=torch.int64)
+        bits = bitmasks.contiguous()
+        out_max, out_index = torch.empty(R), torch.empty(R, dtype=torch.int64)
+        rc = self._masked[logits.dtype](logits.data_ptr(), logits.stride(0), index.data_ptr(), bits.data_ptr(), R,
+                                        bits.shape[1], logits.shape[1], out_max.data_ptr(), out_index.data_ptr(),
+                                        torch.get_num_threads())
+        if rc:
+            raise ValueError(f"masked row max refused its arguments ({R} rows of {logits.shape[1]}, {bits.shape[1]} words)")
+        return out_max, out_index
 
     def draw(self, row: Tensor, t: float, lse: float, u: float) -> int:
         return int(self._draw(row.data_ptr(), row.shape[0], t, lse, u))
@@ -103,6 +120,18 @@ def rows_max(logits: Tensor, rows: list[int]) -> tuple[Tensor, Tensor]:
         return native.scan(logits[rows[0]: rows[0] + len(rows)])[:2]
     parts = [native.scan(logits[i: i + 1])[:2] for i in rows]
     return torch.cat([m for m, _ in parts]), torch.cat([i for _, i in parts])
+
+
+def masked_rows_max(logits: Tensor, rows: list[int], bitmasks: Tensor) -> tuple[Tensor, Tensor] | None:
+    """rows_max(logits, rows) once each row's ids its bitmask (bitmasks [R, W] int32, constraints.state's) does not
+    allow were set to -inf (constraints.state.mask_logits), without setting them: the native pass reads only the
+    words of allowed ids, in place (a JSON schema allows few of Gemma 3's 262,144 ids, and a forced key one; a
+    greedy row's token is all it needs of them). None where the native pass does not run: the caller masks the
+    rows and takes rows_max."""
+    native = native_lib.bound(_NativeRows)
+    if native is None or not native.applies(logits) or bitmasks.dtype != torch.int32 or bitmasks.device.type != "cpu":
+        return None
+    return native.masked_max(logits, rows, bitmasks)
 
 
 def row_scan(logits: Tensor, asks: dict[int, tuple[float, int, bool]]) -> tuple[Tensor, Tensor, dict[int, Stats]]:

@@ -14,8 +14,11 @@ Constrained rows (a request with a compiled constraint) first have the ids their
 not allow set to -inf, before any of that; their matcher takes the sampled token at once and, for a
 sampled row, starts computing the next step's mask (constraints/state.py). A greedy row's token is its
 argmax whenever the constraint allows that (one token checked, a microsecond or two), so its mask is
-computed and applied only where it does not: ~1 token in 5 on a JSON schema with SmolLM2. A
-request's `logit_bias` is added before either. The log-probabilities of those rows are the model's own, from the logits before the
+computed and applied only where it does not: ~1 token in 5 on a JSON schema with SmolLM2; and where no
+mask is at hand, not before the row's next best ids have been offered to the constraint (the first it
+allows is the argmax of the allowed logits). A greedy row's mask is not written into its logits: the
+maximum of its allowed ids is read in place (row_max.masked_rows_max). A request's `logit_bias` is
+added before either. The log-probabilities of those rows are the model's own, from the logits before the
 mask and the bias.
 
 `general_sample` is the straightforward reference (every row through every stage); the fast path
@@ -33,7 +36,7 @@ from torch import Tensor
 
 from .constraints.state import ConstraintError, ConstraintState, mask_logits
 from .ngram import kept
-from .row_max import Stats, row_draw, row_scan, row_stats, rows_max
+from .row_max import Stats, masked_rows_max, row_draw, row_scan, row_stats, rows_max
 from .request import SamplingParams
 
 
@@ -267,23 +270,55 @@ def _constraint_state(seq, lazy: bool = True) -> ConstraintState:
     return seq.constraint
 
 
-def _needing_masks(seqs, rows: list[int], drafts: list | None, tokens: Tensor) -> list[int]:
+# How many of a greedy constrained row's best ids are read (one more pass over its row) where its argmax is not
+# allowed and no mask is at hand: they are offered to its constraint before a mask is computed. Inside a JSON
+# string near its maxLength a mask walks every longer token (0.5-2 ms at Gemma 3's 262,144 ids, 0.1-0.5 ms at
+# SmolLM2's 49,152); the pass costs ~40 us at 262,144 ids and checking an id a few microseconds.
+CANDIDATES = 16
+
+
+def _needing_masks(seqs, rows: list[int], drafts: list | None, logits: Tensor, tokens: Tensor,
+                   row_max: Tensor) -> list[int]:
     """The constrained rows whose mask must be applied: all but the greedy rows (not verifying drafts)
     whose argmax the constraint allows, which is then also the argmax of their allowed logits (the first
-    of equal maxima either way). A greedy row that needs its mask has the next one computed ahead
-    (disagreements come in runs: a key, a forced separator); one that does not, none."""
-    firsts = tokens.tolist()
-    needed = []
+    of equal maxima either way), and those where, with no mask at hand, it allows one of the row's next
+    best ids (_next_best): the first it allows is then the argmax of the allowed logits, and it replaces
+    the row's token and maximum (in place). A greedy row that needs its mask has the next one computed
+    ahead (disagreements come in runs: a key, a forced separator); one that does not, none."""
+    firsts, maxima = tokens.tolist(), row_max.tolist()
+    needed, found = [], {}
     for i in rows:
         state = _constraint_state(seqs[i])
         if (drafts and drafts[i][0]) or not _greedy_argmax(seqs[i].request.params):
             needed.append(i)
-        elif not state.allowed(firsts[i]):
-            state.ahead = True
+            continue
+        ok = state.allowed(firsts[i])
+        if not ok and CANDIDATES > 1 and not state.has_mask and math.isfinite(maxima[i]):
+            offered = _next_best(logits[i], firsts[i])
+            k = state.first_allowed([t for t, _ in offered]) if offered else None
+            if k is not None:
+                found[i] = offered[k]
+                ok = True
+        state.ahead = not ok
+        if not ok:
             needed.append(i)
-        else:
-            state.ahead = False
+    if found:
+        index = torch.tensor(list(found))
+        with torch.inference_mode():  # the scan's outputs (inference tensors where it ran in that mode)
+            tokens[index] = torch.tensor([t for t, _ in found.values()], dtype=tokens.dtype)
+            row_max[index] = torch.tensor([v for _, v in found.values()], dtype=row_max.dtype)
     return needed
+
+
+def _next_best(row: Tensor, argmax: int) -> list[tuple[int, float]]:
+    """(id, value) of a row's best ids after its argmax, in the order its allowed logits' argmax takes
+    them (larger values first, of equal values the lower id): those above the CANDIDATES-th largest value,
+    so that every id of a value as large is among them whatever order the top's ties came in. Finite
+    values only (a row whose maximum is finite)."""
+    _, vals, idx = row_stats(row[None], 1.0, min(CANDIDATES, row.shape[0]), lse=False)
+    top = sorted(zip(vals[0].tolist(), idx[0].tolist()), key=lambda p: (-p[0], p[1]))
+    last = top[-1][0]
+    return [(t, v) for v, t in top if v > last and t != argmax and math.isfinite(v)]
 
 
 def _constraint_masks(seqs, rows: list[int], drafts: list | None) -> Tensor:
@@ -362,16 +397,24 @@ class Sampler:
         # the rows that sample or want logprobs read of it (row_scan: where the native library reads it)
         row_max, tokens, first = row_scan(logits, _first_asks(seqs, logits.shape[1]))
         if self.lazy_masks:
-            masked = _needing_masks(seqs, constrained, drafts, tokens) if constrained else []
+            masked = _needing_masks(seqs, constrained, drafts, logits, tokens, row_max) if constrained else []
         else:
             masked = constrained
             for i in masked:
                 _constraint_state(seqs[i], lazy=False)
         if masked:
-            mask_logits(logits, masked, _constraint_masks(seqs, masked, drafts))  # in place
+            bits = _constraint_masks(seqs, masked, drafts)  # [R, W]
+            maxima = masked_rows_max(logits, masked, bits)  # native: only the allowed ids read, nothing written
+            if maxima is None:  # elsewhere the rows are masked in place, then read
+                mask_logits(logits, masked, bits)
+                maxima = rows_max(logits, masked)
+            else:  # the rows read again below (sampled, penalised) take the mask in place as well
+                again = [r for r, i in enumerate(masked) if not _greedy_argmax(seqs[i].request.params)]
+                if again:
+                    mask_logits(logits, [masked[r] for r in again], bits[again])
             index = torch.tensor(masked, device=logits.device)
             with torch.inference_mode():  # the maxima of the masked rows replace theirs (inference tensors)
-                row_max[index], tokens[index] = rows_max(logits, masked)
+                row_max[index], tokens[index] = maxima
         if (logits.device.type == "cuda" and not constrained and not biased
                 and all(_plain_greedy(seq.request.params) for seq in seqs)):
             return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here

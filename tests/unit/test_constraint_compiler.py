@@ -168,6 +168,15 @@ def test_a_state_computing_masks_on_demand_answers_as_the_mask_does(compiler, co
             lazy = ConstraintState(ahead._m.deep_copy(), compiled.vocabulary, compiler.worker, ahead=False)
             assert lazy.allowed(t) == (0 <= t < vocab and bool(bits[t])), (t, ahead.tokens)
         assert torch.equal(lazy.mask(), ahead.mask())  # asked for: computed here, the same
+        # a row's best ids offered in turn: the first the mask allows, or (a fresh on-demand state, the grammar
+        # forcing the next bytes) none, the mask's to say
+        forced = bool(ahead._m.compute_ff_bytes())
+        for n in (1, 3, 8):
+            ids = rng.sample(sorted(probe), n)
+            want = next((k for k, t in enumerate(ids) if 0 <= t < vocab and bits[t]), None)
+            lazy = ConstraintState(ahead._m.deep_copy(), compiled.vocabulary, compiler.worker, ahead=False)
+            assert lazy.first_allowed(ids) == (None if forced else want), (ids, ahead.tokens)
+            assert ahead.first_allowed(ids) == want, (ids, ahead.tokens)
         text = [t for t in allowed if t not in eos]
         if not text:
             break
@@ -253,3 +262,64 @@ def test_redos_regexes_compile_and_stay_exact(compiler, smollm2_tokenizer):
         compiled = compiler.compile(Constraint.regex(pattern))
         text = walk(compiled, smollm2_tokenizer, seed=1, max_steps=600)
         assert re.fullmatch(pattern, text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_masks_greedy_rows_by_reading_and_the_others_in_place(compiler, native_kernels_dir, monkeypatch,
+                                                                         dtype):
+    """Constrained rows through the Sampler with the native passes loaded (a greedy row's next best ids offered
+    to its constraint before a mask, its maximum read over its allowed ids, its logits left as they were; a
+    sampled or penalised row masked in place), with every row's mask applied, and on the torch path (every
+    masked row written, then read): step after step the same tokens and logprobs, each token one the
+    constraint allows, a greedy row's the first argmax of its logits masked id by id."""
+    from lmserve.model.native import build as native
+    from lmserve.server.engine import row_max as RM
+    from lmserve.server.engine import sampler as SM
+    from lmserve.server.engine.constraints import state as ST
+    from lmserve.server.engine.request import Request, SamplingParams, ValidRequest
+    from lmserve.server.engine.sequence import Sequence
+
+    lib, why = native.load(native_kernels_dir)
+    assert lib is not None, why
+    compiled = [compiler.compile(Constraint.json_schema(PERSON)), compiler.compile(Constraint.grammar(ARITH))]
+    kinds = [SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=64, logprobs=3),
+             SamplingParams(max_new_tokens=64, temperature=0.9, seed=4),
+             SamplingParams(max_new_tokens=64, repetition_penalty=1.3)]
+    V = compiler.vocabulary.size
+
+    def decode(native_on: bool, lazy: bool = True) -> tuple[list, list]:
+        monkeypatch.setattr(native, "_BOUND", {} if native_on else {RM._NativeRows: None, ST._NativeMask: None})
+        assert (RM.masked_rows_max(torch.zeros(1, V), [0], torch.full((1, (V + 31) // 32), -1, dtype=torch.int32))
+                is not None) == native_on
+        seqs = [Sequence(ValidRequest.of(Request([1, 2, 3], p), c)) for c in compiled for p in kinds]
+        for s in seqs:  # as the sampler makes them (a greedy row's mask on demand), made here to read the masks
+            s.constraint = s.request.compiled.new_state(ahead=not SM._greedy_argmax(s.request.params))
+        gen = torch.Generator().manual_seed(2)
+        sampler, tokens, logprobs = SM.Sampler(lazy_masks=lazy), [], []
+        for _ in range(24):
+            live = [s for s in seqs if not s.constraint.is_finished]
+            if not live:
+                break
+            logits = (torch.randn(len(live), V, generator=gen) * 3).round().to(dtype)
+            logits[:, :300] += 2  # ties and near-ties among ids the grammar allows (digits, punctuation)
+            allowed = [unpack(s.constraint.mask()[None], V)[0] for s in live]
+            before = logits.clone()
+            out = sampler(logits, live)
+            for i, (s, t) in enumerate(zip(live, out.token_ids)):
+                assert out.ok[i] and allowed[i][t]
+                if SM._greedy_argmax(s.request.params):
+                    assert t == int(before[i].float().masked_fill(~allowed[i], float("-inf")).argmax())
+                    if native_on:
+                        assert torch.equal(logits[i], before[i])  # read, not written
+                s.output_ids.append(t)
+            tokens.append(out.token_ids)
+            logprobs.append(out.logprobs)
+        return tokens, logprobs
+
+    (tokens, logprobs), (torch_tokens, torch_logprobs) = decode(True), decode(False)
+    assert tokens == torch_tokens == decode(True, lazy=False)[0] and len(tokens) >= 8
+    for step, torch_step in zip(logprobs, torch_logprobs):  # the model's, within float32 rounding (the top's
+        for a, b in zip(step, torch_step):                   # tied ids may come in another order)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert [a[0], *(v for _, v in a[1])] == pytest.approx([b[0], *(v for _, v in b[1])], abs=2e-5)

@@ -255,3 +255,71 @@ def test_rows_max_reads_the_chosen_rows_in_place(lib, native_kernels_dir):
             want_v, want_i = x[rows].max(dim=-1)
             assert torch.equal(got_i, want_i), rows
             assert [(math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got_v.tolist(), want_v.float().tolist())] == [True] * len(rows)
+
+
+def _masked_case(V: int, W: int, seed: int, dtype):
+    """Rows full of ties, a NaN allowed and one not, a row of -inf; bitmasks with words of none, of all,
+    a single id, and a row allowing nothing."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(6, V, generator=g) * 3).round()
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, W), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[0, 0] = -1
+    bits[0, W - 1] = 0
+    bits[1] = 0
+    bits[1, W - 1] = 1 << 5  # one id, in the last word (past the row when V < 32 W - 26)
+    bits[2] = 0  # nothing allowed: -inf at index 0
+    bits[3, 0] = 1 << 2  # a NaN allowed at id 2, another one not at id 3
+    logits[1, 2], logits[1, 3] = float("nan"), float("nan")
+    bits[4, 0] = ~(1 << 4)  # a NaN not allowed: no NaN
+    logits[5, 4] = float("nan")
+    logits[0] = float("-inf")
+    return logits.to(dtype), [3, 1, 0, 1, 5], bits
+
+
+def _masked_reference(logits: torch.Tensor, rows: list[int], bits: torch.Tensor):
+    """The rows masked id by id (allowed iff inside the bitmask and its bit set), then torch's max."""
+    out = logits[rows].clone()
+    for r, word_row in enumerate(bits.tolist()):
+        for t in range(logits.shape[1]):
+            if t >= 32 * bits.shape[1] or not (word_row[t // 32] >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out.max(dim=-1)
+
+
+@pytest.mark.parametrize("V,W", [(7, 1), (70, 3), (96, 3), (100, 3), (1000, 32), (1000, 30), (4133, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_rows_max_is_the_max_of_the_masked_rows(lib, tmp_path_factory, V, W, dtype):
+    """The masked maxima (nothing written) against the rows masked by the per-id rule, then torch.max: the
+    same values and first indices, a row with nothing allowed -inf at 0, an allowed NaN wins and a
+    disallowed one does not count; in this CPU's build and the one without AVX-512."""
+    libs = [lib]
+    if "avx2" in open("/proc/cpuinfo").read():
+        scalar, why = native.build(tmp_path_factory.mktemp("masked-max-avx2"), march="x86-64-v3",
+                                   sources=[native.CSRC / "row_max.cpp"])
+        assert scalar is not None, why
+        libs.append(scalar)
+    logits, rows, bits = _masked_case(V, W, V * W, dtype)
+    before = logits.clone()
+    want_v, want_i = _masked_reference(logits, rows, bits)
+    for one in libs:
+        got_v, got_i = RM._NativeRows(one).masked_max(logits, rows, bits)
+        assert torch.equal(got_i, want_i), (V, W)
+        assert [(math.isnan(a) and math.isnan(b)) or a == b
+                for a, b in zip(got_v.tolist(), want_v.float().tolist())] == [True] * len(rows), (V, W)
+    assert torch.equal(logits.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # nothing written
+
+
+def test_masked_rows_max_reads_strided_rows_and_says_when_it_cannot(lib, native_kernels_dir, monkeypatch):
+    native.load(native_kernels_dir)  # as a CPU server has it
+    wide = torch.randn(4, 49200)
+    view = wide[:, :49155]  # rows 49,200 apart, the last word partial
+    g = torch.Generator().manual_seed(9)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 1537), generator=g, dtype=torch.int64).to(torch.int32)
+    got_v, got_i = RM.masked_rows_max(view, [3, 1], bits)
+    want_v, want_i = _masked_reference(view, [3, 1], bits)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+    assert RM.masked_rows_max(torch.randn(2, 40).half(), [0], bits[:1, :2]) is None  # float16: the caller masks
+    monkeypatch.setattr(native, "_BOUND", {})
+    monkeypatch.setattr(native, "_LOADED", {})
+    assert RM.masked_rows_max(view, [3, 1], bits) is None  # no native library: the caller masks

@@ -95,6 +95,21 @@ struct NanSeen {
 #endif
 };
 
+// The largest of 16 lanes' maxima and, of the lanes holding it, the lowest index (each lane's index is the
+// first in that lane holding its maximum): the first index of the row's maximum.
+static inline void lanes_first_max(v16f m, v16i at, float* out_max, int64_t* out_index) {
+    float mx = m[0];
+    int64_t first = at[0];
+    for (int l = 1; l < 16; ++l) {
+        if (m[l] > mx || (m[l] == mx && at[l] < first)) {
+            mx = m[l];
+            first = at[l];
+        }
+    }
+    *out_max = mx;
+    *out_index = first;
+}
+
 // One row in one pass: its maximum and the first index holding it (out_max not null), the n largest
 // values (TOP) and the log-sum-exp at t (LSE). The maximum is kept per lane with the first index that
 // holds it (a lane moves only on a larger value), then the largest lane and, of the lanes holding it,
@@ -206,14 +221,9 @@ static void scan_row(const typename L::T* row, int vocab, float t, int n, float*
         *out_lse = nan ? NAN : (UNIT ? mx : mx * t) + logf(total(part));
     }
     if (!out_max) return;
-    float mx = m[0];
-    int64_t first = at[0];
-    for (int l = 1; l < 16; ++l) {
-        if (m[l] > mx || (m[l] == mx && at[l] < first)) {
-            mx = m[l];
-            first = at[l];
-        }
-    }
+    float mx;
+    int64_t first;
+    lanes_first_max(m, at, &mx, &first);
     if (nan) {  // rare: the first NaN's index, by a scan
         for (int j = 0; j < vocab; ++j) {
             const float v = element(row, j);
@@ -224,6 +234,60 @@ static void scan_row(const typename L::T* row, int vocab, float t, int n, float*
         }
     }
     *out_max = nan ? NAN : mx;
+    *out_index = first;
+}
+
+// A constrained row's maximum and its first index as if every id its bitmask does not allow were -inf
+// (logit_mask.cpp's rows, then scan_row), without writing the row: only the words holding an allowed id
+// are read, 32 ids at a time, the others' lanes -inf. A greedy row's whole answer; a JSON schema allows
+// few of Gemma 3's 262,144 ids (its forced keys one), so most of the 1 MB row is never read.
+//   bits: `words` uint32, bit t % 32 of word t / 32 allows id t (ids at or past 32 * words never allowed).
+template <class L>
+static void masked_max_row(const typename L::T* row, const uint32_t* bits, int words, int vocab, float* out_max,
+                           int64_t* out_index) {
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f none = v16f{} - INFINITY;
+    v16i at = lane;
+    v16f m = none;
+    NanSeen nans;
+    const int whole = words < vocab / 32 ? words : vocab / 32;  // words whose 32 ids are all in the row
+    auto take = [&](v16f v, uint32_t half, int j) {  // 16 ids from j, the lanes of half's clear bits -inf
+        const v16i keep = ((v16i{} + (int32_t)half) >> lane) & 1;
+        v = keep != 0 ? v : none;
+        nans.add(v);
+        const v16i up = v > m;
+        m = up ? v : m;
+        at = up ? lane + j : at;
+    };
+    for (int w = 0; w < whole; ++w) {
+        const uint32_t word = bits[w];
+        if (!word) continue;
+        const int j = 32 * w;
+        if (word & 0xffffu) take(L::load(row + j), word & 0xffffu, j);
+        if (word >> 16) take(L::load(row + j + 16), word >> 16, j + 16);
+    }
+    if (whole < words && 32 * whole < vocab) {  // a last word the row ends inside
+        const uint32_t word = bits[whole];
+        for (int h = 0; h < 2; ++h) {
+            const int j = 32 * whole + 16 * h;
+            v16f v = none;
+            for (int l = 0; l < 16 && j + l < vocab; ++l) v[l] = element(row, j + l);
+            take(v, (word >> (16 * h)) & 0xffffu, j);
+        }
+    }
+    float mx;
+    int64_t first;
+    lanes_first_max(m, at, &mx, &first);
+    if (nans.any()) {  // rare: the first allowed NaN's index
+        for (int j = 0; j < vocab && j < 32 * words; ++j) {
+            const float v = element(row, j);
+            if (((bits[j / 32] >> (j % 32)) & 1u) && v != v) {
+                first = j;
+                break;
+            }
+        }
+    }
+    *out_max = nans.any() ? NAN : mx;
     *out_index = first;
 }
 
@@ -308,6 +372,28 @@ int lm_row_scan_bf16(const uint16_t* logits, int64_t row_stride, int rows, int v
                      float* out_vals, int64_t* out_idx, int threads) {
     return checked_row_scan<BF16>(logits, row_stride, rows, vocab, t, n, lse, top_stride, out_max, out_index, out_lse,
                                   out_vals, out_idx, threads);
+}
+
+// masked_max_row for n rows: row rows[i] of logits under bitmask row i (bits + i * words), into out_max[i] /
+// out_index[i]; 1 for a negative count or width or an empty vocabulary, else 0.
+int lm_masked_row_max_f32(const float* logits, int64_t row_stride, const int64_t* rows, const uint32_t* bits, int n,
+                          int words, int vocab, float* out_max, int64_t* out_index, int threads) {
+    if (n < 0 || words < 0 || vocab < 1) return 1;
+    for_rows(n, vocab / 8, threads, [=](int i) {
+        masked_max_row<F32>(logits + rows[i] * row_stride, bits + (int64_t)i * words, words, vocab, out_max + i,
+                            out_index + i);
+    });
+    return 0;
+}
+
+int lm_masked_row_max_bf16(const uint16_t* logits, int64_t row_stride, const int64_t* rows, const uint32_t* bits,
+                           int n, int words, int vocab, float* out_max, int64_t* out_index, int threads) {
+    if (n < 0 || words < 0 || vocab < 1) return 1;
+    for_rows(n, vocab / 8, threads, [=](int i) {
+        masked_max_row<BF16>(logits + rows[i] * row_stride, bits + (int64_t)i * words, words, vocab, out_max + i,
+                             out_index + i);
+    });
+    return 0;
 }
 
 int64_t lm_row_draw_f32(const float* row, int vocab, float t, float lse, double u) {

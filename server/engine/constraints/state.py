@@ -79,6 +79,7 @@ class ConstraintState:
         self._worker = worker
         self.ahead = ahead
         self._bits = new_bitmask(vocabulary.size)  # [1, W] int32, bit t of word t//32
+        self._words = self._bits[0].numpy()  # the same words, read one at a time without a tensor op each
         self._pending: Future | None = None
         self._stale = True  # the bits are not this position's mask (nor being computed)
         self.tokens = 0  # accepted so far
@@ -132,8 +133,32 @@ class ConstraintState:
                 return token == forced[0]
             if not self._m.compute_ff_bytes():
                 return True
-        row = self.mask()
-        return bool((int(row[token // 32]) >> (token % 32)) & 1)
+        self.mask()
+        return bool((int(self._words[token // 32]) >> (token % 32)) & 1)
+
+    @property
+    def has_mask(self) -> bool:
+        """This position's mask is computed or being computed."""
+        return not self._stale or self._pending is not None
+
+    def first_allowed(self, tokens: list[int]) -> int | None:
+        """The place in `tokens` of the first one that may come next (as `allowed` answers), or None. Where no
+        mask is computed (nor being computed) and the grammar forces the next bytes, None without a look: the
+        mask, which holds one token there and costs little, is the one to ask."""
+        if self._stale and self._pending is None:
+            if self._m.compute_ff_bytes():
+                return None
+            for k, token in enumerate(tokens):  # nothing forced: `allowed`'s answer is validate_tokens'
+                if token in self._vocab.eos_ids:
+                    if self._m.is_accepting():
+                        return k
+                elif 0 <= token < self._vocab.size and self._m.validate_tokens([int(token)]) == 1:
+                    return k
+            return None
+        self.mask()
+        words = self._words
+        return next((k for k, token in enumerate(tokens) if 0 <= token < self._vocab.size
+                     and (int(words[token // 32]) >> (token % 32)) & 1), None)
 
     def advance(self, token: int) -> None:
         """Accept `token` and start computing the next mask. Raises ConstraintError if the constraint
