@@ -149,6 +149,9 @@ HELP = {
     "draft_tokens": "most tokens drafted per request and step (--speculation)",
     "draft_max_batch": "draft only while at most this many requests decode (a fuller step gains little)",
     "threads": "torch CPU threads (default: torch's choice)",
+    "adaptive_threads": "on CPU, run engine steps on one thread while other processes keep this machine's cores "
+                        "busy (seen in the kernel's count of this process's preemptions), and on all --threads again "
+                        "once the cores are free; the tokens are the same either way: true or false",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",

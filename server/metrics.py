@@ -161,6 +161,11 @@ class _LiveCollector:
             _gauge("lmserve_process_peak_resident_memory_bytes", "Peak resident set size of the process",
                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         )
+        if eng.cores is not None:
+            yield _gauge("lmserve_step_threads", "CPU threads the next engine step runs on (one while other processes "
+                         "keep the cores busy, --adaptive-threads)", eng.cores.threads)
+            yield _counter("lmserve_step_thread_reductions", "Times engine steps went to one thread because other "
+                           "processes kept the cores busy", eng.cores.reductions)
         if lm.device.type == "cuda":
             import torch
 

@@ -43,6 +43,8 @@ BENCHMARKS = {b.name: b for b in (
               "memory of default servers under load, and what the prefix cache reuses"),
     Benchmark("step-profile", "lmserve.server.bench.step_profile",
               "where a batch-1 decode step's time goes: linears, attention, the rest"),
+    Benchmark("core-share", "lmserve.server.bench.core_share",
+              "decode speed with other processes busy on the cores: steps on one thread beside every thread"),
     Benchmark("quant-kernels", "lmserve.server.bench.quant_kernels",
               "the weight-only linear kernels on a GGUF's weights against the read bandwidth"),
     Benchmark("kquant-kernels", "lmserve.server.bench.kquant_kernels",

@@ -38,6 +38,7 @@ from .errors import RequestValidationError
 from .request import FinishReason, Request, SamplingParams, ValidRequest
 from .runner import ModelRunner
 from .scheduler import InFlight, PrefillChunk, ScheduledBatch, Scheduler
+from .threads import CoreShare, readable as core_use_readable
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation, word_classes
@@ -192,6 +193,10 @@ class Engine:
         # overlapped steps: the host prepares the next step while the device runs this one (an accelerator
         # runs ahead of the host); a CPU computes the step in the call, so the plain loop stays there
         self.overlap = s.overlap_steps if s.overlap_steps is not None else loaded.device.type == "cuda"
+        # CPU steps on one thread while other processes keep the cores busy (threads.py)
+        threads = torch.get_num_threads()
+        self.cores = (CoreShare(threads) if s.adaptive_threads and loaded.device.type == "cpu" and threads > 1
+                      and core_use_readable() else None)
         # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
         self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
         self.runner = ModelRunner(loaded.model, c, loaded.device, loaded.attention, self._decode_graphs(s, loaded),
@@ -622,6 +627,8 @@ class Engine:
             timing[0].record()
         self._step_started = time.monotonic()
         t0 = time.perf_counter()
+        if self.cores is not None:
+            self.cores.before()
         try:
             run = self.runner.run(batch, previous)
         except Exception:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -629,6 +636,8 @@ class Engine:
             self._step_started = None
             return None
         self._step_started = None
+        if self.cores is not None:
+            self.cores.after()
         seconds = time.perf_counter() - t0
         if timing is not None:
             timing[1].record()

@@ -25,6 +25,7 @@ class EngineSettings:
     speculation: str = "auto"  # ngram: verify prompt-lookup drafts (ngram.py); off; auto: ngram where exact
     draft_tokens: int = 8  # most tokens drafted per sequence and step
     draft_max_batch: int = 4  # draft only while at most this many sequences decode
+    adaptive_threads: bool = True  # CPU: steps on one thread while other processes keep the cores busy (threads.py)
 
     @property
     def kv_cache_bytes(self) -> int | None:

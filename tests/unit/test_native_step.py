@@ -208,3 +208,34 @@ def test_a_chunk_that_needs_no_logits_writes_the_eager_kv(loaded):
     eager, got = eager_and_native(model, cache, lambda: model.forward_segments(segments, cache,
                                                                                torch.tensor([], dtype=torch.long)))
     assert eager.shape == got.shape == (0, model.config.vocab_size)
+
+
+def test_one_thread_and_two_give_the_same_bits(loaded):
+    """The engine steps on one thread while other processes hold the cores (server/engine/threads.py):
+    every kernel computes each output row on one thread, so a mixed step (packed prompts, then decode
+    rows with a verified draft) is bitwise the same on one thread as on two, K/V writes included."""
+    model, backend, cache = loaded
+    g = torch.Generator().manual_seed(2)
+    V = model.config.vocab_size
+    new_meta, new_pos = backend.packed(torch.tensor([4, 5]), torch.tensor([50, 40]))
+    p0, p2 = PROMPTS[0] + 40, PROMPTS[2] + 40
+    dec_meta, dec_pos = backend.decode([0, 2, 2, 2], [p0, p2, p2 + 1, p2 + 2])
+    segments = [Segment(torch.randint(0, V, (1, 90), generator=g), new_pos, new_meta),
+                Segment(torch.tensor([[8], [77], [1000], [3]]), dec_pos, dec_meta)]
+    index = torch.tensor([89, 90, 91, 92, 93])
+    assert model.native_step.applies(segments, cache)
+    held = [t for t in (cache.k, cache.v, cache.scales) if t is not None]
+    before = [t.clone() for t in held]
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t, t0 in zip(held, before):
+                t.copy_(t0)
+            with torch.inference_mode():
+                out[n] = (model.forward_segments(segments, cache, index), [t.clone() for t in held])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1][0], out[2][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[1][1], out[2][1]))

@@ -1,0 +1,105 @@
+"""Steps on one thread while other processes hold this machine's cores (`adaptive_threads`).
+
+A CPU step splits each kernel's rows over the intra-op threads, and every split ends in a join where
+the first thread waits for the last. When another process runs on one of the cores, one of the step's
+threads is preempted, and each join then waits for the scheduler to run it again: a batch-1 step of a
+1B model (some 80 joins) went from 20 ms to 50-1150 ms on the 2-core Zen 4 with one core busy, where
+one thread alone took 30 ms.
+
+`CoreShare` watches what the other processes take. Every `period` seconds (at a step's end) it reads
+the kernel's busy time of the cores this process may run on (/proc/stat, steal time included: a VM's
+host taking the core counts too) less this process's own CPU time. When others used more than the
+cores the steps leave free (cores - threads) by `margin` of a core on average, the next steps run on
+one thread, with no joins to wait in; once they use less than that by `margin` / 2 again, all threads
+return. Every kernel computes each output row on one thread, so the tokens are the same on any number
+of threads (the kernel tests check it): only the speed changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("lmserve.engine")
+
+_TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _cores() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def machine_usage(cores: set[int] | None = None) -> tuple[float, float]:
+    """(busy seconds of `cores` since boot, all processes; this process's CPU seconds), from
+    /proc/stat's per-core lines: user, nice, system, irq, softirq and steal count as busy."""
+    cores = _cores() if cores is None else cores
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if not line.startswith("cpu"):
+                break
+            name, *fields = line.split()
+            if name == "cpu" or int(name[3:]) not in cores:
+                continue
+            v = [int(x) for x in fields[:8]]
+            busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+    return busy * _TICK, time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+
+
+def readable() -> bool:
+    """Whether this machine tells busy time per core (Linux's /proc/stat)."""
+    try:
+        machine_usage()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+class CoreShare:
+    """`before()` / `after()` around each step on the thread that runs the steps; `threads` is the
+    count the next step runs on."""
+
+    def __init__(self, threads: int, cores: int | None = None, period: float = 0.25, margin: float = 0.3,
+                 usage: Callable[[], tuple[float, float]] = machine_usage, clock: Callable[[], float] = time.monotonic,
+                 apply: Callable[[int], None] = torch.set_num_threads):
+        if threads < 2 or period <= 0 or margin <= 0:
+            raise ValueError("CoreShare needs threads >= 2, a positive period and a positive margin")
+        self.full, self.threads = threads, threads
+        self.free = (len(_cores()) if cores is None else cores) - threads  # cores the steps leave to others
+        self.period, self.margin = period, margin
+        self._usage, self._clock, self._apply = usage, clock, apply
+        self._mark: tuple[float, float, float] | None = None  # (wall, machine busy, own CPU) at the window's start
+        self.others = 0.0  # cores the other processes used in the last window
+        self.reductions = 0  # times the steps went to one thread
+        self._set = False  # whether `apply` has run on the stepping thread
+
+    def before(self) -> None:
+        if not self._set:  # the stepping thread's own count (torch keeps one per thread)
+            self._apply(self.threads)
+            self._set = True
+            self._mark = (self._clock(), *self._usage())
+
+    def after(self) -> None:
+        now = self._clock()
+        if now - self._mark[0] < self.period:
+            return
+        busy, own = self._usage()
+        wall0, busy0, own0 = self._mark
+        self._mark = (now, busy, own)
+        self.others = max(0.0, (busy - busy0) - (own - own0)) / (now - wall0)
+        if self.threads > 1 and self.others > self.free + self.margin:
+            self.reductions += 1
+            if self.reductions == 1 or self.reductions % 100 == 0:
+                log.info("other processes are using %.1f of this machine's cores: engine steps run on one thread "
+                         "until they are free (%d times so far)", self.others, self.reductions)
+            self._switch(1)
+        elif self.threads == 1 and self.others < self.free + self.margin / 2:
+            self._switch(self.full)
+
+    def _switch(self, threads: int) -> None:
+        self.threads = threads
+        self._apply(threads)
