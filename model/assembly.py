@@ -15,6 +15,7 @@ model's real shapes), and a plan's logits on the held-out text computed one deco
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 import torch
@@ -257,6 +258,12 @@ class CheckpointModes:
         ("blk.1.ffn_up.weight": "F32"; a safetensors file's tensors by their Hugging Face names)."""
         linears = _linear_weights(expected_shapes(self.config)) - {"lm_head.weight"}
         return {self.sources[n].meta.get("gguf_name", n): self.sources[n].stored_as for n in sorted(linears)}
+
+    def stored_size(self) -> tuple[int, int]:
+        """(the checkpoint's tensor bytes as the file stores them, their weights): what a mode's size is
+        weighed against (precision.memory_candidates)."""
+        return (sum(s.nbytes for s in self.sources.values()),
+                sum(math.prod(s.shape) for s in self.sources.values()))
 
     def timing_sources(self, max_bytes: int) -> tuple[Mapping[str, list[K.WeightSource]], dict[str, float]]:
         """Float32 weights (and the file's blocks) of each role for the first layers, about max_bytes of

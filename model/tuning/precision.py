@@ -17,7 +17,7 @@ import json
 import platform
 import time
 from typing import Any, Protocol
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -223,6 +223,9 @@ class ModeBuilder(Protocol):
 
     def stored_types(self) -> dict[str, str]:
         """Each decoder layer's linear weight by its name in the file, with its stored type ("Q4_K", "F32", ...)."""
+
+    def stored_size(self) -> tuple[int, int]:
+        """(the checkpoint's tensor bytes as stored, their weights)."""
 
     def timing_sources(self, max_bytes: int) -> tuple[dict[str, list[K.WeightSource]], dict[str, float]]:
         """Each role's weights for the first layers (and rows of the head), and the factor to the whole model."""
@@ -609,12 +612,46 @@ def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, prob
     return False
 
 
+# `auto` keeps a checkpoint near its own size: a mode whose weights would take more than this many times
+# the file's tensor bytes, plus MEMORY_SLACK, is no candidate (a Q4_K_M 8B file is 4.5 GB; served in
+# bfloat16 it would be 16). A mode asked for by name is served whatever its size.
+MEMORY_FACTOR, MEMORY_SLACK = 1.3, 1 << 29
+_BYTES_PER_WEIGHT = {"int8": 34 / 32, "int4": 20 / 32}  # the packed layouts: codes, scales (and mins)
+
+
+def served_bytes(mode: Mode, stored: tuple[int, int]) -> float:
+    """About the bytes of a checkpoint's weights served in `mode`; stored: (bytes in the file, weights)."""
+    nbytes, weights = stored
+    if mode.quantization == "kquant":
+        return nbytes
+    if mode.quantization == "none":
+        return weights * mode.dtype.itemsize
+    return weights * _BYTES_PER_WEIGHT[mode.quantization]
+
+
+def memory_candidates(modes: list[Mode], stored: tuple[int, int]) -> tuple[list[Mode], str]:
+    """The modes `auto` may serve at this checkpoint's size, and a note naming those left out (empty
+    when none is): never all of them (the smallest stays)."""
+    limit = MEMORY_FACTOR * stored[0] + MEMORY_SLACK
+    kept = [m for m in modes if served_bytes(m, stored) <= limit] or [min(modes, key=lambda m: served_bytes(m, stored))]
+    out = [m for m in modes if m not in kept]
+    if not out:
+        return modes, ""
+    gb = 1e9
+    return kept, (f"not candidates at this size (weights over {MEMORY_FACTOR:g}x the file's {stored[0] / gb:.2f} GB "
+                  f"+ {MEMORY_SLACK / 2**30:g} GiB): "
+                  + ", ".join(f"{m.name} ({served_bytes(m, stored) / gb:.2f} GB)" for m in out))
+
+
 def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.device, dtype, quantization: str | None,
                  batch_invariant: bool, cache_dir: Path | None) -> Plan:
     """The plan to serve: from the disk cache when this machine already measured this request."""
     modes = candidate_modes(device, dtype, quantization, builder.stored_types())
     if device.type != "cpu":
         return Plan(modes[0], {r: "dense" for r in K.ROLES})
+    left_out = ""
+    if len(modes) > 1:
+        modes, left_out = memory_candidates(modes, builder.stored_size())
     request = {"dtype": str(dtype), "quantization": quantization or "auto", "batch_invariant": batch_invariant,
                "device": str(device), "version": 4}
     path = None
@@ -628,12 +665,14 @@ def resolve_plan(builder: ModeBuilder, tokenizer, source: Path, device: torch.de
             except (ValueError, KeyError, TypeError):
                 pass  # unreadable: measure again
     plan = choose(builder, tokenizer, modes, batch_invariant, device)
+    if left_out:
+        plan = replace(plan, reason=f"{plan.reason}; {left_out}")
     if path is not None:
         write_cached(path, {**_plan_to_json(plan), "machine": cpu_identity()["cpu"]}, "kernel choice")
     return plan
 
 
-__all__ = ["measurement_path", "FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "time_mode", "settle_mode", "rank_modes",
+__all__ = ["measurement_path", "memory_candidates", "served_bytes", "MEMORY_FACTOR", "MEMORY_SLACK", "FILE_PATHS", "KQUANT_STORED", "kquant_refusal", "ONE_CODE_KERNELS", "Mode", "Plan", "PrecisionError", "candidate_modes", "resolve_plan", "choose", "measure_mode", "time_mode", "settle_mode", "rank_modes",
            "reference_plan", "uses_one_code", "ModeBuilder", "INVARIANCE_LAYERS",
            "mode_scores", "choice_reason", "file_exact_modes",
            "cpu_identity", "parse_dtype", "asdict"]

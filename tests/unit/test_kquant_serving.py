@@ -130,6 +130,26 @@ def test_auto_measures_the_files_own_k_quants_as_a_candidate_mode(kquant_file, c
     assert all(kernels[r].startswith("native-kquant") for r in ("qkv", "o", "gate_up", "down")), kernels
 
 
+def test_auto_leaves_out_the_modes_that_would_outgrow_the_file(kquant_file, cache, monkeypatch):
+    """Without the slack (sized for real models), this tiny file's float32, bfloat16 and int8 would
+    each take more than 1.3x its bytes: auto measures only int4 and its own K-quants, and says so."""
+    from lmserve.model.tuning import precision as P
+
+    path, _ = kquant_file
+    monkeypatch.setattr(P, "MEMORY_SLACK", 0)
+    QM.use_cache_dir(cache)
+    try:
+        with read_checkpoint(path) as ckpt:
+            plan = P.resolve_plan(CheckpointModes(ckpt.config, ckpt.sources), ckpt.tokenizer, path,
+                                  torch.device("cpu"), None, None, True, cache_dir=None)
+    finally:
+        QM.use_cache_dir(None)
+    assert set(plan.measurements["modes"]) <= {"bfloat16+int4", "bfloat16+kquant"}, list(plan.measurements["modes"])
+    assert plan.mode.name in ("bfloat16+int4", "bfloat16+kquant")
+    assert "not candidates at this size" in plan.reason
+    assert all(f"{m} (" in plan.reason for m in ("float32", "bfloat16", "bfloat16+int8"))
+
+
 def test_kquant_refuses_a_file_whose_layers_are_not_all_k_quants_naming_the_tensor(tmp_path):
     def encode(name, arr):
         if name == "model.layers.1.mlp.up_proj.weight":
