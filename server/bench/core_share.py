@@ -4,7 +4,8 @@ beside steps that keep every thread.
     lmserve bench core-share --model FILE [--busy 1] [--rounds 2]
 
 One process, one model. Each round runs four configurations taking turns: adaptive threads on and off,
-each on a quiet machine and with `--busy` processes spinning on the CPU (a busy loop each, started
+each on a quiet machine and with `--busy` neighbouring processes (each a torch process decoding-like
+on its own OpenMP threads: small matrix products without end, each a short parallel region; started
 before the configuration and stopped after it). Each configuration is a fresh engine (speculation off,
 so every step is one token) that decodes `--max-new-tokens` greedy tokens for `--concurrency`
 requests after a warm-up; the report has the decode rate (tokens after each stream's first over the
@@ -26,11 +27,14 @@ from . import engine_wave
 from .machine import load_from_arguments, taking_turns
 
 FLAGS = {**MODEL, "rounds": 2}
-BUSY_LOOP = "while True: pass"
+# a neighbour as they come on a shared host: another process decoding on its own OpenMP threads (a second
+# replica), a stream of small matrix products, each a short parallel region ending in a join
+BUSY_LOOP = ("import torch\nw = torch.randn(1024, 1024)\na = torch.randn(4, 1024)\n"
+             "while True:\n    a = torch.tanh(a @ w)")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--busy", type=int, default=1, help="processes spinning on the CPU in the busy configurations")
+    p.add_argument("--busy", type=int, default=1, help="neighbouring torch processes in the busy configurations")
     p.add_argument("--concurrency", type=int, default=1, help="requests decoding at once")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request decodes")
 
