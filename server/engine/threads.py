@@ -17,6 +17,7 @@ of threads (the kernel tests check it): only the speed changes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -50,6 +51,29 @@ def machine_usage(cores: set[int] | None = None) -> tuple[float, float]:
     return busy * _TICK, time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
 
 
+def _omp_set_num_threads():
+    try:
+        fn = ctypes.CDLL("libgomp.so.1").omp_set_num_threads  # the runtime torch loaded (matched by soname)
+        fn.argtypes = [ctypes.c_int]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_OMP_SET = _omp_set_num_threads()
+
+
+def set_own_threads(n: int) -> None:
+    """The calling thread's intra-op threads, only its own: torch.set_num_threads also sets the count
+    every thread started later begins with (an engine built after one that went to one thread would
+    start on one), where OpenMP's own setter changes the caller's alone. Without libgomp, torch's."""
+    torch.get_num_threads()  # torch sets each thread's count on first use: let it, before overriding it
+    if _OMP_SET is not None:
+        _OMP_SET(n)
+    else:
+        torch.set_num_threads(n)
+
+
 def readable() -> bool:
     """Whether this machine tells busy time per core (Linux's /proc/stat)."""
     try:
@@ -65,7 +89,7 @@ class CoreShare:
 
     def __init__(self, threads: int, cores: int | None = None, period: float = 0.25, margin: float = 0.3,
                  usage: Callable[[], tuple[float, float]] = machine_usage, clock: Callable[[], float] = time.monotonic,
-                 apply: Callable[[int], None] = torch.set_num_threads):
+                 apply: Callable[[int], None] = set_own_threads):
         if threads < 2 or period <= 0 or margin <= 0:
             raise ValueError("CoreShare needs threads >= 2, a positive period and a positive margin")
         self.full, self.threads = threads, threads
