@@ -35,6 +35,17 @@ class _MaxOnly:
 
 
 @pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    """row_max.cpp built for x86-64-v3 (AVX2, no AVX-512), once for the module; None without AVX2 here."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        return None
+    built, why = native.build(tmp_path_factory.mktemp("row-max-avx2"), march="x86-64-v3",
+                              sources=[native.CSRC / "row_max.cpp"])
+    assert built is not None, why
+    return built
+
+
+@pytest.fixture(scope="module")
 def native_row_max(lib):
     return _MaxOnly(RM._NativeRows(lib))
 
@@ -197,17 +208,20 @@ def test_one_scan_of_a_step_gives_what_each_row_pass_gives(lib, native_kernels_d
 
 
 @pytest.mark.parametrize("march", ["native -DLMSERVE_SCAN_ONE_BLOCK", "x86-64-v3"])
-def test_the_scans_shortcuts_and_the_avx2_build_give_the_same_bits(lib, tmp_path_factory, march):
+def test_the_scans_shortcuts_and_the_avx2_build_give_the_same_bits(lib, avx2_lib, tmp_path_factory, march):
     """The scan's shortcuts (a row at t = 1 skips its products by t; the log-sum-exp's loop tests two blocks at
     a time for a new maximum or a value above the top's floor, and finds a NaN through the sums) against the
     scan built without them, and the AVX2 build (no AVX-512: another NaN gathering, two tests per pair of
     blocks) against this CPU's: the same maxima, indices, top values and log-sum-exp bits on rows of every
     kind (peaked, flat, tied, wide, -inf prefixes and masks, NaN and +inf early and deep, odd widths)."""
-    if march == "x86-64-v3" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    other, why = native.build(tmp_path_factory.mktemp("scan-variant"), march=march,
-                              sources=[native.CSRC / "row_max.cpp"])
-    assert other is not None, why
+    if march == "x86-64-v3":
+        if avx2_lib is None:
+            pytest.skip("no AVX2 here")
+        other = avx2_lib
+    else:
+        other, why = native.build(tmp_path_factory.mktemp("scan-variant"), march=march,
+                                  sources=[native.CSRC / "row_max.cpp"])
+        assert other is not None, why
     mine, theirs = RM._NativeRows(lib), RM._NativeRows(other)
     g = torch.Generator().manual_seed(21)
     asks = [(1.0, 5, True), (1.0, 0, True), (1.0, 20, False), (1.25, 50, False), (1 / 0.7, 256, True),
@@ -288,16 +302,11 @@ def _masked_reference(logits: torch.Tensor, rows: list[int], bits: torch.Tensor)
 
 @pytest.mark.parametrize("V,W", [(7, 1), (70, 3), (96, 3), (100, 3), (1000, 32), (1000, 30), (4133, 130)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_rows_max_is_the_max_of_the_masked_rows(lib, tmp_path_factory, V, W, dtype):
+def test_masked_rows_max_is_the_max_of_the_masked_rows(lib, avx2_lib, V, W, dtype):
     """The masked maxima (nothing written) against the rows masked by the per-id rule, then torch.max: the
     same values and first indices, a row with nothing allowed -inf at 0, an allowed NaN wins and a
     disallowed one does not count; in this CPU's build and the one without AVX-512."""
-    libs = [lib]
-    if "avx2" in open("/proc/cpuinfo").read():
-        scalar, why = native.build(tmp_path_factory.mktemp("masked-max-avx2"), march="x86-64-v3",
-                                   sources=[native.CSRC / "row_max.cpp"])
-        assert scalar is not None, why
-        libs.append(scalar)
+    libs = [lib] + ([avx2_lib] if avx2_lib is not None else [])
     logits, rows, bits = _masked_case(V, W, V * W, dtype)
     before = logits.clone()
     want_v, want_i = _masked_reference(logits, rows, bits)
