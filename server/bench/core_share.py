@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from lmserve.client.bench.harness import MODEL
+from lmserve.client.bench.stats import percentile
 
 from . import engine_wave
 from .machine import load_from_arguments, taking_turns
@@ -37,11 +38,6 @@ def add_arguments(p) -> None:
     p.add_argument("--busy", type=int, default=1, help="neighbouring torch processes in the busy configurations")
     p.add_argument("--concurrency", type=int, default=1, help="requests decoding at once")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request decodes")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def measure(loaded, prompt: list[int], adaptive: bool, busy: int, concurrency: int, max_new: int) -> dict:
@@ -62,11 +58,9 @@ def measure(loaded, prompt: list[int], adaptive: bool, busy: int, concurrency: i
         for p in spinners:
             p.kill()
             p.wait()
-    t_first = max(s.arrivals[0][0] for s in w.streams)
-    after_first = sum(len(s.token_ids) - s.arrivals[0][1] for s in w.streams)
     gaps = [g for s in w.streams for g in s.gaps()]
-    return {"decode_tok_s": after_first / max(w.end - t_first, 1e-9), "itl_p50_ms": 1e3 * _percentile(gaps, 0.5),
-            "itl_p99_ms": 1e3 * _percentile(gaps, 0.99), "reductions": reductions,
+    return {"decode_tok_s": w.decode_rate(), "itl_p50_ms": 1e3 * percentile(gaps, 50),
+            "itl_p99_ms": 1e3 * percentile(gaps, 99), "reductions": reductions,
             "tokens": [s.token_ids for s in w.streams]}
 
 

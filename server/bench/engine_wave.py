@@ -40,6 +40,13 @@ class Wave:
     def tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.streams)
 
+    def decode_rate(self) -> float:
+        """Tokens after each stream's first chunk over the time after the last first chunk: the decode
+        rate, the prompts' prefill left out."""
+        t_first = max(s.arrivals[0][0] for s in self.streams)
+        after_first = sum(len(s.token_ids) - s.arrivals[0][1] for s in self.streams)
+        return after_first / max(self.end - t_first, 1e-9)
+
 
 async def _wave(engine, requests) -> Wave:
     async def one(request) -> Stream:

@@ -66,9 +66,7 @@ def timed(engine, prompts: list[list[int]], max_new: int, ignore_eos: bool = Tru
     the same either way)."""
     w = engine_wave.greedy(engine, prompts, max_new, ignore_eos=ignore_eos and constraint is None,
                            prediction=prediction, constraint=constraint, speculate=speculate)
-    t_first = max(s.arrivals[0][0] for s in w.streams)
-    after_first = sum(len(s.token_ids) - s.arrivals[0][1] for s in w.streams)
-    return [s.token_ids for s in w.streams], w.seconds, after_first / max(w.end - t_first, 1e-9)
+    return [s.token_ids for s in w.streams], w.seconds, w.decode_rate()
 
 
 def compare(loaded, prompt: list[int], concurrency: int, max_new: int, rounds: int, max_model_len: int,

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from lmserve.model.loader import libgomp
+
 log = logging.getLogger("lmserve.engine")
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -52,12 +54,11 @@ def machine_usage(cores: set[int] | None = None) -> tuple[float, float]:
 
 
 def _omp_set_num_threads():
-    try:
-        fn = ctypes.CDLL("libgomp.so.1").omp_set_num_threads  # the runtime torch loaded (matched by soname)
+    omp = libgomp()
+    fn = getattr(omp, "omp_set_num_threads", None) if omp is not None else None
+    if fn is not None:
         fn.argtypes = [ctypes.c_int]
-        return fn
-    except (OSError, AttributeError):
-        return None
+    return fn
 
 
 _OMP_SET = _omp_set_num_threads()
@@ -99,12 +100,10 @@ class CoreShare:
         self._mark: tuple[float, float, float] | None = None  # (wall, machine busy, own CPU) at the window's start
         self.others = 0.0  # cores the other processes used in the last window
         self.reductions = 0  # times the steps went to one thread
-        self._set = False  # whether `apply` has run on the stepping thread
 
     def before(self) -> None:
-        if not self._set:  # the stepping thread's own count (torch keeps one per thread)
+        if self._mark is None:  # the first step: the stepping thread's own count, the first window's start
             self._apply(self.threads)
-            self._set = True
             self._mark = (self._clock(), *self._usage())
 
     def after(self) -> None:
