@@ -483,25 +483,36 @@ def _no_invariant_kernel() -> PrecisionError:
 
 
 class _Probe:
-    """The quality probe of one choice: the float32 reference's logits (computed once, when first
-    needed) and each candidate's, on the held-out text."""
+    """The quality probe of one choice: each candidate's logits on the held-out text against the float32
+    reference's (computed once per sample, when first needed). A candidate is scored on the text's first
+    FIRST_TOKENS, and on all PROBE_TOKENS only where that first verdict is not settled (near a bound)."""
 
     def __init__(self, builder: ModeBuilder, tokenizer, batch_invariant: bool):
         from . import quality as Qm
 
         self.builder, self.batch_invariant, self.Qm = builder, batch_invariant, Qm
         self.ids = Qm.text_ids(tokenizer, Qm.PROBE_TOKENS)
+        self.first = self.ids[:Qm.FIRST_TOKENS]
         self.window = min(512, builder.config.max_position_embeddings)  # a small model's context may be shorter
-        self.ref = None
+        self.refs: dict[int, torch.Tensor] = {}  # tokens scored -> the float32 reference's logits
 
     def invariant(self, plan: Plan) -> bool:
         """The plan's kernels give bitwise the same rows alone and batched, end to end over its first layers."""
         return model_batch_invariant(self.builder.model(plan, layers=INVARIANCE_LAYERS), self.ids)
 
+    def _score(self, plan: Plan, ids: list[int]):
+        if len(ids) not in self.refs:
+            self.refs[len(ids)] = self.builder.logits(reference_plan(), ids, self.window)
+        return self.Qm.compare(self.refs[len(ids)], self.builder.logits(plan, ids, self.window), ids, self.window)
+
     def quality(self, plan: Plan):
-        if self.ref is None:
-            self.ref = self.builder.logits(reference_plan(), self.ids, self.window)
-        return self.Qm.compare(self.ref, self.builder.logits(plan, self.ids, self.window), self.ids, self.window)
+        q = self._score(plan, self.first)
+        return q if q.settled() or len(self.first) == len(self.ids) else self._score(plan, self.ids)
+
+    def reference(self) -> tuple | None:
+        """(ids, window, logits) of the first sample's float32 reference, when it was computed."""
+        ref = self.refs.get(len(self.first))
+        return None if ref is None else (self.first, self.window, ref)
 
 
 def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device) -> Plan:
@@ -566,8 +577,7 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
         q = report["modes"][chosen.name]["quality"]
         reason += f"; {chosen.name} within the quality bounds (mean KL {q['mean_kl']:.4f}, perplexity x{q['ppl_ratio']:.3f})"
     report["reason"] = reason
-    reference = None if probe.ref is None else (probe.ids, probe.window, probe.ref)
-    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason, reference)
+    return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason, probe.reference())
 
 
 def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, probe: _Probe, skipped: dict,

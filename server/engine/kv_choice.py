@@ -17,9 +17,9 @@ float32. Both are measured once per loaded model, so every engine built on it ho
 (a timing near the floor must not give two engines different bits), and kept on disk beside the
 precision plan (`<cache_dir>/kernels/kv-<key>.json`, keyed like the plan by the machine, the
 checkpoint file, the served mode and kernels), so a restart skips it and makes the same choice.
-It scores the precision probe's text (quality.PROBE_TOKENS): at a start that measured the precision
-mode it takes the probe's float32 reference logits (precision.Plan.reference), else it reads the
-checkpoint again for them (~3 s of a SmolLM2 start on 2 cores). The choice and its numbers go in the startup line and GetModelInfo.
+It scores the precision probe's first sample of the text (quality.FIRST_TOKENS): at a start that measured
+the precision mode it takes the probe's float32 reference logits (precision.Plan.reference), else it
+reads the checkpoint again for them (~3 s of a SmolLM2 start on 2 cores). The choice and its numbers go in the startup line and GetModelInfo.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from .settings import KV_CACHE_DTYPES as CHOICES
 # what the int8 cache may add to a mode's distance from float32 (quality.py): a quarter of each bound
 MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
-QUALITY_TOKENS = Q.PROBE_TOKENS  # the precision probe's text: its float32 reference serves both
+QUALITY_TOKENS = Q.FIRST_TOKENS  # the precision probe's first sample: its float32 reference serves both
 SPEED_FLOOR = 0.8  # int8 is passed over only when its decode kernel runs below this fraction of the model dtype's speed
-CHECK_VERSION = 2  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
+CHECK_VERSION = 3  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ def test_auto_measures_caches_and_a_restart_reads_the_choice(smollm2_gguf_path, 
         from lmserve.model.loader import reference_logits
 
         ids, window, ref = plan.reference
-        assert ids == Q.text_ids(auto_loaded.tokenizer, Q.PROBE_TOKENS)
+        assert ids == Q.text_ids(auto_loaded.tokenizer, Q.FIRST_TOKENS)
         assert torch.equal(ref, reference_logits(smollm2_gguf_path, ids, window))
     files = list((kernel_cache / "kernels").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["kernels"] == plan.kernels
@@ -354,6 +354,50 @@ def test_int4_takes_two_activation_codes_where_one_code_leaves_the_quality_bound
     assert "native-int4-a8" not in plan.kernels.values() and report["quality"]["mean_kl"] <= bound
     if "one_code_quality" in report:  # one code was the faster at first (the AVX-512 VNNI machines)
         assert report["one_code_quality"]["mean_kl"] > bound
+
+
+def test_a_first_sample_settles_a_quality_verdict_only_far_from_the_bounds():
+    def q(kl, ppl):
+        return Q.Quality(127, ppl * 10.0, 10.0, kl, 1.0)
+    kl, ppl = Q.MAX_MEAN_KL, Q.MAX_PPL_RATIO - 1
+    assert q(0.49 * kl, 1 + 0.49 * ppl).settled() and q(0.0, 0.99).settled()  # clearly within
+    assert q(2.01 * kl, 1.0).settled() and q(0.0, 1 + 2.01 * ppl).settled()  # clearly past one bound
+    for near in (q(0.51 * kl, 1.0), q(0.0, 1 + 0.51 * ppl), q(kl, 1 + ppl), q(2 * kl, 1.0), q(1.5 * kl, 1 + 0.2 * ppl)):
+        assert not near.settled(), near
+
+
+def test_the_probe_scores_the_whole_text_only_where_its_first_sample_is_near_a_bound(gguf, float32_reference,
+                                                                                 monkeypatch):
+    """precision._Probe on bfloat16 (far inside the bounds): the text's first FIRST_TOKENS decide. With the
+    KL bound moved to what that sample measures, the verdict is not settled and all PROBE_TOKENS are
+    scored. Each number is quality.compare's against the float32 reference computed apart (a whole
+    model, not the probe's layer-at-a-time stream)."""
+    from lmserve.model.assembly import CheckpointModes
+    from lmserve.model.loader import build_model
+    from lmserve.model.text.tokenizer import Tokenizer
+
+    ids, ref = float32_reference
+    plan = P.Plan(P.Mode(torch.bfloat16), {r: "dense" for r in K.ROLES})
+    model = build_model(gguf.config, gguf.tensors, torch.bfloat16, "cpu", plan=plan)
+    probe = P._Probe(CheckpointModes(gguf.config, gguf.tensors), Tokenizer.from_gguf_fields(gguf.metadata), True)
+    assert probe.ids == ids[:Q.PROBE_TOKENS] and probe.first == ids[:Q.FIRST_TOKENS] < ids
+    first = probe.quality(plan)
+    assert first.tokens == Q.FIRST_TOKENS - 1 and first.settled() and first.within_bounds()
+    short = ids[:Q.FIRST_TOKENS]
+    expected = Q.compare(Q.logits_of(build_model(gguf.config, gguf.tensors, torch.float32, "cpu",
+                                                 plan=P.reference_plan()), short),
+                         Q.logits_of(model, short), short)
+    assert first.mean_kl == pytest.approx(expected.mean_kl, rel=0.05, abs=1e-6)
+    assert first.perplexity == pytest.approx(expected.perplexity, rel=1e-3)
+    ids_kept, _, ref_kept = probe.reference()  # what the int8 KV check scores against
+    assert ids_kept == short and ref_kept.shape == (len(short), gguf.config.vocab_size)
+
+    monkeypatch.setattr(Q, "MAX_MEAN_KL", first.mean_kl)
+    whole = probe.quality(plan)
+    expected = Q.compare(ref, Q.logits_of(model, ids), ids)
+    assert whole.tokens == Q.PROBE_TOKENS - 1
+    assert whole.mean_kl == pytest.approx(expected.mean_kl, rel=0.05, abs=1e-6)
+    assert probe.reference()[0] == short  # the KV check's sample stays the first
 
 
 @pytest.mark.parametrize("which", ["eager", "compiled"])
