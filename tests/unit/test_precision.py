@@ -20,7 +20,7 @@ from lmserve.model.tuning import precision as P
 from lmserve.model.tuning import quality as Q
 from lmserve.model.checkpoints.gguf_reader import read_gguf
 from lmserve.model.loader import load_model
-from lmserve.model.linear.formats import Q41Blocks, int4_pack, int8_per_channel, quantize_q41
+from lmserve.model.linear.formats import int4_pack, int8_per_channel, quantize_q41
 from lmserve.server.engine.request import Request
 from test_engine_helpers import collect, greedy, running
 
