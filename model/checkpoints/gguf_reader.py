@@ -337,7 +337,8 @@ def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
 
 def _quant_blocks(buf, info: TensorInfo):
     """A Q4_0/Q4_1 (formats.Q41Blocks) or Q8_0/Q5_0 (formats.Q80Blocks) tensor's own codes and steps, a
-    Q4_K/Q5_K/Q6_K tensor's bytes as stored (formats.KQuantBlocks), or None for other types."""
+    Q5_1 tensor's weights rounded to Q8_0 (Q80Blocks, not exact), a Q4_K/Q5_K/Q6_K tensor's bytes as
+    stored (formats.KQuantBlocks), or None for other types."""
     from gguf import GGMLQuantizationType as T
 
     from ..linear.formats import KQUANT_BLOCK_BYTES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks
@@ -347,7 +348,7 @@ def _quant_blocks(buf, info: TensorInfo):
         raw = np.frombuffer(buf, np.uint8, row_bytes * info.ne[1], info.offset).reshape(info.ne[1], row_bytes)
         return KQuantBlocks.from_raw(raw, info.type_id)
     read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw),
-            T.Q5_0: (22, Q80Blocks.from_raw_q50)}
+            T.Q5_0: (22, Q80Blocks.from_raw_q50), T.Q5_1: (24, Q80Blocks.from_raw_q51)}
     if info.type_id not in read:
         return None
     block_bytes, parse = read[info.type_id]

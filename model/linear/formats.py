@@ -7,7 +7,8 @@ Two sources:
   group of 32 (asymmetric: min and step, q in 0..15);
 - a GGUF tensor already stored as Q4_0/Q4_1 (`Q41Blocks`; Q4_0's w = d * (q - 8) is Q4_1 with
   m = -8 d) or Q8_0 (`Q80Blocks`; Q5_0's w = d * (q - 16) is Q8_0 with codes q - 16): its codes, steps
-  and minimums are served as they are.
+  and minimums are served as they are. A Q5_1 tensor (w = d * q + m, 5-bit codes) is the one exception:
+  its minimum has no place in 8-bit codes, so its weights are rounded to Q8_0 (`Q80Blocks.exact` False).
   Q4_1 reads w = d * q + m; torch's int4 kernels read w = (q - 8) * scale + zero, so scale = d
   and zero = m + 8 d, the same weight, with d and m rounded from float16 to the activation dtype
   (bfloat16 on CPU). The native kernel (quant_matmul.py) keeps d and m in float16;
@@ -23,7 +24,7 @@ The kernels that consume these layouts live in kernels.py and quant_matmul.py.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -81,10 +82,12 @@ class Q41Blocks:
 
 @dataclass
 class Q80Blocks:
-    """A Q8_0 matrix [N, K] unpacked: q [N, K] int8 codes -127..127, d [N, K/32] float32; w = d * q."""
+    """A Q8_0 matrix [N, K] unpacked: q [N, K] int8 codes -127..127, d [N, K/32] float32; w = d * q.
+    exact: the file's weights exactly (Q8_0, Q5_0); False for Q5_1's, rounded to these codes."""
 
     q: Tensor
     d: Tensor
+    exact: bool = True
 
     @staticmethod
     def from_raw(raw: np.ndarray) -> "Q80Blocks":
@@ -110,12 +113,30 @@ class Q80Blocks:
         q = (low.astype(np.int8) | (high.astype(np.int8) << 4)) - np.int8(16)
         return Q80Blocks(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(d))
 
+    @staticmethod
+    def from_raw_q51(raw: np.ndarray) -> "Q80Blocks":
+        """raw [N, K/32 * 24] bytes of GGUF Q5_1 blocks: float16 d and m, 32 high bits, 16 bytes of low
+        nibbles; w = d * q + m with q in 0..31. Llama.cpp's K-quant mixes store Q5_K's rows that 256 does not
+        divide (SmolLM2's 576, Gemma 3 270M's 640) in it. The minimum m has no place in 8-bit codes, so the
+        weights are decoded and rounded to Q8_0 (quantize_q80): on weights centred near zero its step
+        max|w| / 127 is about a quarter of Q5_1's (max - min) / 31, and each weight moves at most half of it
+        (not `exact`)."""
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 24)  # [N, K/32, 24]
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        high = (blocks[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # [N, K/32, 32]
+        nib = blocks[..., 8:]  # [N, K/32, 16]: codes j (low nibble) and j + 16 (high nibble)
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (high.astype(np.uint8) << 4)
+        w = torch.from_numpy((q.astype(np.float32) * d + m).reshape(n, -1))
+        return replace(quantize_q80(w), exact=False)
+
     def rows(self, index: Tensor) -> "Q80Blocks":
-        return Q80Blocks(self.q[index], self.d[index])
+        return Q80Blocks(self.q[index], self.d[index], self.exact)
 
     @staticmethod
     def cat(parts: list["Q80Blocks"]) -> "Q80Blocks":
-        return Q80Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+        return Q80Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), all(p.exact for p in parts))
 
     def dequantize(self) -> Tensor:
         """[N, K] float32."""

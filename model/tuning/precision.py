@@ -2,7 +2,8 @@
 
 A mode is (compute dtype, weight quantization): float32, bfloat16, float16, bfloat16+int8,
 bfloat16+int4, and on a GGUF file of K-quants bfloat16+kquant (its own blocks served as they are, each
-tensor in its own type: Q4_K/Q5_K/Q6_K, and the Q8_0/Q5_0/Q4_0/Q4_1 of rows that are not a multiple of 256). `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
+tensor in its own type: Q4_K/Q5_K/Q6_K, and the Q8_0/Q5_0/Q4_0/Q4_1 of rows that are not a multiple of
+256; their Q5_1 rounded to Q8_0). `--dtype auto` / `--quantization auto` leave it to measurement: every candidate
 mode's linear layers are timed on the model's real weights at the decode batch buckets, each
 kernel is checked for batch invariance (kernels.py), and the fastest mode whose quality on the
 held-out text stays within quality.py's bounds (against this checkpoint in float32) wins.
@@ -31,11 +32,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "kquant")  # kquant: a GGUF file's own blocks, each tensor in its type
 KQUANT_STORED = ("Q4_K", "Q5_K", "Q6_K")  # K-quants: a file with one of them offers bfloat16+kquant
-# The types bfloat16+kquant serves as they are, by the kernel path that takes them (Q5_0 as 8-bit codes):
-# llama.cpp's K-quant mixes store a row that is not a multiple of 256 (Gemma 3 270M's 640, SmolLM2's 576)
-# in Q5_0/Q5_1/Q8_0 instead. Q5_1 (Q5_K's fallback) has a minimum that 8-bit codes without one cannot hold.
+# The types bfloat16+kquant serves, by the kernel path that takes them (Q5_0 as 8-bit codes): llama.cpp's
+# K-quant mixes store a row that is not a multiple of 256 (Gemma 3 270M's 640, SmolLM2's 576) in
+# Q5_0/Q5_1/Q8_0 instead. Every type is served as stored but Q5_1 (Q5_K's fallback), whose minimum 8-bit
+# codes cannot hold: its weights are rounded to Q8_0 (formats.Q80Blocks.from_raw_q51).
 FILE_PATHS = {"Q4_K": "K-quant", "Q5_K": "K-quant", "Q6_K": "K-quant", "Q8_0": "8-bit", "Q5_0": "8-bit",
-              "Q4_0": "4-bit", "Q4_1": "4-bit"}
+              "Q5_1": "8-bit", "Q4_0": "4-bit", "Q4_1": "4-bit"}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
                 "ffn_up": "ffn_gate_up"}  # GGUF names of the parts that load as one fused weight
 TIMED_BYTES = 256 << 20  # float32 weight bytes of the layers timed: far beyond any last-level cache, so the
@@ -389,11 +391,14 @@ def file_exact_modes(sources: dict[str, list[K.WeightSource]], modes) -> frozens
     file itself and int8 adds a rounding (SmolLM2: mean KL 0.0017 in int4 against 0.0032 in int8)."""
     layer_roles = [r for r in K.ROLES if r != "head"]
 
+    def own(blocks) -> bool:  # a Q5_1 tensor's Q8_0 codes are rounded from its weights
+        return blocks is not None and getattr(blocks, "exact", True)
+
     def exact(md) -> bool:
         if md.quantization == "kquant":
-            return all(s.file_blocks() is not None for r in layer_roles for s in sources[r])
+            return all(own(s.file_blocks()) for r in layer_roles for s in sources[r])
         field = {"int4": "q41", "int8": "q80"}.get(md.quantization)
-        return field is not None and all(getattr(s, field) is not None for r in layer_roles for s in sources[r])
+        return field is not None and all(own(getattr(s, field)) for r in layer_roles for s in sources[r])
     return frozenset(md for md in modes if exact(md))
 
 

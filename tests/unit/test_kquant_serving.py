@@ -249,6 +249,57 @@ def test_kquant_serves_a_mix_with_q5_0_and_q8_0_tensors_within_the_quality_bound
     assert "bfloat16+kquant" in loaded.plan.measurements["modes"], list(loaded.plan.measurements["modes"])
 
 
+# A Q5_K_M file of such a model stores Q5_K's fallback rows in Q5_1 (w = d * q + m, a minimum per block).
+def q51_mix(name: str, arr: np.ndarray):
+    from gguf import quants
+
+    if name == "model.embed_tokens.weight" or ".v_proj." in name:
+        return quants.quantize(arr, Q.Q8_0), Q.Q8_0
+    if ".o_proj." in name or ".down_proj." in name:
+        return CODECS[Q.Q5_K](arr), Q.Q5_K
+    return quants.quantize(arr, Q.Q5_1), Q.Q5_1
+
+
+@pytest.fixture(scope="module")
+def q51_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q5_1-mix.gguf", tiny_llama(10),
+                      encode=q51_mix, byte_tokenizer=True)
+
+
+def test_q5_1_tensors_are_rounded_to_q8_0_codes_of_their_own_weights(q51_file):
+    """Q5_1 blocks decode to the weights gguf's own reader gives, then Q8_0's recipe rounds them: the codes
+    are quantize_q80's of the file's float read, bitwise, each weight within half a step of the file's."""
+    from lmserve.model.linear.formats import Q80Blocks, quantize_q80_torch
+
+    with read_checkpoint(q51_file) as ckpt:
+        src = ckpt.sources
+        assert CheckpointModes(ckpt.config, src).stored_types()["blk.1.ffn_gate.weight"] == "Q5_1"
+        for name in [n for n in src if n.startswith("model.layers.") and n.endswith("proj.weight")
+                     and (".q_proj." in n or ".k_proj." in n or ".gate_proj." in n or ".up_proj." in n)]:
+            blocks, w = src[name].blocks(), src[name].read()
+            assert type(blocks) is Q80Blocks and not blocks.exact, name
+            want = quantize_q80_torch(w)
+            assert torch.equal(blocks.q, want.q) and torch.equal(blocks.d, want.d), name
+            step = blocks.d.repeat_interleave(32, 1)
+            assert ((blocks.dequantize() - w).abs() <= step / 2 + 1e-7).all(), name
+        assert src["model.layers.0.self_attn.v_proj.weight"].blocks().exact  # Q8_0: the file's own codes
+
+
+def test_kquant_serves_a_q5_k_m_mix_with_q5_1_tensors_within_the_quality_bounds(q51_file, cache):
+    from lmserve.model.tuning.precision import Mode, file_exact_modes
+
+    kq = load_model(q51_file, dtype="bfloat16", quantization="kquant", device="cpu", cache_dir=cache)
+    assert kq.mode == "bfloat16+kquant"
+    for layer in kq.model.model.layers:
+        assert layer.self_attn.qkv_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 8  # Q5_1 | Q8_0 as codes
+        assert layer.self_attn.o_proj.bits == QM.KQUANT_BITS and layer.mlp.down_proj.bits == QM.KQUANT_BITS
+    assert_close_to_float32(q51_file, kq, cache)
+    with read_checkpoint(q51_file) as ckpt:  # rounded codes are not the file's own: no tie goes to kquant for them
+        timed, _ = CheckpointModes(ckpt.config, ckpt.sources).timing_sources(1 << 30)
+        kquant = Mode(torch.bfloat16, "kquant")
+        assert kquant not in file_exact_modes(timed, [kquant, Mode(torch.bfloat16, "int8")])
+
+
 def test_kquant_refuses_a_fused_weight_whose_parts_need_different_kernel_paths_naming_both(tmp_path):
     def encode(name, arr):
         from gguf import quants
