@@ -136,12 +136,16 @@ def step_read_bytes(tensors: dict[str, int]) -> int:
     return sum(n for name, n in tensors.items() if not (name in EMBEDDINGS and EMBEDDINGS[name] in tensors))
 
 
-def read_bound(step_bytes: int, gb_s: float, c1_tok_s: float | None = None) -> dict:
+def read_bound(step_bytes: int, gb_s: float, c1_tok_s: float | None = None, c1_decode_tok_s: float | None = None) -> dict:
     """A batch-1 step reading `step_bytes` at `gb_s`: the least time a token takes and the most tokens a
-    second, and the share of that bound `c1_tok_s` (a measured single-stream rate) reached."""
+    second, and the share of that bound a measured single stream reached: its chat rate `c1_tok_s` (the
+    prompt's prefill counted in) and its decode rate `c1_decode_tok_s` (once the prompt is read: the steps
+    the bound is about)."""
     bound = gb_s * 1e9 / step_bytes
     out = {"step_mb": round(step_bytes / 1e6, 1), "bound_ms_per_token": round(1e3 / bound, 3),
            "bound_tok_s_c1": round(bound, 1)}
     if c1_tok_s:
         out["chat_c1_share_of_bound"] = round(c1_tok_s / bound, 3)
+    if c1_decode_tok_s:
+        out["decode_c1_share_of_bound"] = round(c1_decode_tok_s / bound, 3)
     return out

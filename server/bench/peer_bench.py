@@ -78,7 +78,9 @@ def drive(where: str, api: str, name: str, concurrency: int, requests: int, max_
            "failed": agg.failed, "output_tokens": agg.output_tokens,
            "tok_s": round(agg.output_token_throughput, 1),
            "itl_p50_ms": round(1e3 * agg.itl.p50, 2) if agg.itl else None,
-           "ttft_p50_ms": round(1e3 * agg.ttft.p50, 1) if agg.ttft else None}
+           "ttft_p50_ms": round(1e3 * agg.ttft.p50, 1) if agg.ttft else None,
+           # the time a token takes once the prompt is read (tok_s also counts the prompts' prefill)
+           "tpot_mean_ms": round(1e3 * agg.tpot.mean, 2) if agg.tpot else None}
     if agg.failed:
         out["errors"] = agg.errors  # what failed, by error code
     print(json.dumps(out), flush=True)
@@ -193,6 +195,13 @@ def rate(server: dict, workload: str, concurrency: int) -> float | None:
     """A server record's tok/s for one workload and concurrency (None: not run)."""
     return next((r["tok_s"] for r in server.get("runs", [])
                  if r["workload"] == workload and r["concurrency"] == concurrency), None)
+
+
+def decode_rate(server: dict, workload: str, concurrency: int) -> float | None:
+    """A stream's tokens a second once its prompt is read (1 / mean time per output token), or None."""
+    ms = next((r.get("tpot_mean_ms") for r in server.get("runs", [])
+               if r["workload"] == workload and r["concurrency"] == concurrency), None)
+    return round(1e3 / ms, 1) if ms else None
 
 
 def _model_id(http_url: str) -> str:

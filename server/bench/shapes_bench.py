@@ -37,7 +37,7 @@ from pathlib import Path
 
 from . import served
 from .model_shapes import GGUF_FORMATS, HF_FORMATS, SHAPES
-from .peer_bench import DEFAULT_BINARY, drive, peer_flags, rate
+from .peer_bench import DEFAULT_BINARY, decode_rate, drive, peer_flags, rate
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {"models_dir": None, "threads": os.cpu_count(), "requests": 8, "max_new_tokens": 128,
@@ -199,11 +199,13 @@ def entry_bounds(entry: dict, gb_s: float) -> dict:
 
     lm, peer = entry.get("lmserve", {}), entry.get("llama.cpp", {})
     lm_c1, peer_c1 = rate(lm, "chat", 1), rate(peer, "chat", 1)
-    out = {"gb_s": gb_s, "file": read_bound(entry["file_step_bytes"], gb_s, peer_c1)}
-    if lm_c1:
-        out["file"]["lmserve_chat_c1_share_of_bound"] = round(lm_c1 * entry["file_step_bytes"] / (gb_s * 1e9), 3)
+    lm_decode = decode_rate(lm, "chat", 1)
+    out = {"gb_s": gb_s, "file": read_bound(entry["file_step_bytes"], gb_s, peer_c1, decode_rate(peer, "chat", 1))}
+    for name, r in (("chat", lm_c1), ("decode", lm_decode)):
+        if r:
+            out["file"][f"lmserve_{name}_c1_share_of_bound"] = round(r * entry["file_step_bytes"] / (gb_s * 1e9), 3)
     if lm.get("step_weight_bytes"):
-        out["lmserve_served"] = read_bound(lm["step_weight_bytes"], gb_s, lm_c1)
+        out["lmserve_served"] = read_bound(lm["step_weight_bytes"], gb_s, lm_c1, lm_decode)
     return out
 
 
@@ -239,7 +241,7 @@ def table(shapes: list[dict]) -> str:
     """The report as a markdown table: a row per shape and format."""
     head = ("| shape | format (file GB) | lmserve mode | ready cold / cached s | peak RSS cold / cached / after load GiB "
             "| chat c=1 lmserve / llama.cpp | chat c=32 lmserve / llama.cpp | llama.cpp best c=1 (format) "
-            "| c=1 bound: served / file bytes | c=1 share of served bound |")
+            "| c=1 bound: served / file bytes | c=1 share of served bound: chat / decode |")
     rows = [head, "| " + " | ".join(["---"] * 3 + ["---:"] * 7) + " |"]
     for sh in shapes:
         best = sh.get("peer_best")
@@ -253,14 +255,15 @@ def table(shapes: list[dict]) -> str:
             b = e.get("bounds", {})
             served_b, file_b = b.get("lmserve_served", {}), b.get("file", {})
             bound = (f"{served_b.get('bound_tok_s_c1', '-')} / {file_b.get('bound_tok_s_c1', '-')}" if b else "-")
-            share = served_b.get("chat_c1_share_of_bound")
+            share = " / ".join(f"{served_b[k]:.2f}" if served_b.get(k) else "-"
+                               for k in ("chat_c1_share_of_bound", "decode_c1_share_of_bound"))
             best_text = f"{best['chat_c1_tok_s']:.1f} ({best['format']})" if best else "-"
             rows.append(" | ".join([
                 f"| {sh['shape']}" + (" (load only)" if sh.get("load_only") else ""),
                 f"{e['format']} ({e['file_bytes'] / 1e9:.2f})", cached.get("mode", "-"), ready, rss,
                 _pair(rate(lm, "chat", 1), rate(peer, "chat", 1), r.get("chat_c1_over_llama_cpp_same_file")),
                 _pair(rate(lm, "chat", 32), rate(peer, "chat", 32), r.get("chat_c32_over_llama_cpp_same_file")),
-                best_text, bound, f"{share:.2f}" if share else "-"]) + " |")
+                best_text, bound, share if served_b else "-"]) + " |")
     return "\n".join(rows)
 
 

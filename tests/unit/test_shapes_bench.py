@@ -51,8 +51,8 @@ def test_a_shapes_machine_peaks_step_multiplies_every_parameter_but_the_norms_on
         assert step[-1] == (vocab, s.hidden, 8) and {b for _, _, b in step[:-1]} == {4}
 
 
-def _runs(c1, c32):
-    return {"runs": [{"workload": "chat", "concurrency": 1, "tok_s": c1},
+def _runs(c1, c32, c1_tpot_ms=None):
+    return {"runs": [{"workload": "chat", "concurrency": 1, "tok_s": c1, "tpot_mean_ms": c1_tpot_ms},
                      {"workload": "chat", "concurrency": 32, "tok_s": c32}]}
 
 
@@ -69,13 +69,16 @@ def test_ratios_bounds_and_the_peers_best_format_from_recorded_runs():
     assert SB.peer_best({"q4_0": {"runs": []}}) is None  # nothing ran: no best
 
     entry = {"format": "q4_k_m", "file_bytes": 700_000_000, "file_step_bytes": 650_000_000,
-             "lmserve": {**_runs(30.0, 400.0), "step_weight_bytes": 500_000_000}, "llama.cpp": peer["q4_k_m"]}
+             "lmserve": {**_runs(30.0, 400.0, 25.0), "step_weight_bytes": 500_000_000}, "llama.cpp": peer["q4_k_m"]}
     assert SB.entry_ratios(entry, best) == {"chat_c1_over_llama_cpp_same_file": 1.5, "chat_c32_over_llama_cpp_same_file": 4.0,
                                             "chat_c1_over_llama_cpp_best": 1.2, "chat_c32_over_llama_cpp_best": 4.44}
     b = SB.entry_bounds(entry, 25.0)
     assert b["lmserve_served"]["bound_tok_s_c1"] == 50.0 and b["lmserve_served"]["chat_c1_share_of_bound"] == 0.6
     assert b["file"]["bound_tok_s_c1"] == 38.5 and b["file"]["chat_c1_share_of_bound"] == 0.52  # the peer's
     assert b["file"]["lmserve_chat_c1_share_of_bound"] == 0.78
+    # 25 ms a token once the prompt is read: 40 tok/s, 0.8 of the 50 the served bytes allow (the peer ran no tpot)
+    assert b["lmserve_served"]["decode_c1_share_of_bound"] == 0.8 and b["file"]["lmserve_decode_c1_share_of_bound"] == 1.04
+    assert "decode_c1_share_of_bound" not in b["file"]
     # lmserve alone (a bf16 directory the peer does not read): no ratio, the bound still given
     alone = {**entry, "llama.cpp": {}}
     assert SB.entry_ratios(alone, None) == {}
@@ -84,7 +87,7 @@ def test_ratios_bounds_and_the_peers_best_format_from_recorded_runs():
 
 def test_the_table_has_a_row_per_shape_and_format_and_dashes_for_what_did_not_run():
     entry = {"format": "q4_k_m", "file_bytes": 669_000_000, "file_step_bytes": 650_000_000,
-             "lmserve": {**_runs(30.0, 400.0), "step_weight_bytes": 500_000_000, "cold": _start(18.0, 2 * 2**30),
+             "lmserve": {**_runs(30.0, 400.0, 25.0), "step_weight_bytes": 500_000_000, "cold": _start(18.0, 2 * 2**30),
                          "cached": _start(4.0, 2**30), "after_load": {"peak_resident_bytes": 3 * 2**29}},
              "llama.cpp": _runs(20.0, 100.0)}
     best = SB.peer_best({"q4_k_m": entry["llama.cpp"], "q4_0": _runs(25.0, 90.0)})
@@ -102,7 +105,7 @@ def test_the_table_has_a_row_per_shape_and_format_and_dashes_for_what_did_not_ru
     lines = text.splitlines()
     assert len(lines) == 5 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 11
     assert lines[2] == ("| llama-3.2-1b | q4_k_m (0.67) | bfloat16+int4 | 18.0 / 4.0 | 2.00 / 1.00 / 1.50 | 30.0 / 20.0 (1.50x) "
-                        "| 400.0 / 100.0 (4.00x) | 25.0 (q4_0) | 50.0 / 38.5 | 0.60 |")
+                        "| 400.0 / 100.0 (4.00x) | 25.0 (q4_0) | 50.0 / 38.5 | 0.60 / 0.80 |")
     assert lines[3] == ("| llama-3.1-8b (load only) | q4_k_m (4.90) | bfloat16+int4 | - / 60.0 | - / 6.00 / 6.00 | - | - "
                         "| - | - | - |")
     assert lines[4] == ("| llama-3.1-8b (load only) | bf16 (16.00) | - | failed (exited with status -9, 95 s) / - "
