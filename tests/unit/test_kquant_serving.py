@@ -194,22 +194,29 @@ def test_the_embedding_is_served_from_the_files_blocks_bitwise_as_its_bfloat16_r
 # gate and up in Q5_0, v in Q8_0 or Q5_0, o and down in Q4_K / Q6_K and the embedding in Q8_0. This tiny
 # file holds the same pattern (its rows are 256 wide, the types chosen per tensor as in that file).
 
-def fallback_mix(name: str, arr: np.ndarray):
+def encoded(arr: np.ndarray, qtype: Q):
+    """(arr in qtype's blocks, qtype): this file's K-quant codecs, gguf's quantizer for the 32-blocks."""
     from gguf import quants
 
+    return (CODECS[qtype](arr) if qtype in CODECS else quants.quantize(arr, qtype)), qtype
+
+
+def mix_file(factory, name: str, seed: int, encode):
+    return write_gguf(factory.mktemp("gguf") / name, tiny_llama(seed), encode=encode, byte_tokenizer=True)
+
+
+def fallback_mix(name: str, arr: np.ndarray):
     layer0 = name.startswith("model.layers.0.")
     if name == "model.embed_tokens.weight" or (layer0 and ".v_proj." in name):
-        return quants.quantize(arr, Q.Q8_0), Q.Q8_0
+        return encoded(arr, Q.Q8_0)
     if ".o_proj." in name or ".down_proj." in name:
-        qtype = Q.Q6_K if layer0 and ".down_proj." in name else Q.Q4_K
-        return CODECS[qtype](arr), qtype
-    return quants.quantize(arr, Q.Q5_0), Q.Q5_0
+        return encoded(arr, Q.Q6_K if layer0 and ".down_proj." in name else Q.Q4_K)
+    return encoded(arr, Q.Q5_0)
 
 
 @pytest.fixture(scope="module")
 def fallback_file(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-fallback-mix.gguf", tiny_llama(9),
-                      encode=fallback_mix, byte_tokenizer=True)
+    return mix_file(tmp_path_factory, "tiny-fallback-mix.gguf", 9, fallback_mix)
 
 
 def test_q5_0_and_q8_0_tensors_of_a_k_quant_mix_keep_their_own_weights_as_8_bit_codes(fallback_file):
@@ -251,19 +258,14 @@ def test_kquant_serves_a_mix_with_q5_0_and_q8_0_tensors_within_the_quality_bound
 
 # A Q5_K_M file of such a model stores Q5_K's fallback rows in Q5_1 (w = d * q + m, a minimum per block).
 def q51_mix(name: str, arr: np.ndarray):
-    from gguf import quants
-
     if name == "model.embed_tokens.weight" or ".v_proj." in name:
-        return quants.quantize(arr, Q.Q8_0), Q.Q8_0
-    if ".o_proj." in name or ".down_proj." in name:
-        return CODECS[Q.Q5_K](arr), Q.Q5_K
-    return quants.quantize(arr, Q.Q5_1), Q.Q5_1
+        return encoded(arr, Q.Q8_0)
+    return encoded(arr, Q.Q5_K if ".o_proj." in name or ".down_proj." in name else Q.Q5_1)
 
 
 @pytest.fixture(scope="module")
 def q51_file(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q5_1-mix.gguf", tiny_llama(10),
-                      encode=q51_mix, byte_tokenizer=True)
+    return mix_file(tmp_path_factory, "tiny-q5_1-mix.gguf", 10, q51_mix)
 
 
 def test_q5_1_tensors_are_rounded_to_q8_0_codes_of_their_own_weights(q51_file):
