@@ -29,7 +29,7 @@ def gemma3_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def native_kernels_dir(tmp_path_factory) -> Path:
-    """One kernels cache for the session's kernel tests: the native library compiles once (~16 s on
+    """One kernels cache for the session's kernel tests: the native library compiles once (~10 s on
     2 cores) instead of once per test module."""
     return tmp_path_factory.mktemp("native-kernels")
 

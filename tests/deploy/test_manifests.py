@@ -330,7 +330,7 @@ def test_compose_ships_no_default_credentials_and_no_admin_apis():
 
 
 @pytest.fixture(scope="module")
-def exported_names(trained_model_dir) -> set[str]:
+def exported_names(trained_model_dir, native_kernels_dir) -> set[str]:
     """Sample names a real Metrics registry exposes (over a real engine of the trained model), plus the
     CUDA gauges it adds on GPU engines (read from its source: this machine may have no GPU)."""
     from lmserve.model.loader import load_model
@@ -338,7 +338,8 @@ def exported_names(trained_model_dir) -> set[str]:
     from lmserve.server.metrics import Metrics
     from lmserve.server.engine.settings import EngineSettings
 
-    engine = Engine(load_model(trained_model_dir, dtype="float32", device="cpu"), EngineSettings(max_batch=2))
+    engine = Engine(load_model(trained_model_dir, dtype="float32", device="cpu", cache_dir=native_kernels_dir),
+                    EngineSettings(max_batch=2))
     metrics = Metrics(engine, "trained")
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
                 "gauge": ("",), "info": ("_info",), "summary": ("_count", "_sum", "_created")}

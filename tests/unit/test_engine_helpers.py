@@ -53,9 +53,10 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def trained(trained_model_dir) -> LoadedModel:
-    """The memorizing model: peaked logits, greedy decoding reproduces its corpus."""
-    return load_model(trained_model_dir, dtype=torch.float32, device="cpu")
+def trained(trained_model_dir, native_kernels_dir) -> LoadedModel:
+    """The memorizing model: peaked logits, greedy decoding reproduces its corpus (its kernels in the
+    session's cache, not the user's)."""
+    return load_model(trained_model_dir, dtype=torch.float32, device="cpu", cache_dir=native_kernels_dir)
 
 
 @pytest.fixture(scope="session")

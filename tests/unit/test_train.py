@@ -62,8 +62,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def loaded(trained_model_dir):
-    return load_model(trained_model_dir, dtype=torch.float32, device="cpu")
+def loaded(trained_model_dir, native_kernels_dir):
+    return load_model(trained_model_dir, dtype=torch.float32, device="cpu", cache_dir=native_kernels_dir)
 
 
 # ---- the memorizing fixture model ----------------------------------------------------------
