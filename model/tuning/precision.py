@@ -489,35 +489,37 @@ def _no_invariant_kernel() -> PrecisionError:
 
 class _Probe:
     """The quality probe of one choice: each candidate's logits on the held-out text against the float32
-    reference's (computed once per sample, when first needed). A candidate is scored on the text's first
-    FIRST_TOKENS, and on all PROBE_TOKENS only where that first verdict is not settled (near a bound)."""
+    reference's (computed once per sample, when first needed). The text is two samples of FIRST_TOKENS,
+    each scored as its own window: the second only where the first's verdict is not settled (near a
+    bound), the verdict then both together."""
 
     def __init__(self, builder: ModeBuilder, tokenizer, batch_invariant: bool):
         from . import quality as Qm
 
         self.builder, self.batch_invariant, self.Qm = builder, batch_invariant, Qm
         self.ids = Qm.text_ids(tokenizer, Qm.PROBE_TOKENS)
-        self.first = self.ids[:Qm.FIRST_TOKENS]
+        self.samples = [self.ids[:Qm.FIRST_TOKENS], self.ids[Qm.FIRST_TOKENS:]]
         self.window = min(512, builder.config.max_position_embeddings)  # a small model's context may be shorter
-        self.refs: dict[int, torch.Tensor] = {}  # tokens scored -> the float32 reference's logits
+        self.refs: dict[int, torch.Tensor] = {}  # sample -> the float32 reference's logits
 
     def invariant(self, plan: Plan) -> bool:
         """The plan's kernels give bitwise the same rows alone and batched, end to end over its first layers."""
         return model_batch_invariant(self.builder.model(plan, layers=INVARIANCE_LAYERS), self.ids)
 
-    def _score(self, plan: Plan, ids: list[int]):
-        if len(ids) not in self.refs:
-            self.refs[len(ids)] = self.builder.logits(reference_plan(), ids, self.window)
-        return self.Qm.compare(self.refs[len(ids)], self.builder.logits(plan, ids, self.window), ids, self.window)
+    def _score(self, plan: Plan, sample: int):
+        ids = self.samples[sample]
+        if sample not in self.refs:
+            self.refs[sample] = self.builder.logits(reference_plan(), ids, self.window)
+        return self.Qm.compare(self.refs[sample], self.builder.logits(plan, ids, self.window), ids, self.window)
 
     def quality(self, plan: Plan):
-        q = self._score(plan, self.first)
-        return q if q.settled() or len(self.first) == len(self.ids) else self._score(plan, self.ids)
+        q = self._score(plan, 0)
+        return q if q.settled() or len(self.samples[1]) < 2 else q.merged(self._score(plan, 1))
 
     def reference(self) -> tuple | None:
         """(ids, window, logits) of the first sample's float32 reference, when it was computed."""
-        ref = self.refs.get(len(self.first))
-        return None if ref is None else (self.first, self.window, ref)
+        ref = self.refs.get(0)
+        return None if ref is None else (self.samples[0], self.window, ref)
 
 
 def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: bool, device: torch.device) -> Plan:

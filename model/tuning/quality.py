@@ -24,13 +24,18 @@ HELD_OUT_TEXT = (Path(__file__).with_name("quality_text.txt")).read_text(encodin
 # (the file's own Q4_1 codes) stay far inside; int8 re-quantizes the already 4-bit weights.
 MAX_MEAN_KL = 0.02  # nats per token
 MAX_PPL_RATIO = 1.03  # perplexity / reference perplexity
-# tokens of the held-out text the precision probe scores. It scores the first FIRST_TOKENS of them first and
-# goes on to all PROBE_TOKENS only when that sample is near a bound (Quality.settled): a first start of a 1B
-# model spent 9 s of its 20 on the probe, most of it the float32 reference. The int8 KV check scores the
-# first sample too, so the probe's float32 reference of it, computed once at a first start, serves both
-# (precision.Plan.reference).
+# tokens of the held-out text the precision probe scores, in two samples of FIRST_TOKENS, each its own
+# window: the second is scored only when the first's verdict is near a bound (Quality.settled), and the
+# verdict is then both together (Quality.merged). A first start of a 1B model spent 9 s of its 20 on the
+# probe, most of it the float32 reference. The int8 KV check scores the first sample too, so the probe's
+# float32 reference of it, computed once at a first start, serves both (precision.Plan.reference).
 PROBE_TOKENS = 256
 FIRST_TOKENS = 128
+# A first sample's verdict stands within this fraction of both bounds or past this multiple of one. The
+# second sample builds every layer again (the reference's float32 weights dequantized anew): a random
+# 8B measured mean KL 0.0124 on each sample (0.62 of the bound) and, scored twice, took 111 s to probe
+# where one pass over 256 tokens had taken 71 s.
+SETTLED_WITHIN, SETTLED_PAST = 0.75, 1.5
 
 
 @dataclass(frozen=True)
@@ -48,12 +53,23 @@ class Quality:
     def within_bounds(self) -> bool:
         return self.mean_kl <= MAX_MEAN_KL and self.ppl_ratio <= MAX_PPL_RATIO
 
+    def merged(self, other: "Quality") -> "Quality":
+        """This sample's numbers and another's as one sample of both (token-weighted; perplexities from
+        their summed log-likelihoods)."""
+        n = self.tokens + other.tokens
+
+        def ppl(a: float, b: float) -> float:
+            return math.exp((self.tokens * math.log(a) + other.tokens * math.log(b)) / n)
+        return Quality(n, ppl(self.perplexity, other.perplexity), ppl(self.reference_perplexity, other.reference_perplexity),
+                       (self.tokens * self.mean_kl + other.tokens * other.mean_kl) / n,
+                       (self.tokens * self.top1_agreement + other.tokens * other.top1_agreement) / n)
+
     def settled(self) -> bool:
         """Whether a verdict from this (first, shorter) sample stands without scoring more of the text:
-        both numbers within half of their bounds, or one past twice its bound. Near a bound the sample's
-        noise could tip it either way."""
+        both numbers within SETTLED_WITHIN of their bounds, or one past SETTLED_PAST times its bound.
+        Nearer a bound the sample's noise could tip it either way."""
         kl, ppl = self.mean_kl / MAX_MEAN_KL, (self.ppl_ratio - 1) / (MAX_PPL_RATIO - 1)
-        return (kl <= 0.5 and ppl <= 0.5) or kl > 2 or ppl > 2
+        return (kl <= SETTLED_WITHIN and ppl <= SETTLED_WITHIN) or kl > SETTLED_PAST or ppl > SETTLED_PAST
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "perplexity": self.perplexity, "reference_perplexity": self.reference_perplexity,

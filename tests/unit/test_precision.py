@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 
 import pytest
@@ -356,22 +357,34 @@ def test_int4_takes_two_activation_codes_where_one_code_leaves_the_quality_bound
         assert report["one_code_quality"]["mean_kl"] > bound
 
 
+def test_two_samples_merge_as_one_sample_of_both():
+    a, b = Q.Quality(127, 20.0, 10.0, 0.01, 0.9), Q.Quality(63, 40.0, 30.0, 0.04, 0.6)
+    m = a.merged(b)
+    assert m.tokens == 190 and m.mean_kl == pytest.approx((127 * 0.01 + 63 * 0.04) / 190)
+    assert m.perplexity == pytest.approx(math.exp((127 * math.log(20) + 63 * math.log(40)) / 190))
+    assert m.reference_perplexity == pytest.approx(math.exp((127 * math.log(10) + 63 * math.log(30)) / 190))
+    assert m.top1_agreement == pytest.approx((127 * 0.9 + 63 * 0.6) / 190)
+
+
 def test_a_first_sample_settles_a_quality_verdict_only_far_from_the_bounds():
     def q(kl, ppl):
         return Q.Quality(127, ppl * 10.0, 10.0, kl, 1.0)
     kl, ppl = Q.MAX_MEAN_KL, Q.MAX_PPL_RATIO - 1
-    assert q(0.49 * kl, 1 + 0.49 * ppl).settled() and q(0.0, 0.99).settled()  # clearly within
-    assert q(2.01 * kl, 1.0).settled() and q(0.0, 1 + 2.01 * ppl).settled()  # clearly past one bound
-    for near in (q(0.51 * kl, 1.0), q(0.0, 1 + 0.51 * ppl), q(kl, 1 + ppl), q(2 * kl, 1.0), q(1.5 * kl, 1 + 0.2 * ppl)):
+    within, past = Q.SETTLED_WITHIN, Q.SETTLED_PAST
+    assert 0 < within < 1 < past
+    assert q(0.99 * within * kl, 1 + 0.99 * within * ppl).settled() and q(0.0, 0.99).settled()  # clearly within
+    assert q(1.01 * past * kl, 1.0).settled() and q(0.0, 1 + 1.01 * past * ppl).settled()  # clearly past one bound
+    for near in (q(1.01 * within * kl, 1.0), q(0.0, 1 + 1.01 * within * ppl), q(kl, 1 + ppl), q(past * kl, 1.0),
+                 q(0.99 * past * kl, 1 + 0.2 * ppl)):
         assert not near.settled(), near
 
 
 def test_the_probe_scores_the_whole_text_only_where_its_first_sample_is_near_a_bound(gguf, float32_reference,
                                                                                  monkeypatch):
     """precision._Probe on bfloat16 (far inside the bounds): the text's first FIRST_TOKENS decide. With the
-    KL bound moved to what that sample measures, the verdict is not settled and all PROBE_TOKENS are
-    scored. Each number is quality.compare's against the float32 reference computed apart (a whole
-    model, not the probe's layer-at-a-time stream)."""
+    KL bound moved to what that sample measures, the verdict is not settled and the rest of the text is
+    scored too, as a window of its own. Each number is quality.compare's against the float32 reference
+    computed apart (a whole model, not the probe's layer-at-a-time stream), over windows of FIRST_TOKENS."""
     from lmserve.model.assembly import CheckpointModes
     from lmserve.model.loader import build_model
     from lmserve.model.text.tokenizer import Tokenizer
@@ -380,7 +393,7 @@ def test_the_probe_scores_the_whole_text_only_where_its_first_sample_is_near_a_b
     plan = P.Plan(P.Mode(torch.bfloat16), {r: "dense" for r in K.ROLES})
     model = build_model(gguf.config, gguf.tensors, torch.bfloat16, "cpu", plan=plan)
     probe = P._Probe(CheckpointModes(gguf.config, gguf.tensors), Tokenizer.from_gguf_fields(gguf.metadata), True)
-    assert probe.ids == ids[:Q.PROBE_TOKENS] and probe.first == ids[:Q.FIRST_TOKENS] < ids
+    assert probe.ids == ids[:Q.PROBE_TOKENS] and probe.samples == [ids[:Q.FIRST_TOKENS], ids[Q.FIRST_TOKENS:]]
     first = probe.quality(plan)
     assert first.tokens == Q.FIRST_TOKENS - 1 and first.settled() and first.within_bounds()
     short = ids[:Q.FIRST_TOKENS]
@@ -394,9 +407,13 @@ def test_the_probe_scores_the_whole_text_only_where_its_first_sample_is_near_a_b
 
     monkeypatch.setattr(Q, "MAX_MEAN_KL", first.mean_kl)
     whole = probe.quality(plan)
-    expected = Q.compare(ref, Q.logits_of(model, ids), ids)
-    assert whole.tokens == Q.PROBE_TOKENS - 1
+    w = Q.FIRST_TOKENS
+    ref = Q.logits_of(build_model(gguf.config, gguf.tensors, torch.float32, "cpu", plan=P.reference_plan()), ids, w)
+    expected = Q.compare(ref, Q.logits_of(model, ids, w), ids, w)
+    assert whole.tokens == expected.tokens == Q.PROBE_TOKENS - 2  # each window's first token predicts nothing
     assert whole.mean_kl == pytest.approx(expected.mean_kl, rel=0.05, abs=1e-6)
+    assert whole.perplexity == pytest.approx(expected.perplexity, rel=1e-3)
+    assert whole.reference_perplexity == pytest.approx(expected.reference_perplexity, rel=1e-5)
     assert probe.reference()[0] == short  # the KV check's sample stays the first
 
 
