@@ -338,17 +338,26 @@ def _rows(info: TensorInfo, r: int, n: int, row_bytes: int) -> TensorInfo:
 def _quant_blocks(buf, info: TensorInfo):
     """A Q4_0/Q4_1 (formats.Q41Blocks) or Q8_0/Q5_0 (formats.Q80Blocks) tensor's own codes and steps, a
     Q5_1 tensor's weights rounded to Q8_0 (Q80Blocks, not exact), a Q4_K/Q5_K/Q6_K tensor's bytes as
-    stored (formats.KQuantBlocks), or None for other types."""
+    stored (formats.KQuantBlocks), or None for other types.
+
+    Q5_1 (w = d q + m, 5-bit codes) is what llama.cpp's K-quant mixes write for Q5_K's rows that 256 does
+    not divide (SmolLM2's 576, Gemma 3 270M's 640). Its minimum has no place in 8-bit codes, so its
+    weights, as a float read gives them, take Q8_0's recipe: on weights centred near zero that step,
+    max|w| / 127, is about a quarter of Q5_1's (max - min) / 31, and each weight moves at most half of it."""
+    from dataclasses import replace
+
     from gguf import GGMLQuantizationType as T
 
-    from ..linear.formats import KQUANT_BLOCK_BYTES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks
+    from ..linear.formats import KQUANT_BLOCK_BYTES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, quantize_q80
 
+    if info.type_id == T.Q5_1 and len(info.ne) == 2:
+        return replace(quantize_q80(_dequantize(buf, info, torch.float32)), exact=False)
     if info.type_id in KQUANT_BLOCK_BYTES:
         row_bytes = info.ne[0] // QK_K * KQUANT_BLOCK_BYTES[info.type_id]
         raw = np.frombuffer(buf, np.uint8, row_bytes * info.ne[1], info.offset).reshape(info.ne[1], row_bytes)
         return KQuantBlocks.from_raw(raw, info.type_id)
     read = {T.Q4_1: (20, Q41Blocks.from_raw), T.Q4_0: (18, Q41Blocks.from_raw_q40), T.Q8_0: (34, Q80Blocks.from_raw),
-            T.Q5_0: (22, Q80Blocks.from_raw_q50), T.Q5_1: (24, Q80Blocks.from_raw_q51)}
+            T.Q5_0: (22, Q80Blocks.from_raw_q50)}
     if info.type_id not in read:
         return None
     block_bytes, parse = read[info.type_id]

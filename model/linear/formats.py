@@ -24,7 +24,7 @@ The kernels that consume these layouts live in kernels.py and quant_matmul.py.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,7 +83,8 @@ class Q41Blocks:
 @dataclass
 class Q80Blocks:
     """A Q8_0 matrix [N, K] unpacked: q [N, K] int8 codes -127..127, d [N, K/32] float32; w = d * q.
-    exact: the file's weights exactly (Q8_0, Q5_0); False for Q5_1's, rounded to these codes."""
+    exact: the file's weights exactly (Q8_0, Q5_0); False for a Q5_1 tensor's, rounded to these codes
+    (gguf_reader._quant_blocks)."""
 
     q: Tensor
     d: Tensor
@@ -112,24 +113,6 @@ class Q80Blocks:
         low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # [N, K/32, 32]
         q = (low.astype(np.int8) | (high.astype(np.int8) << 4)) - np.int8(16)
         return Q80Blocks(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(d))
-
-    @staticmethod
-    def from_raw_q51(raw: np.ndarray) -> "Q80Blocks":
-        """raw [N, K/32 * 24] bytes of GGUF Q5_1 blocks: float16 d and m, 32 high bits, 16 bytes of low
-        nibbles; w = d * q + m with q in 0..31. Llama.cpp's K-quant mixes store Q5_K's rows that 256 does not
-        divide (SmolLM2's 576, Gemma 3 270M's 640) in it. The minimum m has no place in 8-bit codes, so the
-        weights are decoded and rounded to Q8_0 (quantize_q80): on weights centred near zero its step
-        max|w| / 127 is about a quarter of Q5_1's (max - min) / 31, and each weight moves at most half of it
-        (not `exact`)."""
-        n = raw.shape[0]
-        blocks = raw.reshape(n, -1, 24)  # [N, K/32, 24]
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, K/32, 1]
-        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-        high = (blocks[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # [N, K/32, 32]
-        nib = blocks[..., 8:]  # [N, K/32, 16]: codes j (low nibble) and j + 16 (high nibble)
-        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (high.astype(np.uint8) << 4)
-        w = torch.from_numpy((q.astype(np.float32) * d + m).reshape(n, -1))
-        return replace(quantize_q80(w), exact=False)
 
     def rows(self, index: Tensor) -> "Q80Blocks":
         return Q80Blocks(self.q[index], self.d[index], self.exact)

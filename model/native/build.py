@@ -92,7 +92,9 @@ def _compile(cxx: str, flags: list[str], sources, out: Path) -> str:
 
     def run(cmd: list[str]) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_SECONDS)
-        return done.stderr.strip() or f"{cmd[0]} exited with {done.returncode}" if done.returncode else ""
+        if done.returncode == 0:
+            return ""
+        return done.stderr.strip() or f"{cmd[0]} exited with {done.returncode}"
 
     objects = [out.with_name(f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

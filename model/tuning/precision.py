@@ -35,7 +35,7 @@ KQUANT_STORED = ("Q4_K", "Q5_K", "Q6_K")  # K-quants: a file with one of them of
 # The types bfloat16+kquant serves, by the kernel path that takes them (Q5_0 as 8-bit codes): llama.cpp's
 # K-quant mixes store a row that is not a multiple of 256 (Gemma 3 270M's 640, SmolLM2's 576) in
 # Q5_0/Q5_1/Q8_0 instead. Every type is served as stored but Q5_1 (Q5_K's fallback), whose minimum 8-bit
-# codes cannot hold: its weights are rounded to Q8_0 (formats.Q80Blocks.from_raw_q51).
+# codes cannot hold: its weights are rounded to Q8_0 (gguf_reader._quant_blocks).
 FILE_PATHS = {"Q4_K": "K-quant", "Q5_K": "K-quant", "Q6_K": "K-quant", "Q8_0": "8-bit", "Q5_0": "8-bit",
               "Q5_1": "8-bit", "Q4_0": "4-bit", "Q4_1": "4-bit"}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
