@@ -84,6 +84,11 @@ def build(cache_dir: Path, march: str = "native", sources=SOURCES) -> tuple[ctyp
         return None, f"loading the native kernels failed: {exc}"
 
 
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its affinity mask; every core where the OS has no masks)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def _compile(cxx: str, flags: list[str], sources, out: Path) -> str:
     """Each source compiled to an object beside `out`, as many at once as this process has cores (one
     command for all of them took 15 s on 2 cores, one file after another), then linked into `out`.
@@ -97,8 +102,7 @@ def _compile(cxx: str, flags: list[str], sources, out: Path) -> str:
         return done.stderr.strip() or f"{cmd[0]} exited with {done.returncode}"
 
     objects = [out.with_name(f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(sources)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(usable_cores()), len(sources)))) as pool:
         errors = list(pool.map(run, [[cxx, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]))
     failed = next((e for e in errors if e), "")
     return failed or run([cxx, *flags, "-shared", *map(str, objects), "-o", str(out)])

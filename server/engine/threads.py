@@ -26,20 +26,17 @@ from typing import Callable
 import torch
 
 from lmserve.model.loader import libgomp
+from lmserve.model.native.build import usable_cores
 
 log = logging.getLogger("lmserve.engine")
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
-def _cores() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-
-
 def machine_usage(cores: set[int] | None = None) -> tuple[float, float]:
     """(busy seconds of `cores` since boot, all processes; this process's CPU seconds), from
     /proc/stat's per-core lines: user, nice, system, irq, softirq and steal count as busy."""
-    cores = _cores() if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     busy = 0
     with open("/proc/stat") as f:
         for line in f:
@@ -94,7 +91,7 @@ class CoreShare:
         if threads < 2 or period <= 0 or margin <= 0:
             raise ValueError("CoreShare needs threads >= 2, a positive period and a positive margin")
         self.full, self.threads = threads, threads
-        self.free = (len(_cores()) if cores is None else cores) - threads  # cores the steps leave to others
+        self.free = (len(usable_cores()) if cores is None else cores) - threads  # cores the steps leave to others
         self.period, self.margin = period, margin
         self._usage, self._clock, self._apply = usage, clock, apply
         self._mark: tuple[float, float, float] | None = None  # (wall, machine busy, own CPU) at the window's start
