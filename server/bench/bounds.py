@@ -149,3 +149,36 @@ def read_bound(step_bytes: int, gb_s: float, c1_tok_s: float | None = None, c1_d
     if c1_decode_tok_s:
         out["decode_c1_share_of_bound"] = round(c1_decode_tok_s / bound, 3)
     return out
+
+
+# ---------------------------------------------------------------- the product bound of a wave
+
+def distinct_prefix_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens an engine must run at the least: each distinct prefix once (the nodes of the prompts'
+    token trie), as a prefix cache at its best would; the prompts' shared system text counts once."""
+    seen: set[tuple[int, ...]] = set()
+    for p in prompts:
+        seen.update(tuple(p[:i]) for i in range(1, len(p) + 1))
+    return len(seen)
+
+
+def product_bound(prompts: list[list[int]], max_new: int, linears: list[tuple[int, int]], head: tuple[int, int],
+                  products_g_per_s: float, measured_tok_s: dict[str, float | None] | None = None) -> dict:
+    """The most output tokens a second any engine reaches on a wave of `prompts` (`max_new` tokens each)
+    when every weight meets every token it serves in one int8 product at the machine's measured peak
+    (`products_g_per_s`: vpdpbusd or its kin, independent chains, all threads), charging nothing else:
+    the decoder's `linears` ((out, in) per layer, all layers) over each distinct prompt prefix once, the
+    LM head once per request after its prompt, then `linears` and `head` for every later token. With
+    `measured_tok_s` (name: output tokens/s of that wave), the share of the bound each reached."""
+    layer = sum(n * k for n, k in linears)
+    out_tokens = len(prompts) * max_new
+    prefill = distinct_prefix_tokens(prompts)
+    products = prefill * layer + len(prompts) * head[0] * head[1] + len(prompts) * (max_new - 1) * (layer + head[0] * head[1])
+    seconds = products / (products_g_per_s * 1e9)
+    out = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "distinct_prefix_tokens": prefill,
+           "output_tokens": out_tokens, "g_products": round(products / 1e9, 1), "products_g_per_s": products_g_per_s,
+           "least_seconds": round(seconds, 2), "bound_tok_s": round(out_tokens / seconds, 1)}
+    for name, rate in (measured_tok_s or {}).items():
+        if rate:
+            out[f"{name}_share_of_bound"] = round(rate * seconds / out_tokens, 3)
+    return out

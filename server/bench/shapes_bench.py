@@ -19,7 +19,10 @@ Each checkpoint is written once into --shapes-dir and reused. For each shape and
 - the read-bandwidth bound of a batch-1 step: the bytes lmserve serves and the file's tensor bytes (what
   llama.cpp reads) at the highest read rate measured in this run (quant_kernels.read_bandwidth before and
   after the servers, machine_peaks over buffers of the shape's packed linears), and the share of it
-  chat at c=1 reached.
+  chat at c=1 reached;
+- the product bound of the chat wave at c=32 (bounds.product_bound): every weight meeting every token in
+  one int8 product at machine_peaks' measured peak, each distinct prompt prefix once, nothing else
+  charged; the most tokens a second any engine on these instructions shows here, over llama.cpp's rate.
 Shapes in --load-only (by default Llama-3.1-8B) only start (cold and cached) and give a first token.
 The report goes through the harness (reports/shapes/<machine>.json); a markdown table is printed.
 One server runs at a time. A benchmark, not a test: run it on a quiet machine.
@@ -241,8 +244,9 @@ def table(shapes: list[dict]) -> str:
     """The report as a markdown table: a row per shape and format."""
     head = ("| shape | format (file GB) | lmserve mode | ready cold / cached s | peak RSS cold / cached / after load GiB "
             "| chat c=1 lmserve / llama.cpp | chat c=32 lmserve / llama.cpp | llama.cpp best c=1 (format) "
-            "| c=1 bound: served / file bytes | c=1 share of served bound: chat / decode |")
-    rows = [head, "| " + " | ".join(["---"] * 3 + ["---:"] * 7) + " |"]
+            "| c=1 bound: served / file bytes | c=1 share of served bound: chat / decode "
+            "| chat c=32 product bound (over llama.cpp) |")
+    rows = [head, "| " + " | ".join(["---"] * 3 + ["---:"] * 8) + " |"]
     for sh in shapes:
         best = sh.get("peer_best")
         for e in sh["entries"]:
@@ -258,12 +262,15 @@ def table(shapes: list[dict]) -> str:
             share = " / ".join(f"{served_b[k]:.2f}" if served_b.get(k) else "-"
                                for k in ("chat_c1_share_of_bound", "decode_c1_share_of_bound"))
             best_text = f"{best['chat_c1_tok_s']:.1f} ({best['format']})" if best else "-"
+            pb = sh.get("chat_c32_product_bound") or {}
+            over = pb.get(f"bound_over_llama_cpp_{e['format']}")
+            product = _pair(pb.get("bound_tok_s"), None, over) if pb else "-"
             rows.append(" | ".join([
                 f"| {sh['shape']}" + (" (load only)" if sh.get("load_only") else ""),
                 f"{e['format']} ({e['file_bytes'] / 1e9:.2f})", cached.get("mode", "-"), ready, rss,
                 _pair(rate(lm, "chat", 1), rate(peer, "chat", 1), r.get("chat_c1_over_llama_cpp_same_file")),
                 _pair(rate(lm, "chat", 32), rate(peer, "chat", 32), r.get("chat_c32_over_llama_cpp_same_file")),
-                best_text, bound, share if served_b else "-"]) + " |")
+                best_text, bound, share if served_b else "-", product]) + " |")
     return "\n".join(rows)
 
 
@@ -322,11 +329,41 @@ def measure_shape(name: str, formats: list[str], args, tokenizer_gguf: Path) -> 
         readings.append(out["machine_peaks"].get("read_gb_s", {}).get("one_region", 0.0))
     # the highest reading: a bound is the most the machine showed, so a share of it is not flattered
     out["bounds_at_gb_s"] = max(readings)
+    if "products_g_per_s" in out.get("machine_peaks", {}):
+        out["chat_c32_product_bound"] = chat_c32_product_bound(shape, out, peer_runs, args, tokenizer_gguf)
     for entry in out["entries"]:
         if not load_only:
             entry["bounds"] = entry_bounds(entry, out["bounds_at_gb_s"])
         entry["ratios"] = entry_ratios(entry, out["peer_best"])
     return out
+
+
+def chat_c32_product_bound(shape, out: dict, peer_runs: dict, args, tokenizer_gguf: Path) -> dict:
+    """bounds.product_bound of the chat wave at c=32 (its requests' prompts as the SmolLM2 template renders
+    them) at the machine's int8 product peak, the rates each server reached on it, and the bound over
+    llama.cpp's rate on the same file: the most lmserve / llama.cpp any engine could show here."""
+    from lmserve.client.bench.prompts import synthetic_workload
+    from lmserve.model.text.tokenizer import Tokenizer
+
+    from . import machine_peaks as MP
+    from .bounds import product_bound
+    from .model_shapes import _tokenizer_fields
+
+    fields, vocab = _tokenizer_fields(tokenizer_gguf)
+    tok, items = Tokenizer.from_gguf_fields(fields), synthetic_workload()
+    prompts = [tok.encode_chat([{"role": m.role, "content": m.content} for m in items[i % len(items)].prompt])[0]
+               for i in range(args.c32_requests)]
+    step = MP.decoder_step(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn,
+                           shape.layers, vocab)
+    peaks = out["machine_peaks"]
+    measured = {f"lmserve_{e['format']}": rate(e.get("lmserve", {}), "chat", 32) for e in out["entries"]}
+    measured |= {f"llama_cpp_{fmt}": rate(r, "chat", 32) for fmt, r in peer_runs.items()}
+    bound = product_bound(prompts, args.max_new_tokens, [(n, k) for n, k, _ in step[:-1]], step[-1][:2],
+                          peaks["products_g_per_s"][f"{peaks['threads']}_threads"], measured)
+    for fmt, r in peer_runs.items():
+        if rate(r, "chat", 32):
+            bound[f"bound_over_llama_cpp_{fmt}"] = round(bound["bound_tok_s"] / rate(r, "chat", 32), 2)
+    return bound
 
 
 def _vocab(tokenizer_gguf: Path) -> int:

@@ -11,7 +11,7 @@ import pytest
 from lmserve.client.bench.harness import build_parser
 from lmserve.client.bench.registry import BENCHMARKS
 from lmserve.server.bench import shapes_bench as SB
-from lmserve.server.bench.bounds import read_bound
+from lmserve.server.bench.bounds import distinct_prefix_tokens, product_bound, read_bound
 from lmserve.server.bench.machine_peaks import decoder_step
 from lmserve.server.bench.model_shapes import SHAPES
 from lmserve.server.bench.served import process_memory
@@ -49,6 +49,21 @@ def test_a_shapes_machine_peaks_step_multiplies_every_parameter_but_the_norms_on
         gathered = 0 if s.tied else vocab * s.hidden  # an untied embedding table is only gathered from
         assert sum(n * k for n, k, _ in step) == s.parameters(vocab) - norms - gathered
         assert step[-1] == (vocab, s.hidden, 8) and {b for _, _, b in step[:-1]} == {4}
+
+
+def test_the_product_bound_counts_a_shared_prefix_once_and_every_later_token_through_layers_and_head():
+    # two prompts sharing their first two tokens, a third equal to the first: 3 + 1 distinct prefixes
+    prompts = [[1, 2, 3], [1, 2, 4], [1, 2, 3]]
+    assert distinct_prefix_tokens(prompts) == 4
+    assert distinct_prefix_tokens([[5, 6], [6, 5]]) == 4  # the same tokens at other places are other prefixes
+    layers, head = [(6, 4), (4, 6)], (10, 4)  # 48 products a token through the layers, 40 through the head
+    b = product_bound(prompts, 5, layers, head, 1e-9, {"a": 15 / (4 * 48 + 3 * 40 + 3 * 4 * 88), "b": None})
+    # 4 prefix tokens through the layers, the head after each of 3 prompts, then 4 more tokens each through both
+    assert b["g_products"] == round((4 * 48 + 3 * 40 + 3 * 4 * 88) / 1e9, 1)
+    assert b["least_seconds"] == 4 * 48 + 3 * 40 + 3 * 4 * 88
+    assert b["bound_tok_s"] == round(15 / b["least_seconds"], 1) and b["output_tokens"] == 15
+    assert b["a_share_of_bound"] == 1.0 and "b_share_of_bound" not in b
+    assert (b["prompt_tokens"], b["distinct_prefix_tokens"], b["requests"]) == (9, 4, 3)
 
 
 def _runs(c1, c32, c1_tpot_ms=None):
@@ -99,17 +114,18 @@ def test_the_table_has_a_row_per_shape_and_format_and_dashes_for_what_did_not_ru
               "lmserve": {"cold": {"failed": "exited with status -9", "seconds": 95.2, "log_tail": [],
                                    "memory_last_read": {"resident_bytes": 20 * 2**30, "peak_resident_bytes": 21 * 2**30}}},
               "ratios": {}}
-    text = SB.table([{"shape": "llama-3.2-1b", "entries": [entry], "peer_best": best},
+    text = SB.table([{"shape": "llama-3.2-1b", "entries": [entry], "peer_best": best,
+                      "chat_c32_product_bound": {"bound_tok_s": 420.0, "bound_over_llama_cpp_q4_k_m": 4.2}},
                      {"shape": "llama-3.1-8b", "load_only": True, "entries": [load_only, failed],
                       "peer_best": None}])
     lines = text.splitlines()
-    assert len(lines) == 5 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 11
+    assert len(lines) == 5 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 12
     assert lines[2] == ("| llama-3.2-1b | q4_k_m (0.67) | bfloat16+int4 | 18.0 / 4.0 | 2.00 / 1.00 / 1.50 | 30.0 / 20.0 (1.50x) "
-                        "| 400.0 / 100.0 (4.00x) | 25.0 (q4_0) | 50.0 / 38.5 | 0.60 / 0.80 |")
+                        "| 400.0 / 100.0 (4.00x) | 25.0 (q4_0) | 50.0 / 38.5 | 0.60 / 0.80 | 420.0 (4.20x) |")
     assert lines[3] == ("| llama-3.1-8b (load only) | q4_k_m (4.90) | bfloat16+int4 | - / 60.0 | - / 6.00 / 6.00 | - | - "
-                        "| - | - | - |")
+                        "| - | - | - | - |")
     assert lines[4] == ("| llama-3.1-8b (load only) | bf16 (16.00) | - | failed (exited with status -9, 95 s) / - "
-                        "| 21.00 / - / - | - | - | - | - | - |")  # the last memory read before the kernel killed it
+                        "| 21.00 / - / - | - | - | - | - | - | - |")  # the last memory read before the kernel killed it
 
 
 def test_flags_take_comma_separated_shapes_and_formats_and_name_the_choices_on_a_typo(capsys):
