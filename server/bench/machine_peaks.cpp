@@ -46,6 +46,19 @@ static inline Vec zero() { return _mm512_setzero_si512(); }
 static inline Vec dot(Vec a, Vec w, Vec x) { return _mm512_dpbusd_epi32(a, w, x); }
 static inline Vec add(Vec a, Vec b) { return _mm512_add_epi32(a, b); }
 static inline int64_t first(Vec a) { return _mm512_reduce_add_epi32(a); }
+typedef __m512 FVec;
+static inline FVec fsplat(float v) { return _mm512_set1_ps(v); }
+static inline FVec floats(Vec a) { return _mm512_cvtepi32_ps(a); }
+static inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+static inline FVec fma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Vec mullo(Vec a, Vec b) { return _mm512_mullo_epi32(a, b); }
+static inline Vec isplat(int v) { return _mm512_set1_epi32(v); }
+static inline Vec broadcast(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+static inline double ffirst(FVec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__)
 typedef __m256i Vec;
 static const int PRODUCTS = 32;
@@ -60,6 +73,19 @@ static inline Vec dot(Vec a, Vec w, Vec x) {
 #endif
 static inline Vec add(Vec a, Vec b) { return _mm256_add_epi32(a, b); }
 static inline int64_t first(Vec a) { return _mm256_extract_epi32(a, 0); }
+typedef __m256 FVec;
+static inline FVec fsplat(float v) { return _mm256_set1_ps(v); }
+static inline FVec floats(Vec a) { return _mm256_cvtepi32_ps(a); }
+static inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+static inline FVec fma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec mullo(Vec a, Vec b) { return _mm256_mullo_epi32(a, b); }
+static inline Vec isplat(int v) { return _mm256_set1_epi32(v); }
+static inline Vec broadcast(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline double ffirst(FVec a) { return _mm256_cvtss_f32(a); }
 #else
 static const int PRODUCTS = 0;
 #endif
@@ -89,6 +115,64 @@ int64_t lm_peak_products(int64_t iters, int threads) {
     (void)threads;
 #endif
     return total;
+}
+
+// The K-quant kernel's inner loop as instruction mixes, on 12 rows' independent chains a thread: per block
+// of 32 weights and row, 8 dot-product instructions from a fresh chain (one activation code, the kernel's
+// `chunk_sum`), then
+//   mix 0: the integer sum added on (nothing else: the dot products' own ceiling in this shape),
+//   mix 1: the kernel's float steps (convert, step product, two multiply-adds: kquant_matmul.cpp's
+//          activations quantized per block of 32 with a float step),
+//   mix 2: an integer scale (multiply, add), what activations sharing one step over a super-block of 256
+//          would leave per block (the sub-block scales applied in integers, one float step per 256).
+// `iters` blocks per row and thread. Returns a checksum (mixes 0 and 2: the exact integer total).
+}  // extern "C"
+
+#if defined(__AVX2__)
+template <int MIX>
+static int64_t block_mix(int64_t iters, int threads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        Vec acc[12], w[8], scale = isplat(3);
+        FVec y[12], step = fsplat(0.5f), mins = fsplat(0.25f), u = fsplat(1.0f / 64), sx = fsplat(2.0f);
+        for (int j = 0; j < 8; ++j) w[j] = splat((char)(1 + j));
+        for (int r = 0; r < 12; ++r) acc[r] = zero(), y[r] = fsplat(0.0f);
+        int8_t codes[12 * 32];  // each row's activation codes, broadcast from memory 4 at a time as the kernel does
+        memset(codes, 1, sizeof codes);
+        for (int64_t it = 0; it < iters; ++it) {
+            asm volatile("" ::: "memory");  // the codes are read anew every block, as the kernel reads them
+#pragma GCC unroll 12
+            for (int r = 0; r < 12; ++r) {
+                Vec s = zero();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) s = dot(s, w[j], broadcast(codes + 32 * r + 4 * j));
+                if (MIX == 1) {
+                    y[r] = fma(floats(s), fmul(step, u), y[r]);
+                    y[r] = fma(mins, sx, y[r]);
+                } else {
+                    acc[r] = add(acc[r], MIX == 2 ? mullo(s, scale) : s);
+                }
+            }
+            asm volatile("" : "+v"(w[0]), "+v"(u));
+        }
+        for (int r = 0; r < 12; ++r) total += first(acc[r]) + (int64_t)(ffirst(y[r]) != 0.0);
+    }
+    return total;
+}
+#endif
+
+extern "C" {
+
+int64_t lm_peak_block_mix(int64_t iters, int threads, int mix) {
+#if defined(__AVX2__)
+    return mix == 1 ? block_mix<1>(iters, threads) : (mix == 2 ? block_mix<2>(iters, threads) : block_mix<0>(iters, threads));
+#else
+    (void)iters;
+    (void)threads;
+    (void)mix;
+    return 0;
+#endif
 }
 
 // Reads buffers[i] (groups[i] groups of group_bytes[i] bytes), i < n, on `threads` threads, asking

@@ -6,6 +6,10 @@
   (AVX-512 VNNI vpdpbusd, AVX-VNNI, or AVX2 maddubs + madd), on independent registers, 1 thread and
   all of torch's threads. At 8 rows the kernel does 8x the products of 1 row on the same bytes, so
   this is what keeps M=8 from costing what M=1 costs.
+- **Products in the K-quant kernel's loop shape** (1 thread): 12 rows' chains of 8 dot products a block
+  of 32, with nothing else, with the kernel's float steps per block (activations stepped per 32), or
+  with an integer scale per block (what activations sharing one step over 256 would leave). How much
+  of the ceiling each numeric design can reach on this core, before unpacking and loads.
 - **Reading a step's weights**: GB/s reading buffers of the real linears' packed sizes the way the
   native decode loop reads them (one OpenMP region per linear, groups split statically, 4 KiB
   prefetch), and streaming them in one region with no barrier between linears. The first is what
@@ -43,6 +47,9 @@ class Peaks:
         self._products = lib.lm_peak_products
         self._products.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._products.restype = ctypes.c_int64
+        self._block_mix = lib.lm_peak_block_mix
+        self._block_mix.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        self._block_mix.restype = ctypes.c_int64
         self._read = lib.lm_peak_read
         p, i32 = ctypes.c_void_p, ctypes.c_int
         self._read.argtypes = [p, p, p, i32, i32, i32]
@@ -55,6 +62,18 @@ class Peaks:
         self._products(iters // 10, threads)
         best = min(_timed(lambda: self._products(iters, threads)) for _ in range(repeats))
         return iters * threads * self.per_instruction / best
+
+    def block_mix(self, iters: int, threads: int, mix: int) -> int:
+        """lm_peak_block_mix: `iters` blocks of 32 on 12 rows a thread in `mix` (BLOCK_MIXES); its checksum."""
+        return self._block_mix(iters, threads, mix)
+
+    def block_mix_per_second(self, mix: int, threads: int = 1, iters: int = 2_000_000, repeats: int = 5) -> float:
+        """Int8 products a second of the dot-product instructions in `mix` (the fastest of `repeats` runs)."""
+        if not self.per_instruction:
+            return 0.0
+        self.block_mix(iters // 10, threads, mix)
+        best = min(_timed(lambda: self.block_mix(iters, threads, mix)) for _ in range(repeats))
+        return iters * 12 * 8 * threads * self.per_instruction / best
 
     def read(self, buffers: list[torch.Tensor], group_bytes: list[int], threads: int, one_region: bool):
         """A function reading `buffers` (uint8, each whole groups of group_bytes) in order, which returns
@@ -84,6 +103,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+# lm_peak_block_mix's mixes: per block of 32 weights and row, the 8 dot products and then
+BLOCK_MIXES = {"dots_only": 0,  # nothing else
+               "float_steps_per_block": 1,  # the K-quant kernel's float steps (activations stepped per 32)
+               "integer_scale_per_block": 2}  # an integer scale (activations sharing a step over 256)
+
+
 def measure(buffers: list[torch.Tensor], group_bytes: list[int], cache_dir: Path | None = None) -> dict:
     """Both ceilings on this machine, the read ones over `buffers` (a step's packed weights)."""
     peaks = Peaks(cache_dir)
@@ -93,6 +118,9 @@ def measure(buffers: list[torch.Tensor], group_bytes: list[int], cache_dir: Path
     return {"threads": threads, "products_per_instruction": peaks.per_instruction,
             "products_g_per_s": {"1_thread": round(one / 1e9, 1), f"{threads}_threads": round(every / 1e9, 1)},
             "products_scaling": round(every / one, 2) if one else None,
+            # the kernel's loop shape on 1 thread: how much of the products' ceiling each design leaves
+            "block_mix_products_g_per_s_1_thread": {name: round(peaks.block_mix_per_second(mix) / 1e9, 1)
+                                                     for name, mix in BLOCK_MIXES.items()},
             "read_mb": round(sum(b.numel() for b in buffers) / 1e6, 1),
             "read_gb_s": {"region_per_linear": round(peaks.read_gb_s(buffers, group_bytes, threads, False), 1),
                           "one_region": round(peaks.read_gb_s(buffers, group_bytes, threads, True), 1)}}

@@ -122,6 +122,14 @@ def test_machine_peaks_read_every_byte_once_in_both_patterns_and_count_products(
     assert peaks.read_gb_s(bufs, gbytes, 2, False, repeats=1) > 0
     if peaks.per_instruction:
         assert peaks.products_per_second(1, iters=120_000, repeats=1) > 0
+        # every mix runs its 8 dot products a block: weights 1..8 against codes of 1 give 4 x 36 a lane,
+        # summed over the lanes (AVX-512) or read from lane 0 (AVX2), 12 rows a thread; x3 with the scale
+        lanes = 16 if peaks.per_instruction == 64 else 1
+        for threads in (1, 2):
+            per_thread = 12 * lanes * 144 * 1000
+            assert peaks.block_mix(1000, threads, MP.BLOCK_MIXES["dots_only"]) == threads * per_thread
+            assert peaks.block_mix(1000, threads, MP.BLOCK_MIXES["integer_scale_per_block"]) == 3 * threads * per_thread
+            assert peaks.block_mix(1000, threads, MP.BLOCK_MIXES["float_steps_per_block"]) == threads * 12  # y != 0
 
 
 def test_peer_bounds_are_each_servers_step_bytes_at_the_bandwidth_and_the_share_chat_reached():
