@@ -154,7 +154,7 @@ static int64_t block_mix(int64_t iters, int threads) {
                     acc[r] = add(acc[r], MIX == 2 ? mullo(s, scale) : s);
                 }
             }
-            asm volatile("" : "+v"(w[0]), "+v"(u));
+            asm volatile("" : "+v"(w[0]), "+v"(u), "+v"(scale));  // nothing constant to fold (a x3 scale: a shift and an add)
         }
         for (int r = 0; r < 12; ++r) total += first(acc[r]) + (int64_t)(ffirst(y[r]) != 0.0);
     }
