@@ -271,7 +271,8 @@ class WeightSource:
     def __post_init__(self):
         if self.weight is not None:
             self.shape = tuple(self.weight.shape)
-            self.parts = (lambda: self.weight,)
+            held = self.weight  # not `self`: a reader holding its own source would free neither until a gc pass
+            self.parts = (lambda: held,)
 
     @staticmethod
     def of(weight: Tensor | None, bias: Tensor | None, blocks, **kw) -> "WeightSource":
