@@ -36,6 +36,21 @@ static inline uint64_t total_of(Lanes v) { return v.w[0] + v.w[1] + v.w[2] + v.w
 
 extern "C" {
 
+// lm_peak_block_mix's float and integer operations on one vector, for the intrinsics' prefix P and float type F.
+#define BLOCK_MIX_OPS(P, F)                                                                    \
+    typedef F FVec;                                                                            \
+    static inline FVec fsplat(float v) { return P##_set1_ps(v); }                              \
+    static inline FVec floats(Vec a) { return P##_cvtepi32_ps(a); }                            \
+    static inline FVec fmul(FVec a, FVec b) { return P##_mul_ps(a, b); }                       \
+    static inline FVec fmadd(FVec a, FVec b, FVec c) { return P##_fmadd_ps(a, b, c); }           \
+    static inline Vec mullo(Vec a, Vec b) { return P##_mullo_epi32(a, b); }                    \
+    static inline Vec isplat(int v) { return P##_set1_epi32(v); }                              \
+    static inline Vec broadcast(const int8_t* p) { /* 4 codes to every lane, as the kernel */  \
+        int32_t v;                                                                             \
+        memcpy(&v, p, 4);                                                                      \
+        return isplat(v);                                                                      \
+    }
+
 // The dot-product instruction of the path built here, on one vector of accumulators: 64 products
 // (AVX-512 VNNI), 32 (AVX-VNNI, or AVX2's maddubs + madd pair), or none.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -46,18 +61,7 @@ static inline Vec zero() { return _mm512_setzero_si512(); }
 static inline Vec dot(Vec a, Vec w, Vec x) { return _mm512_dpbusd_epi32(a, w, x); }
 static inline Vec add(Vec a, Vec b) { return _mm512_add_epi32(a, b); }
 static inline int64_t first(Vec a) { return _mm512_reduce_add_epi32(a); }
-typedef __m512 FVec;
-static inline FVec fsplat(float v) { return _mm512_set1_ps(v); }
-static inline FVec floats(Vec a) { return _mm512_cvtepi32_ps(a); }
-static inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
-static inline FVec fma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline Vec mullo(Vec a, Vec b) { return _mm512_mullo_epi32(a, b); }
-static inline Vec isplat(int v) { return _mm512_set1_epi32(v); }
-static inline Vec broadcast(const int8_t* p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
+BLOCK_MIX_OPS(_mm512, __m512)
 static inline double ffirst(FVec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__)
 typedef __m256i Vec;
@@ -73,18 +77,7 @@ static inline Vec dot(Vec a, Vec w, Vec x) {
 #endif
 static inline Vec add(Vec a, Vec b) { return _mm256_add_epi32(a, b); }
 static inline int64_t first(Vec a) { return _mm256_extract_epi32(a, 0); }
-typedef __m256 FVec;
-static inline FVec fsplat(float v) { return _mm256_set1_ps(v); }
-static inline FVec floats(Vec a) { return _mm256_cvtepi32_ps(a); }
-static inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
-static inline FVec fma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline Vec mullo(Vec a, Vec b) { return _mm256_mullo_epi32(a, b); }
-static inline Vec isplat(int v) { return _mm256_set1_epi32(v); }
-static inline Vec broadcast(const int8_t* p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
+BLOCK_MIX_OPS(_mm256, __m256)
 static inline double ffirst(FVec a) { return _mm256_cvtss_f32(a); }
 #else
 static const int PRODUCTS = 0;
@@ -148,8 +141,8 @@ static int64_t block_mix(int64_t iters, int threads) {
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; ++j) s = dot(s, w[j], broadcast(codes + 32 * r + 4 * j));
                 if (MIX == 1) {
-                    y[r] = fma(floats(s), fmul(step, u), y[r]);
-                    y[r] = fma(mins, sx, y[r]);
+                    y[r] = fmadd(floats(s), fmul(step, u), y[r]);
+                    y[r] = fmadd(mins, sx, y[r]);
                 } else {
                     acc[r] = add(acc[r], MIX == 2 ? mullo(s, scale) : s);
                 }
