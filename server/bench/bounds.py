@@ -170,10 +170,10 @@ def product_bound(prompts: list[list[int]], max_new: int, linears: list[tuple[in
     the decoder's `linears` ((out, in) per layer, all layers) over each distinct prompt prefix once, the
     LM head once per request after its prompt, then `linears` and `head` for every later token. With
     `measured_tok_s` (name: output tokens/s of that wave), the share of the bound each reached."""
-    layer = sum(n * k for n, k in linears)
+    layer, head_products = sum(n * k for n, k in linears), head[0] * head[1]
     out_tokens = len(prompts) * max_new
     prefill = distinct_prefix_tokens(prompts)
-    products = prefill * layer + len(prompts) * head[0] * head[1] + len(prompts) * (max_new - 1) * (layer + head[0] * head[1])
+    products = prefill * layer + len(prompts) * (head_products + (max_new - 1) * (layer + head_products))
     seconds = products / (products_g_per_s * 1e9)
     out = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "distinct_prefix_tokens": prefill,
            "output_tokens": out_tokens, "g_products": round(products / 1e9, 1), "products_g_per_s": products_g_per_s,

@@ -110,6 +110,8 @@ int64_t lm_peak_products(int64_t iters, int threads) {
     return total;
 }
 
+}  // extern "C"
+
 // The K-quant kernel's inner loop as instruction mixes, on 12 rows' independent chains a thread: per block
 // of 32 weights and row, 8 dot-product instructions from a fresh chain (one activation code, the kernel's
 // `chunk_sum`), then
@@ -119,8 +121,6 @@ int64_t lm_peak_products(int64_t iters, int threads) {
 //   mix 2: an integer scale (multiply, add), what activations sharing one step over a super-block of 256
 //          would leave per block (the sub-block scales applied in integers, one float step per 256).
 // `iters` blocks per row and thread. Returns a checksum (mixes 0 and 2: the exact integer total).
-}  // extern "C"
-
 #if defined(__AVX2__)
 template <int MIX>
 static int64_t block_mix(int64_t iters, int threads) {

@@ -276,12 +276,19 @@ def table(shapes: list[dict]) -> str:
 
 # ---------------------------------------------------------------- the run
 
+def _shape_step(shape, vocab: int) -> list[tuple[int, int, int]]:
+    """machine_peaks.decoder_step of a shape: its linears (out, in, bits) in a decode step's order, head last."""
+    from . import machine_peaks as MP
+
+    return MP.decoder_step(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn,
+                           shape.layers, vocab)
+
+
 def _step_peaks(shape, vocab: int) -> dict:
     """machine_peaks over buffers of the shape's linears packed at 4 bits (int8 head)."""
     from . import machine_peaks as MP
 
-    step = MP.decoder_step(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn,
-                           shape.layers, vocab, 4)
+    step = _shape_step(shape, vocab)
     try:
         return MP.measure(*MP.step_buffers(step))
     except RuntimeError as exc:  # no native build here: the sum's bandwidth still bounds every server
@@ -345,7 +352,6 @@ def chat_c32_product_bound(shape, out: dict, peer_runs: dict, args, tokenizer_gg
     from lmserve.client.bench.prompts import synthetic_workload
     from lmserve.model.text.tokenizer import Tokenizer
 
-    from . import machine_peaks as MP
     from .bounds import product_bound
     from .model_shapes import _tokenizer_fields
 
@@ -353,8 +359,7 @@ def chat_c32_product_bound(shape, out: dict, peer_runs: dict, args, tokenizer_gg
     tok, items = Tokenizer.from_gguf_fields(fields), synthetic_workload()
     prompts = [tok.encode_chat([{"role": m.role, "content": m.content} for m in items[i % len(items)].prompt])[0]
                for i in range(args.c32_requests)]
-    step = MP.decoder_step(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn,
-                           shape.layers, vocab)
+    step = _shape_step(shape, vocab)
     peaks = out["machine_peaks"]
     measured = {f"lmserve_{e['format']}": rate(e.get("lmserve", {}), "chat", 32) for e in out["entries"]}
     measured |= {f"llama_cpp_{fmt}": rate(r, "chat", 32) for fmt, r in peer_runs.items()}
