@@ -56,6 +56,28 @@ def quant_kernel(native_kernels_dir):
 
 
 @pytest.fixture(scope="session")
+def tile_kernel(tmp_path_factory):
+    """The quantized kernels with their AMX tile paths switched on: the served build where the OS grants
+    tiles, else a build over native_common.h's software tile unit (-DLM_SOFT_TILES), which runs the
+    same tile code (layouts, padding rows, float steps) with plain loops in place of the instructions.
+    The tile paths are written for AVX-512 machines; skips on one without AVX-512 VNNI."""
+    from lmserve.model.linear import quant_matmul as QM
+    from lmserve.model.native import build as native
+
+    served = QM.default_kernel()
+    if served is not None and served.amx:
+        return served
+    if " avx512_vnni " not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the tile paths sit beside the AVX-512 VNNI one, which this CPU lacks")
+    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]  # lm_qmm calls lm_kqmm
+    lib, why = native.build(tmp_path_factory.mktemp("soft-tile-kernels"), march="native -DLM_SOFT_TILES", sources=src)
+    assert lib is not None, why
+    kernel = QM.QuantMatmul(lib)
+    assert kernel.amx and kernel.name.endswith("+soft-tiles"), kernel.name
+    return kernel
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_path):
     """SmolLM2's byte-level BPE tokenizer, read from the GGUF's metadata (no weights loaded)."""
     import gguf

@@ -43,7 +43,9 @@ class QuantMatmul:
         lib.lm_qmm_amx.restype = ctypes.c_int
         lib.lm_qmm_set_amx.restype = ctypes.c_int
         lib.lm_qmm_set_amx.argtypes = [ctypes.c_int]
-        self.amx = bool(lib.lm_qmm_amx())  # AMX tiles built and granted by the OS
+        tiles = lib.lm_qmm_amx()
+        self.amx = bool(tiles)  # AMX tiles built and granted by the OS (or, in a test build, emulated)
+        self.soft_tiles = tiles == 2  # native_common.h's software tile unit (-DLM_SOFT_TILES): tests only
         self._set_amx = lib.lm_qmm_set_amx
         fn = lib.lm_qmm
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -63,7 +65,7 @@ class QuantMatmul:
     @property
     def name(self) -> str:
         """The path that runs, as the startup line and reports say it."""
-        return f"{self.path}+amx" if self.amx else str(self.path)
+        return f"{self.path}+{'soft-tiles' if self.soft_tiles else 'amx'}" if self.amx else str(self.path)
 
     def pack_kquant(self, raw: Tensor, k: int, qtype: int, out: Tensor | None = None) -> Tensor:
         """One K-quant tensor's file bytes (raw [N, K/256 * block bytes] uint8) -> its groups in

@@ -12,8 +12,10 @@ twice the last-level cache, and a timing walks through them, so that every call 
 memory as a step through a model's layers does (the head alone is larger than the cache).
 
 Candidates: the kernels as the modes serve them, with one activation code (`-a8`, int8 per block of 32)
-and with two (~16 bits), all through the library's entry point with the outputs allocated once. They
-take turns within every round, in one process; each timing is the median over rounds (min beside it).
+and with two (~16 bits), all through the library's entry point with the outputs allocated once. Where
+the OS grants AMX tiles (calls of 12 rows or more take them), each candidate again as `<name>-vnni`
+with the tiles off: the tile paths beside the VNNI ones they replace. They take turns within every
+round, in one process; each timing is the median over rounds (min beside it).
 The read bandwidth (a sum over 512 MiB, on the same threads and clock) is measured every round, and
 each candidate's M=1 rate is set against its own round's reading.
 
@@ -98,6 +100,15 @@ def packed_weights(shapes: dict, rng: np.random.Generator) -> dict[str, dict[str
     return weights
 
 
+def candidates_for(qm) -> dict[str, tuple[str, bool, int]]:
+    """name -> (format, two activation codes, AMX setting): CANDIDATES as served, and where the tiles are
+    granted each again with them off (`-vnni`)."""
+    out = {name: (fmt, precise, QM.AMX_BY_RULE) for name, (fmt, precise) in CANDIDATES.items()}
+    if qm.amx:
+        out.update({f"{name}-vnni": (fmt, precise, QM.AMX_NEVER) for name, (fmt, precise) in CANDIDATES.items()})
+    return out
+
+
 class _Calls:
     """The kernels called through the library's entry point on every shape's copies, with the inputs and
     outputs allocated once."""
@@ -122,18 +133,19 @@ class _Calls:
         return (self.clock() - t0) / len(ws)
 
 
-def _sample(calls: _Calls, rounds: int) -> tuple[dict, list[float]]:
+def _sample(calls: _Calls, qm, candidates: dict, rounds: int) -> tuple[dict, list[float]]:
     """After a warm-up call of each candidate on each shape, `rounds` rounds in which the candidates take
     turns, the read bandwidth measured first in each: seconds per call by candidate, shape and rows, and
     each round's read bandwidth."""
-    samples = {c: {s: {m: [] for m in ROWS} for s in calls.shapes} for c in CANDIDATES}
+    samples = {c: {s: {m: [] for m in ROWS} for s in calls.shapes} for c in candidates}
     bw_rounds = []
-    for c, (fmt, precise) in CANDIDATES.items():  # warm-up: first calls, page faults of buffers
+    for c, (fmt, precise, _) in candidates.items():  # warm-up: first calls, page faults of buffers
         for s in calls.shapes:
             calls.per_call(fmt, precise, s, 1)
     for rnd in range(rounds):
         bw_rounds.append(read_gb_s(calls.clock, repeats=3))
-        for c, (fmt, precise) in taking_turns(CANDIDATES.items(), rnd):
+        for c, (fmt, precise, amx) in taking_turns(candidates.items(), rnd):
+            qm.set_amx(amx)
             for s in calls.shapes:
                 for m in ROWS:
                     samples[c][s][m].append(calls.per_call(fmt, precise, s, m))
@@ -179,7 +191,11 @@ def run(args) -> dict:
     print("read bandwidth", bw, "GB/s", flush=True)
     weights = packed_weights(shapes, np.random.default_rng(0))
     calls = _Calls(qm, shapes, weights, clock)
-    samples, bw_rounds = _sample(calls, args.rounds)
+    candidates = candidates_for(qm)
+    try:
+        samples, bw_rounds = _sample(calls, qm, candidates, args.rounds)
+    finally:
+        qm.set_amx(QM.AMX_BY_RULE)
 
     report = {"threads": calls.threads, "clock": args.clock, "native_path": qm.name, "read_bandwidth_gb_s": bw,
               "read_bandwidth_rounds_gb_s": bw_rounds,
@@ -187,10 +203,11 @@ def run(args) -> dict:
               "note": "ms per call, median over rounds (min beside), weights from memory; gb_s: packed weight bytes "
                       "over the median time; m1_fraction_of_read_same_round: M=1 rate over that round's read "
                       "bandwidth, median over rounds", "candidates": {}}
-    for c, (fmt, precise) in CANDIDATES.items():
+    for c, (fmt, precise, amx) in candidates.items():
         per = {s: _shape_row(weights[fmt][s][0].numel(), samples[c][s], bw_rounds) for s in shapes}
         total = {f"m{m}_ms": round(sum(per[s][f"m{m}_ms"] for s in shapes), 3) for m in ROWS}
-        report["candidates"][c] = {"format": fmt, "activation_codes": 2 if precise else 1, "shapes": per,
-                                   "sum_of_shapes": total}
+        report["candidates"][c] = {"format": fmt, "activation_codes": 2 if precise else 1,
+                                   "amx_tiles": "off" if amx == QM.AMX_NEVER else ("12 rows or more" if qm.amx else "none here"),
+                                   "shapes": per, "sum_of_shapes": total}
     _print_table(report["candidates"], shapes)
     return report

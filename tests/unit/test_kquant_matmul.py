@@ -233,6 +233,37 @@ def test_the_avx2_build_gives_the_same_bits(avx2_kernel, qtype):
         assert torch.equal(alone, want), precise
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=["Q4_K", "Q5_K", "Q6_K"])
+def test_amx_tiles_give_the_vnni_bits(tile_kernel, qtype):
+    """Calls of 12 rows or more take the AMX tiles where the OS grants them (on a CPU without them, the
+    same code over the software tile unit: conftest.tile_kernel). Exact integer sums, then
+    group_rows' float steps in its order: every row bitwise what the VNNI path gives, at every tile
+    height (a padding row included) and in a weight whose segments mix the three types."""
+    k = tile_kernel
+    single = random_blocks(qtype, 64, 2048, seed=20 + qtype)
+    mixed = [single, random_blocks(Q4K, 32, 2048, 21), random_blocks(Q6K, 16, 2048, 22),
+             random_blocks(Q5K, 16, 2048, 23)]
+    was = k.set_amx(QM.AMX_NEVER)
+    try:
+        for M in (1, 5, 12, 13, 16, 23, 40):  # tiles of heights 2, 6, 12, 14 (a padding row), 16, 12 x 2, 14 x 3
+            x = activations(M, 2048, seed=M)
+            for packed, n in ((pack_kquant([single]), 64), (pack_kquant(mixed), 128)):
+                for dtype in (torch.bfloat16, torch.float32):
+                    for precise in (True, False):
+                        k.set_amx(QM.AMX_NEVER)
+                        want = k(x.to(dtype), packed, KQUANT_BITS, n, precise)
+                        k.set_amx(QM.AMX_ALWAYS)
+                        got = k(x.to(dtype), packed, KQUANT_BITS, n, precise)
+                        assert torch.equal(got, want), (M, n, dtype, precise)
+        k.set_amx(QM.AMX_ALWAYS)  # no rows: no tile of height 0
+        assert run(k, single, torch.zeros(0, 2048)).shape == (0, 64)
+    finally:
+        k.set_amx(was)
+    # and the VNNI path of the tile build is the served kernel's
+    x = activations(13, 2048, seed=24).bfloat16()
+    assert torch.equal(run(k, single, x), run(QM.default_kernel(), single, x))
+
+
 def test_shapes_the_kernel_does_not_take_are_refused():
     b = random_blocks(Q4K, 32, 512, seed=16)
     k = QM.default_kernel()

@@ -40,7 +40,7 @@
 // float sums at [b M + r]; four chain starts at [(b M + r) 4]), so a row tile's codes are constant
 // offsets from one pointer.
 // Paths as quant_matmul.cpp's: AVX-512 VNNI (zmm, 12-row tiles), AVX-VNNI or AVX2 (two ymm halves a
-// group, 8-row tiles). No AMX path yet.
+// group, 8-row tiles), and AMX tiles for calls of 12 rows or more where the OS grants them (tile_group).
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -53,6 +53,8 @@
 // quant_matmul.cpp's activation rows, shared so that both kernels quantize a row alike
 void qmm_quantize_row(const void* x, int bf16, int64_t K, int8_t* xh, int8_t* xl, float* dx, float* sx, int32_t* sh,
                       int32_t* sl, int64_t cs, int64_t ss);
+// and its rule for which calls take the AMX tiles (one setting: lm_qmm_set_amx)
+bool qmm_takes_tiles(int64_t M);
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KQ_PATH 3
@@ -149,10 +151,10 @@ struct RowBuffers {  // one thread's buffers for a call's quantized rows, kept f
     std::vector<float> floats;
     std::vector<int32_t> ints;
     Acts acts(int64_t M, int64_t K, bool precise) {
-        const int64_t KB = K / QB;
-        codes.resize((size_t)(M * KB * 64));
-        floats.resize((size_t)(2 * M * KB));
-        ints.resize((size_t)(6 * M * KB));  // starts, then quantize_row's code sums (scratch)
+        const int64_t KB = K / QB, pad = 16;  // a tile's rows past the last block's last row (tile_group)
+        codes.resize((size_t)((M * KB + pad) * 64));
+        floats.resize((size_t)(2 * M * KB + pad));
+        ints.resize((size_t)(6 * M * KB + 4 * pad));  // starts, then quantize_row's code sums (scratch)
         return Acts{codes.data(), floats.data(), floats.data() + M * KB, ints.data(), M, KB, precise};
     }
     void quantize(const void* x, int bf16, int64_t K, int64_t M, int64_t r, bool precise) {
@@ -355,6 +357,166 @@ void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) 
 }
 #endif
 
+#if KQ_PATH == 3 && defined(LM_INT8_TILES)
+#define KQ_AMX 1
+// AMX tiles for calls of enough rows (qmm_takes_tiles: the rule and setting quant_matmul.cpp's tiles
+// follow), rows in tiles of one even height T <= 16 (amx_height). Per block of 32, the tile unit takes
+// the integer sums that group_rows' chains take (tdpbsud: the activation codes signed, the weight codes
+// unsigned as unpack() gives them), and the chain's start is added to the tile's sum afterwards: the
+// same integers. The float steps are group_rows', in its order, so a row's output is bitwise the VNNI
+// path's whichever path a call takes (batch invariance holds across the switch).
+// The unpacked chunks are the tile's rows as they stand: chunk j holds k = 4j + t of column c at byte
+// 4c + t, which is a B tile's row j (k / 4 = j). The activation codes are block-major (row r of block b
+// at (b M + r) 64 bytes: h, then l), so a block's A tile is T rows of 32 bytes at stride 64.
+// Tiles: 0 / 1 and 5 / 6 the sums of h / l codes (T rows x 16 int32); 2 / 3 the h / l codes (T x 32);
+// 4 and 7 the weight codes (8 rows x 64). Q4_K / Q5_K alternate sums 0 / 1 and 5 / 6 from block to block;
+// Q6_K's two halves of 16 (each with its own scale) take tile 4 with rows 4..7 zero and tile 7 with
+// rows 0..3 zero, their sums in 0 / 1 and 5 / 6.
+// Not measured on an AMX CPU yet (none has been at hand since this path was written): the row rule is
+// quant_matmul.cpp's, measured for its int4 and int8 tiles.
+const int TILE_SUMS[2][2] = {{0, 1}, {5, 6}};
+
+AmxTileConfig kq_tiles(int T) {
+    AmxTileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t : {0, 1, 5, 6}) {
+        c.rows[t] = (uint8_t)T;
+        c.colsb[t] = 64;
+    }
+    c.rows[2] = c.rows[3] = (uint8_t)T;
+    c.colsb[2] = c.colsb[3] = QB;
+    c.rows[4] = c.rows[7] = QB / 4;
+    c.colsb[4] = c.colsb[7] = 64;
+    return c;
+}
+
+// One block's weight codes for the tiles: rows 0..7 tile 4's, 8..15 tile 7's (Q6_K only).
+struct alignas(64) KqTileCodes {
+    uint8_t rows[2 * QB / 4][64];
+};
+
+// Block b (of 32, counted from the group's first) of a group: its bytes.
+template <int F>
+inline const uint8_t* block_at(const uint8_t* g, int64_t b) {
+    return g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]) + HEADER_BYTES[F] + (b % SUB) * BLOCK_BYTES[F];
+}
+
+template <int F>
+inline void tile_unpack(const uint8_t* g, int64_t b, KqTileCodes& out) {
+    const uint8_t* blk = block_at<F>(g, b);
+    if (b % SUB == 0) prefetch_ahead(blk - HEADER_BYTES[F], HEADER_BYTES[F]);
+    prefetch_ahead(blk, BLOCK_BYTES[F]);
+    V::I w[8];
+    unpack<F>(blk, 0, w);
+    for (int j = 0; j < 8; ++j) {  // Q6_K: the first half's chunks in tile 4 (rows 0..3), the second's in tile 7 (rows 4..7)
+        const int row = F == Q6K && j >= 4 ? 8 + j : j;
+        _mm512_store_si512(out.rows[row], w[j]);
+    }
+}
+
+// The tile sums of block b of rows r0 .. r0 + T - 1 into sums[half][code][row][column] (half: Q6_K's; code:
+// h, l), from its codes unpacked in `codes`.
+template <int F, bool PRECISE, int T>
+inline void tile_sums(const Acts& a, int64_t r0, int64_t b, const KqTileCodes& codes, int32_t (*sums)[2][T][COLS]) {
+    const int8_t* x = a.codes + (b * a.M + r0) * 64;
+    TILE_LOAD(2, x, 64);
+    if (PRECISE) TILE_LOAD(3, x + 32, 64);
+    TILE_LOAD(4, codes.rows[0], 64);
+#define KQ_SUMS(H, L, B, half)                  \
+    TILE_ZERO(H);                               \
+    TILE_DPBSUD(H, 2, B);                       \
+    TILE_STORE(H, sums[half][0], 64);           \
+    if (PRECISE) {                              \
+        TILE_ZERO(L);                           \
+        TILE_DPBSUD(L, 3, B);                   \
+        TILE_STORE(L, sums[half][1], 64);       \
+    }
+    if (F == Q6K) {
+        TILE_LOAD(7, codes.rows[8], 64);
+        KQ_SUMS(0, 1, 4, 0)
+        KQ_SUMS(5, 6, 7, 1)
+    } else if (b & 1) {
+        KQ_SUMS(5, 6, 4, 0)
+    } else {
+        KQ_SUMS(0, 1, 4, 0)
+    }
+#undef KQ_SUMS
+}
+
+// rows r0 .. r0 + R - 1 (R <= T; the activation buffers hold T rows past r0) of one column group over all
+// super-blocks, on tiles of height T; a padding row's outputs are thrown away.
+template <int F, bool PRECISE, int T>
+void tile_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][COLS]) {
+    alignas(64) int32_t sums[2][2][2][T][COLS];  // [block parity][half][code][row][column]
+    // codes unpacked two blocks ahead: a tile load of bytes that vector stores have just written waits
+    // for them to reach the cache (measured for quant_matmul.cpp's tiles), so the stores get a block's
+    // float steps to land
+    KqTileCodes ring[3];
+    if (F == Q6K) memset(ring, 0, sizeof ring);  // the halves' zero rows
+    V::F acc[T];
+#pragma GCC unroll 16
+    for (int r = 0; r < T; ++r) acc[r] = V::fzero();
+    const int64_t M = a.M, KB = a.KB;
+    tile_unpack<F>(g, 0, ring[0]);
+    if (KB > 1) tile_unpack<F>(g, 1, ring[1]);
+    tile_sums<F, PRECISE, T>(a, r0, 0, ring[0], sums[0]);
+    ScaleBytes sb;
+    const uint8_t* hdr = g;
+    for (int64_t b = 0; b < KB; ++b) {
+        const int p = (int)(b & 1), j = (int)(b % SUB);
+        if (b + 1 < KB) tile_sums<F, PRECISE, T>(a, r0, b + 1, ring[(b + 1) % 3], sums[1 - p]);
+        if (b + 2 < KB) tile_unpack<F>(g, b + 2, ring[(b + 2) % 3]);
+        if (j == 0) {
+            hdr = g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]);
+            if (F != Q6K) scale_bytes(hdr + 64, sb);
+        }
+        V::F s0, s1, mt;
+        block_steps<F, PRECISE>(hdr, sb, j, 0, s0, s1, mt);
+        const float* dx = a.dx + b * M + r0;
+        const float* sx = a.sx + b * M + r0;
+        const int32_t* st = a.starts + (b * M + r0) * 4;
+        // all T rows: a fixed count keeps acc[] in registers
+#pragma GCC unroll 16
+        for (int r = 0; r < T; ++r) {
+            const V::F u = V::set1(unit_of(PRECISE, dx[r]));
+            auto sum = [&](int half, int start) {  // group_rows' chain_sum: 256 h + (l + start), or h + start
+                const V::I h = _mm512_load_si512(sums[p][half][0][r]);
+                const V::I s = V::start(st + 4 * r + start);
+                return PRECISE ? V::join(h, _mm512_add_epi32(_mm512_load_si512(sums[p][half][1][r]), s))
+                               : _mm512_add_epi32(h, s);
+            };
+            if (F == Q6K) {
+                acc[r] = V::fmadd(V::floats(sum(0, 2)), V::mul(s0, u), acc[r]);
+                acc[r] = V::fmadd(V::floats(sum(1, 3)), V::mul(s1, u), acc[r]);
+            } else {
+                acc[r] = V::fmadd(V::floats(sum(0, F)), V::mul(s0, u), acc[r]);
+                acc[r] = V::fmadd(mt, V::set1(sx[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) V::store(out[r], acc[r]);
+}
+
+typedef void (*TileFn)(const uint8_t*, const Acts&, int64_t, int, float[][COLS]);
+
+template <int F, bool PRECISE>
+TileFn tile_height_fn(int T) {  // T even, 2..16
+    switch (T) {
+        case 2: return tile_group<F, PRECISE, 2>; case 4: return tile_group<F, PRECISE, 4>;
+        case 6: return tile_group<F, PRECISE, 6>; case 8: return tile_group<F, PRECISE, 8>;
+        case 10: return tile_group<F, PRECISE, 10>; case 12: return tile_group<F, PRECISE, 12>;
+        case 14: return tile_group<F, PRECISE, 14>; default: return tile_group<F, PRECISE, 16>;
+    }
+}
+
+TileFn tile_fn_of(int f, bool precise, int T) {
+    if (precise)
+        return f == Q4K ? tile_height_fn<Q4K, true>(T) : (f == Q5K ? tile_height_fn<Q5K, true>(T) : tile_height_fn<Q6K, true>(T));
+    return f == Q4K ? tile_height_fn<Q4K, false>(T) : (f == Q5K ? tile_height_fn<Q5K, false>(T) : tile_height_fn<Q6K, false>(T));
+}
+#endif
+
 #if KQ_PATH >= 1
 typedef void (*GroupFn)(const uint8_t*, const Acts&, int64_t, float[][COLS]);
 
@@ -402,6 +564,13 @@ int read_segments(const uint8_t* w, int64_t K, int64_t N, Segment* seg) {
     return cols == N ? (int)count : 0;
 }
 
+// The segment that holds column group gi.
+inline const Segment& segment_of(const Segment* seg, int64_t gi) {
+    int s = 0;
+    while (gi >= seg[s].first_group + seg[s].groups) ++s;
+    return seg[s];
+}
+
 int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
            int y_bf16, int threads) {
     Segment seg[MAX_SEGMENTS];
@@ -414,6 +583,17 @@ int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const u
     const size_t x_row = (size_t)K * (x_bf16 ? 2 : 4);
     const bool own_rows = M <= OWN_ROWS_MAX;
     const int64_t tiles = (M + ROW_TILE - 1) / ROW_TILE, groups = N / COLS;
+#ifdef KQ_AMX
+    const bool amx = qmm_takes_tiles(M);
+    const int T = amx ? amx_height(M) : 0;
+#endif
+    auto store = [&](int64_t r0, int R, int64_t gi, float out[][COLS]) {
+        for (int r = 0; r < R; ++r) {  // a group's 16 outputs of a row: bfloat16 (nearest even) or float32
+            const int64_t at = (r0 + r) * N + gi * COLS;
+            if (y_bf16) BF16::store((uint16_t*)y + at, F32::load(out[r]));
+            else memcpy((float*)y + at, out[r], sizeof out[r]);
+        }
+    };
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
         Acts rows_here = a;
@@ -425,20 +605,32 @@ int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const u
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; ++r) shared.quantize((const char*)x + r * x_row, x_bf16, K, M, r, pr);
         }
+#ifdef KQ_AMX
+        if (amx) {
+            AmxScope scope(kq_tiles(T));
+#pragma omp for schedule(static)
+            for (int64_t gi = 0; gi < groups; ++gi) {
+                const Segment& sg = segment_of(seg, gi);
+                const uint8_t* g = sg.data + (gi - sg.first_group) * group_bytes(sg.format, K);
+                const TileFn fn = tile_fn_of(sg.format, pr, T);
+                float out[AMX_ROWS][COLS];
+                for (int64_t r0 = 0; r0 < M; r0 += T) {
+                    const int R = (int)(M - r0 < T ? M - r0 : T);
+                    fn(g, rows_here, r0, R, out);
+                    store(r0, R, gi, out);
+                }
+            }
+        } else
+#endif
 #pragma omp for schedule(static)
         for (int64_t gi = 0; gi < groups; ++gi) {
-            int s = 0;
-            while (gi >= seg[s].first_group + seg[s].groups) ++s;
-            const uint8_t* g = seg[s].data + (gi - seg[s].first_group) * group_bytes(seg[s].format, K);
+            const Segment& sg = segment_of(seg, gi);
+            const uint8_t* g = sg.data + (gi - sg.first_group) * group_bytes(sg.format, K);
             float out[ROW_TILE][COLS];
             for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // rows in tiles of even sizes
                 const int R = (int)(M / tiles + (t < M % tiles));
-                (pr ? group_fn<true>(seg[s].format, R) : group_fn<false>(seg[s].format, R))(g, rows_here, r0, out);
-                for (int r = 0; r < R; ++r) {  // a group's 16 outputs of a row: bfloat16 (nearest even) or float32
-                    const int64_t at = (r0 + r) * N + gi * COLS;
-                    if (y_bf16) BF16::store((uint16_t*)y + at, F32::load(out[r]));
-                    else memcpy((float*)y + at, out[r], sizeof out[r]);
-                }
+                (pr ? group_fn<true>(sg.format, R) : group_fn<false>(sg.format, R))(g, rows_here, r0, out);
+                store(r0, R, gi, out);
                 r0 += R;
             }
         }

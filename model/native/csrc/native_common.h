@@ -10,23 +10,25 @@
 
 #include <immintrin.h>
 
+#if defined(__AMX_TILE__) || defined(LM_SOFT_TILES)
+struct AmxTileConfig {  // the LDTILECFG layout, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+#endif
+
 #if defined(__AMX_TILE__)
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-struct AmxTileConfig {  // the LDTILECFG layout, palette 1
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 // Whether AMX tiles work in this process: the OS must grant the tile state (Linux >= 5.16,
 // arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), and a tile instruction must then run. A VM may list
 // amx_* in cpuinfo and refuse the state, so the first tile instructions run in a forked child (no
 // core dump) and a child killed by them means no. Asked once per process (one fork); otherwise the
-// kernels (quant_matmul.cpp, prompt_attention.cpp) keep their AVX-512 paths.
+// kernels (quant_matmul.cpp, kquant_matmul.cpp, prompt_attention.cpp) keep their AVX-512 paths.
 static inline bool amx_probe() {
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
     const pid_t pid = fork();
@@ -66,18 +68,81 @@ inline bool amx_granted() {  // one answer (one probe) per process, whichever ke
 #define TILE_STORE(t, base, stride)                                                                  \
     __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(char(*)[])(base)) : "r"((void*)(base)), \
                      "r"((long)(stride)))
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_CONFIG_LOAD(c) _tile_loadconfig(c)
+#define TILE_CONFIG_STORE(c) _tile_storeconfig(c)
+#define TILE_RELEASE() _tile_release()
+#if defined(__AMX_INT8__)
+#define LM_INT8_TILES 1  // the CPU's tiles (where the OS grants them: amx_granted)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#endif
 
+#elif defined(LM_SOFT_TILES)
+// A software tile unit, for tests on CPUs without AMX (a build with -DLM_SOFT_TILES; never the served
+// one): the int8 kernels' tile code runs over these plain loops, so that its layouts, row padding and
+// float steps are checked against the VNNI path's bits on every machine. What it cannot check is the
+// CPU's own instructions, which the same tests check where the OS grants tiles. Semantics as the
+// instruction set reference gives them: a load fills rows x colsb bytes and zeroes the rest of the
+// tile; TDPBSUD/TDPBSSD add, per row m of the result and dword n of it, the products of A's row m
+// (signed bytes) with B's column n (4 bytes a row of B: unsigned for BSUD, signed for BSSD) over
+// A's colsb / 4 rows of B.
+#define LM_INT8_TILES 2
+struct SoftTiles {
+    AmxTileConfig config;  // palette 0: released
+    alignas(64) uint8_t data[8][16][64];
+};
+inline SoftTiles& soft_tiles() {
+    static thread_local SoftTiles t;
+    return t;
+}
+inline bool amx_granted() { return true; }
+inline void soft_tile_load(int t, const void* base, long stride) {
+    SoftTiles& s = soft_tiles();
+    memset(s.data[t], 0, sizeof s.data[t]);
+    for (int r = 0; r < s.config.rows[t]; ++r) memcpy(s.data[t][r], (const char*)base + r * stride, s.config.colsb[t]);
+}
+inline void soft_tile_store(int t, void* base, long stride) {
+    SoftTiles& s = soft_tiles();
+    for (int r = 0; r < s.config.rows[t]; ++r) memcpy((char*)base + r * stride, s.data[t][r], s.config.colsb[t]);
+}
+template <bool B_SIGNED>
+inline void soft_tile_dp(int c, int a, int b) {
+    SoftTiles& s = soft_tiles();
+    for (int m = 0; m < s.config.rows[c]; ++m)
+        for (int n = 0; n < s.config.colsb[c] / 4; ++n) {
+            int32_t sum;
+            memcpy(&sum, s.data[c][m] + 4 * n, 4);
+            for (int k = 0; k < s.config.colsb[a] / 4; ++k)
+                for (int t = 0; t < 4; ++t) {
+                    const int wb = B_SIGNED ? (int)(int8_t)s.data[b][k][4 * n + t] : (int)s.data[b][k][4 * n + t];
+                    sum += (int)(int8_t)s.data[a][m][4 * k + t] * wb;
+                }
+            memcpy(s.data[c][m] + 4 * n, &sum, 4);
+        }
+}
+#define TILE_LOAD(t, base, stride) soft_tile_load(t, base, stride)
+#define TILE_STORE(t, base, stride) soft_tile_store(t, base, stride)
+#define TILE_ZERO(t) memset(soft_tiles().data[t], 0, sizeof soft_tiles().data[t])
+#define TILE_DPBSSD(c, a, b) soft_tile_dp<true>(c, a, b)
+#define TILE_DPBSUD(c, a, b) soft_tile_dp<false>(c, a, b)
+#define TILE_CONFIG_LOAD(c) (soft_tiles().config = *(c))
+#define TILE_CONFIG_STORE(c) (*(c) = soft_tiles().config)
+#define TILE_RELEASE() memset(&soft_tiles().config, 0, sizeof(AmxTileConfig))
+#endif
+
+#if defined(__AMX_TILE__) || defined(LM_SOFT_TILES)
 // A kernel's tile shapes for the scope of one call on one thread; whatever tile setup the thread
 // held before (another library's) is put back afterwards.
 class AmxScope {
   public:
     explicit AmxScope(const AmxTileConfig& c) {
-        _tile_storeconfig(&saved_);
-        _tile_loadconfig(&c);
+        TILE_CONFIG_STORE(&saved_);
+        TILE_CONFIG_LOAD(&c);
     }
     ~AmxScope() {
-        if (saved_.palette) _tile_loadconfig(&saved_);
-        else _tile_release();
+        if (saved_.palette) TILE_CONFIG_LOAD(&saved_);
+        else TILE_RELEASE();
     }
     AmxScope(const AmxScope&) = delete;
     AmxScope& operator=(const AmxScope&) = delete;
@@ -85,6 +150,15 @@ class AmxScope {
   private:
     AmxTileConfig saved_;
 };
+
+// The tile height for a call of M rows (int8 tiles: quant_matmul.cpp, kquant_matmul.cpp): its rows over
+// as few tiles of <= 16 as hold them, rounded up to even (24 rows: 12 + 12; 8 rows: one tile of 8), so
+// that no call pays the float steps of more padding rows than one.
+const int AMX_ROWS = 16;
+inline int amx_height(int64_t M) {
+    const int64_t tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
+    return (int)(((M + tiles - 1) / tiles + 1) & ~1);
+}
 #endif
 
 typedef float v16f __attribute__((vector_size(64)));

@@ -379,24 +379,18 @@ static void q8_group(const uint8_t* g, const Acts& a, int64_t r0, float out[][GR
     if (a.precise) vnni_group<R, 8, true>(g, a, r0, out); else vnni_group<R, 8, false>(g, a, r0, out);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(LM_INT8_TILES)
 #define QMM_AMX 1
 // AMX tiles (Sapphire Rapids and later) for row tiles of up to 16: the same exact integer sums, taken
 // by tile dot products (T rows x 16 columns x 32 k in one instruction), then the same float steps as
 // vnni_group, element by element in block order. The weight codes enter the tile signed where the
 // VNNI path corrects for unsigned ones (int8's codes - 128, centred int4's q - 8: tdpbssd), so the
-// tile's sum is already the corrected integer and the float steps subtract no offset. So a row's output is bitwise what the VNNI path gives: which path runs
-// for a call (by its row count) cannot change a row, and batch invariance holds across the switch.
-// A call's rows are split into tiles of one even height of at most 16 (24 rows: 12 + 12; 8 rows: one
-// tile of 8), so that no call pays the float steps of more padding rows than one.
+// tile's sum is already the corrected integer and the float steps subtract no offset. So a row's
+// output is bitwise what the VNNI path gives: which path runs for a call (by its row count) cannot
+// change a row, and batch invariance holds across the switch. A call's rows are split into tiles of
+// one even height of at most 16 (amx_height, native_common.h).
 // Where the OS refuses the tile state (amx_granted, native_common.h) the VNNI path serves every call.
-static const int AMX_ROWS = 16;
-
-// The tile height for a call of M rows: its rows over as few tiles of <= 16 as hold them, rounded up to even.
-static inline int amx_height(int64_t M) {
-    const int64_t tiles = (M + AMX_ROWS - 1) / AMX_ROWS;
-    return (int)(((M + tiles - 1) / tiles + 1) & ~1);
-}
+// A build with -DLM_SOFT_TILES runs this code over native_common.h's software tile unit (tests).
 
 // Tiles of height T: 0 / 1 (and 5 / 6) the int32 sums of h / l codes, 2 / 3 the h / l codes (T rows x 32),
 // 4 the block's weight codes (8 rows of k/4 x 16 columns x 4).
@@ -449,19 +443,19 @@ static inline void amx_block_sums(const Acts& a, int64_t r0, int64_t b, const ui
     if (a.precise) TILE_LOAD(3, a.xl + off, a.K);
     // sums of the h codes (tile 2) into tile H, of the l codes (tile 3) into tile L; tile numbers are immediates
 #define SUMS(H, L, DP)             \
-    _tile_zero(H);                 \
+    TILE_ZERO(H);                  \
     DP(H, 2, 4);                   \
     TILE_STORE(H, ch, 64);         \
     if (a.precise) {               \
-        _tile_zero(L);             \
+        TILE_ZERO(L);              \
         DP(L, 3, 4);               \
         TILE_STORE(L, cl, 64);     \
     }
     const bool sgn = amx_signed<BITS>(a);
     if (b & 1) {
-        if (sgn) { SUMS(5, 6, _tile_dpbssd) } else { SUMS(5, 6, _tile_dpbsud) }
+        if (sgn) { SUMS(5, 6, TILE_DPBSSD) } else { SUMS(5, 6, TILE_DPBSUD) }
     } else {
-        if (sgn) { SUMS(0, 1, _tile_dpbssd) } else { SUMS(0, 1, _tile_dpbsud) }
+        if (sgn) { SUMS(0, 1, TILE_DPBSSD) } else { SUMS(0, 1, TILE_DPBSUD) }
     }
 #undef SUMS
 }
@@ -659,6 +653,7 @@ template <int R> struct Q8 { static void fn(const uint8_t* g, const Acts& a, int
 static int amx_mode = 1;
 static const int AMX_MIN_ROWS = 12;
 #endif
+bool qmm_takes_tiles(int64_t M);  // the rule (below, shared with kquant_matmul.cpp)
 static const int OWN_ROWS_MAX = 8;  // calls of up to this many rows: every thread quantizes them all (matmul)
 
 static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
@@ -673,8 +668,7 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
     // 10 rows 5.12 / 5.20, 12 rows 6.19 / 5.61, 20 rows 10.40 / 8.85, 24 rows 10.27 / 9.90, 32 rows
     // 13.02 / 11.85. (Before that, one-code int4 took the tiles only where they made fewer passes than
     // the VNNI row tiles; int8 and two codes gained from 12 rows on.)
-    const bool by_rule = M >= AMX_MIN_ROWS;
-    const bool amx = M > 0 && (amx_mode == 2 || (amx_mode == 1 && by_rule)) && amx_granted();
+    const bool amx = qmm_takes_tiles(M);
     const int T = amx ? amx_height(M) : 0;
     const int64_t rows = amx ? (M + T - 1) / T * T : M;  // a tile reads T rows of codes
 #else
@@ -777,15 +771,27 @@ static int matmul(int bits, int precise, const void* x, int x_bf16, int64_t M, i
 }
 #endif
 
+// Whether a call of M rows takes the AMX tiles, by the setting (lm_qmm_set_amx) and the rule above.
+// kquant_matmul.cpp asks too: one rule and one setting for both kernels.
+bool qmm_takes_tiles(int64_t M) {
+#ifdef QMM_AMX
+    return M > 0 && (amx_mode == 2 || (amx_mode == 1 && M >= AMX_MIN_ROWS)) && amx_granted();
+#else
+    (void)M;
+    return false;
+#endif
+}
+
 extern "C" {
 
 // 3: AVX-512 VNNI, 2: AVX-VNNI (ymm), 1: AVX2, 0: not built (the callers keep torch's kernels).
 int lm_qmm_path() { return QMM_PATH; }
 
-// 1 when calls of enough rows take AMX tiles (built with them and granted by the OS), else 0.
+// 1 when calls of enough rows take AMX tiles (built with them and granted by the OS), 2 when they take
+// the software tile unit (a test build: native_common.h), else 0.
 int lm_qmm_amx() {
 #ifdef QMM_AMX
-    return amx_granted() ? 1 : 0;
+    return amx_granted() ? LM_INT8_TILES : 0;
 #else
     return 0;
 #endif
