@@ -374,8 +374,6 @@ void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) 
 // rows 0..3 zero, their sums in 0 / 1 and 5 / 6.
 // Not measured on an AMX CPU yet (none has been at hand since this path was written): the row rule is
 // quant_matmul.cpp's, measured for its int4 and int8 tiles.
-const int TILE_SUMS[2][2] = {{0, 1}, {5, 6}};
-
 AmxTileConfig kq_tiles(int T) {
     AmxTileConfig c;
     memset(&c, 0, sizeof c);
