@@ -400,17 +400,18 @@ inline const uint8_t* block_at(const uint8_t* g, int64_t b) {
     return g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]) + HEADER_BYTES[F] + (b % SUB) * BLOCK_BYTES[F];
 }
 
+// Block b's codes into `out`. Q6_K: the first half's chunks in tile 4 (rows 0..3), the second's in tile 7
+// (its rows 4..7), and with zero_halves the other rows zeroed (a buffer another format may have written).
 template <int F>
-inline void tile_unpack(const uint8_t* g, int64_t b, KqTileCodes& out) {
+inline void tile_unpack(const uint8_t* g, int64_t b, KqTileCodes& out, bool zero_halves) {
     const uint8_t* blk = block_at<F>(g, b);
     if (b % SUB == 0) prefetch_ahead(blk - HEADER_BYTES[F], HEADER_BYTES[F]);
     prefetch_ahead(blk, BLOCK_BYTES[F]);
     V::I w[8];
     unpack<F>(blk, 0, w);
-    for (int j = 0; j < 8; ++j) {  // Q6_K: the first half's chunks in tile 4 (rows 0..3), the second's in tile 7 (rows 4..7)
-        const int row = F == Q6K && j >= 4 ? 8 + j : j;
-        _mm512_store_si512(out.rows[row], w[j]);
-    }
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(out.rows[F == Q6K && j >= 4 ? 8 + j : j], w[j]);
+    if (F == Q6K && zero_halves)
+        for (int row = 4; row < 12; ++row) _mm512_store_si512(out.rows[row], V::zero());
 }
 
 // The tile sums of block b of rows r0 .. r0 + T - 1 into sums[half][code][row][column] (half: Q6_K's; code:
@@ -443,28 +444,35 @@ inline void tile_sums(const Acts& a, int64_t r0, int64_t b, const KqTileCodes& c
 }
 
 // rows r0 .. r0 + R - 1 (R <= T; the activation buffers hold T rows past r0) of one column group over all
-// super-blocks, on tiles of height T; a padding row's outputs are thrown away.
+// super-blocks, on tiles of height T; a padding row's outputs are thrown away. `codes`: room for the
+// group's blocks unpacked, shared by the call's row tiles over this group (null: a ring of three here);
+// `fill`: this tile unpacks them (the group's first), else they are there already (quant_matmul.cpp's
+// int4 tiles took 32 rows 12.1 -> 11.3 ms that way).
 template <int F, bool PRECISE, int T>
-void tile_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][COLS]) {
+void tile_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][COLS], KqTileCodes* codes, bool fill) {
     alignas(64) int32_t sums[2][2][2][T][COLS];  // [block parity][half][code][row][column]
     // codes unpacked two blocks ahead: a tile load of bytes that vector stores have just written waits
     // for them to reach the cache (measured for quant_matmul.cpp's tiles), so the stores get a block's
     // float steps to land
     KqTileCodes ring[3];
-    if (F == Q6K) memset(ring, 0, sizeof ring);  // the halves' zero rows
+    if (F == Q6K && !codes) memset(ring, 0, sizeof ring);  // the halves' zero rows
+    const bool unpack = fill || !codes;
+    auto block_codes = [&](int64_t b) -> KqTileCodes& { return codes ? codes[b] : ring[b % 3]; };
     V::F acc[T];
 #pragma GCC unroll 16
     for (int r = 0; r < T; ++r) acc[r] = V::fzero();
     const int64_t M = a.M, KB = a.KB;
-    tile_unpack<F>(g, 0, ring[0]);
-    if (KB > 1) tile_unpack<F>(g, 1, ring[1]);
-    tile_sums<F, PRECISE, T>(a, r0, 0, ring[0], sums[0]);
+    if (unpack) {
+        tile_unpack<F>(g, 0, block_codes(0), codes);
+        if (KB > 1) tile_unpack<F>(g, 1, block_codes(1), codes);
+    }
+    tile_sums<F, PRECISE, T>(a, r0, 0, block_codes(0), sums[0]);
     ScaleBytes sb;
     const uint8_t* hdr = g;
     for (int64_t b = 0; b < KB; ++b) {
         const int p = (int)(b & 1), j = (int)(b % SUB);
-        if (b + 1 < KB) tile_sums<F, PRECISE, T>(a, r0, b + 1, ring[(b + 1) % 3], sums[1 - p]);
-        if (b + 2 < KB) tile_unpack<F>(g, b + 2, ring[(b + 2) % 3]);
+        if (b + 1 < KB) tile_sums<F, PRECISE, T>(a, r0, b + 1, block_codes(b + 1), sums[1 - p]);
+        if (unpack && b + 2 < KB) tile_unpack<F>(g, b + 2, block_codes(b + 2), codes);
         if (j == 0) {
             hdr = g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]);
             if (F != Q6K) scale_bytes(hdr + 64, sb);
@@ -496,7 +504,7 @@ void tile_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][
     for (int r = 0; r < R; ++r) V::store(out[r], acc[r]);
 }
 
-typedef void (*TileFn)(const uint8_t*, const Acts&, int64_t, int, float[][COLS]);
+typedef void (*TileFn)(const uint8_t*, const Acts&, int64_t, int, float[][COLS], KqTileCodes*, bool);
 
 template <int F, bool PRECISE>
 TileFn tile_height_fn(int T) {  // T even, 2..16
@@ -606,6 +614,8 @@ int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const u
 #ifdef KQ_AMX
         if (amx) {
             AmxScope scope(kq_tiles(T));
+            // several row tiles: a group's first unpacks its codes for all of them
+            std::vector<KqTileCodes> codes(M > T ? (size_t)a.KB : 0);
 #pragma omp for schedule(static)
             for (int64_t gi = 0; gi < groups; ++gi) {
                 const Segment& sg = segment_of(seg, gi);
@@ -614,7 +624,7 @@ int matmul(int precise, const void* x, int x_bf16, int64_t M, int64_t K, const u
                 float out[AMX_ROWS][COLS];
                 for (int64_t r0 = 0; r0 < M; r0 += T) {
                     const int R = (int)(M - r0 < T ? M - r0 : T);
-                    fn(g, rows_here, r0, R, out);
+                    fn(g, rows_here, r0, R, out, codes.empty() ? nullptr : codes.data(), r0 == 0);
                     store(r0, R, gi, out);
                 }
             }
