@@ -526,17 +526,20 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
     """Time every mode, then walk them fastest first and keep the first whose kernels are batch-invariant
     (where required: checked when the mode comes first, the mode's times taken again from the kernels
     that pass and the modes ranked again when one fails), that is batch-invariant end to end, and that
-    is within the quality bounds. A mode ranked behind the one served is never checked (its unchecked
-    kernels say batch_invariant None in the report)."""
+    is within the quality bounds. A mode that quantizes the file's blocks again and comes first ahead of
+    the mode serving them is timed again beside it (side_by_side) before its quality is checked. A
+    mode ranked behind the one served is never checked (its unchecked kernels say batch_invariant
+    None in the report)."""
     t0 = time.perf_counter()
     timed = builder.timing_sources(TIMED_BYTES)
     measured, roles, partial = _measure_all(builder, modes, batch_invariant, device, timed)
     if not measured:
         raise _no_invariant_kernel()
-    exact = file_exact_modes(timed[0], measured)
+    exact = file_exact_modes(timed[0], [*measured, *partial])
     report = {"modes": {}}
     probe = _Probe(builder, tokenizer, batch_invariant)
     skipped: dict[str, str] = {}
+    confirmed: set[Mode] = set()  # modes whose lead over the file's own blocks was timed side by side
     chosen = None
     while chosen is None:
         ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
@@ -569,6 +572,25 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
                 if entry["kernels"] is not None:
                     measured[p] = entry
             continue
+        own = own_blocks_rival(md, [*ranked, *partial], exact, skipped) if md not in confirmed else None
+        if own is not None:  # md's lead over the file's own blocks, confirmed side by side before its quality check
+            confirmed.add(md)
+            if own in partial:  # timed in part: the rest of its roles first
+                entry, roles[own] = time_mode(builder.config, own, batch_invariant, device, timed, verify=False,
+                                              roles=roles[own])
+                del partial[own]
+                if entry["kernels"] is None:
+                    continue
+                measured[own] = entry
+            if batch_invariant and own in roles:
+                settled = settle_mode(own, roles.pop(own), timed)
+                if settled["kernels"] is None:
+                    del measured[own]
+                    continue
+                measured[own] = settled
+            for m, ms in side_by_side([md, own], measured, timed).items():
+                measured[m] = {**measured[m], "step_ms": ms, "step_ms_timed_alone": measured[m]["step_ms"]}
+            continue
         if _acceptable(md, [*ranked, *partial], measured, report, probe, skipped, builder, device, timed):
             chosen = md
     if chosen is None:
@@ -583,8 +605,38 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
     if "quality" in report["modes"][chosen.name]:
         q = report["modes"][chosen.name]["quality"]
         reason += f"; {chosen.name} within the quality bounds (mean KL {q['mean_kl']:.4f}, perplexity x{q['ppl_ratio']:.3f})"
+    again = [md.name for md in ranked if "step_ms_timed_alone" in measured[md]]
+    if again:
+        reason += f"; {' and '.join(again)} timed again side by side"
     report["reason"] = reason
     return Plan(chosen, measured[chosen]["kernels"], f"measured in {dt:.1f}s", report, reason, probe.reference())
+
+
+def own_blocks_rival(md: Mode, behind: list[Mode], exact: frozenset, skipped: dict) -> Mode | None:
+    """The mode serving the file's own blocks among the modes `behind` md (ranked, or timed in part),
+    when md quantizes them again (int4 or int8 over a K-quant file, int8 over a Q4_1 one): the modes
+    were timed one after the other, so on a shared machine a neighbour busy during one of them can
+    put md ahead, and md's quality check is what the walk would pay for it (~30 s on a 3B K-quant
+    file, where int4 then failed)."""
+    if md in exact or md.quantization == "none":
+        return None
+    return next((m for m in behind if m in exact and m.name not in skipped and m.dtype == md.dtype), None)
+
+
+def side_by_side(modes: list[Mode], measured: dict, timed: tuple[dict, dict]) -> dict[Mode, dict[int, float]]:
+    """The step ms per bucket of `modes` (one dtype) on their measured kernels, timed again role by role
+    with the modes' linears taking turns in every repeat (kernels.time_candidates), so that both meet
+    the same neighbours; each role's linears are dropped before the next role's are built."""
+    sources, scale = timed
+    step = {m: dict.fromkeys(K.DECODE_BUCKETS, 0.0) for m in modes}
+    for role in K.ROLES:
+        sets = {m.name: [K.build(measured[m]["kernels"][role], s, m.dtype) for s in sources[role]] for m in modes}
+        times = K.time_candidates(sets, K.DECODE_BUCKETS, modes[0].dtype)
+        del sets
+        for m in modes:
+            for b in K.DECODE_BUCKETS:
+                step[m][b] += times[m.name][b] * scale[role]
+    return {m: {b: round(t * 1e3, 3) for b, t in step[m].items()} for m in modes}
 
 
 def _acceptable(md: Mode, ranked: list[Mode], measured: dict, report: dict, probe: _Probe, skipped: dict,

@@ -155,6 +155,44 @@ def test_a_near_tie_goes_to_the_quantized_mode_serving_the_files_own_blocks(gguf
     assert P.file_exact_modes(timed, measured) == {int4}
 
 
+def test_a_lead_over_the_files_own_blocks_is_timed_again_side_by_side(gguf, kernel_cache, monkeypatch):
+    """The modes are timed one after the other: a neighbour busy while int4 (the Q4_1 file's own blocks)
+    was timed puts int8 (its blocks quantized again) ahead, and the walk would check int8's quality and
+    serve it. Before that, both are timed again with their linears taking turns: the noise is gone from
+    int4's times, the choice follows the side-by-side times, and the report keeps the first ones."""
+    from lmserve.model.assembly import CheckpointModes
+    from lmserve.model.linear import quant_matmul as QM
+    from lmserve.model.text.tokenizer import Tokenizer
+
+    QM.use_cache_dir(kernel_cache)
+    if QM.default_kernel() is None:
+        pytest.skip("no native quantized kernel here (no compiler or no AVX2)")
+    cpu, int8, int4 = torch.device("cpu"), P.Mode(torch.bfloat16, "int8"), P.Mode(torch.bfloat16, "int4")
+    only_int4 = {k for r in K.ROLES for k in K.candidates("int4", torch.bfloat16, r, cpu)} - {
+        k for r in K.ROLES for k in K.candidates("int8", torch.bfloat16, r, cpu)}
+    real = K.time_candidates
+
+    def busy_neighbour(sets, buckets, dtype, repeats=5):  # int4's own timing (its layer roles) 3x slower
+        times = real(sets, buckets, dtype, repeats)
+        if only_int4 & set(sets):
+            return {k: {b: 3 * t for b, t in v.items()} for k, v in times.items()}
+        return times
+    monkeypatch.setattr(K, "time_candidates", busy_neighbour)
+    plan = P.choose(CheckpointModes(gguf.config, gguf.tensors, gguf.q41, gguf.q80), Tokenizer.from_gguf_fields(gguf.metadata),
+                    [int8, int4], True, cpu)
+    modes = plan.measurements["modes"]
+    alone = {md: modes[md.name]["step_ms_timed_alone"] for md in (int8, int4)}
+    again = {md: modes[md.name]["step_ms"] for md in (int8, int4)}
+    assert P.rank_modes(alone, exact=frozenset({int4}))[0] == int8  # the noise put int8 first
+    assert all(again[int4][b] < alone[int4][b] / 2 for b in K.DECODE_BUCKETS)  # and is gone side by side
+    want = P.rank_modes(again, exact=frozenset({int4}))[0]
+    assert "timed again side by side" in plan.reason
+    if want == int4:  # int4 within the tie or ahead: served, and int8's quality never measured
+        assert plan.mode == int4 and "quality" not in modes[int8.name]
+    else:  # int8 clearly faster side by side: its quality decides
+        assert "quality" in modes[int8.name]
+
+
 # ---- modes: refused early, with the reason ---------------------------------------------------------
 @pytest.mark.parametrize("device,dtype,quant,words", [
     ("cpu", "float32", "int4", "bfloat16"), ("cpu", "float16", "int8", "bfloat16"),
