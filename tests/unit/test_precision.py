@@ -158,8 +158,9 @@ def test_a_near_tie_goes_to_the_quantized_mode_serving_the_files_own_blocks(gguf
 def test_a_lead_over_the_files_own_blocks_is_timed_again_side_by_side(gguf, kernel_cache, monkeypatch):
     """The modes are timed one after the other: a neighbour busy while int4 (the Q4_1 file's own blocks)
     was timed puts int8 (its blocks quantized again) ahead, and the walk would check int8's quality and
-    serve it. Before that, both are timed again with their linears taking turns: the noise is gone from
-    int4's times, the choice follows the side-by-side times, and the report keeps the first ones."""
+    serve it. Before that, both are timed again with their linears taking turns: the choice follows the
+    side-by-side times, and the report keeps the first ones. Nothing is asserted of how the two timings
+    compare (the machine's noise): the walk's decisions follow from the recorded times alone."""
     from lmserve.model.assembly import CheckpointModes
     from lmserve.model.linear import quant_matmul as QM
     from lmserve.model.text.tokenizer import Tokenizer
@@ -172,10 +173,10 @@ def test_a_lead_over_the_files_own_blocks_is_timed_again_side_by_side(gguf, kern
         k for r in K.ROLES for k in K.candidates("int8", torch.bfloat16, r, cpu)}
     real = K.time_candidates
 
-    def busy_neighbour(sets, buckets, dtype, repeats=5):  # int4's own timing (its layer roles) 3x slower
+    def busy_neighbour(sets, buckets, dtype, repeats=5):  # int4's own timing (its layer roles) 10x slower
         times = real(sets, buckets, dtype, repeats)
         if only_int4 & set(sets):
-            return {k: {b: 3 * t for b, t in v.items()} for k, v in times.items()}
+            return {k: {b: 10 * t for b, t in v.items()} for k, v in times.items()}
         return times
     monkeypatch.setattr(K, "time_candidates", busy_neighbour)
     plan = P.choose(CheckpointModes(gguf.config, gguf.tensors, gguf.q41, gguf.q80), Tokenizer.from_gguf_fields(gguf.metadata),
@@ -183,8 +184,8 @@ def test_a_lead_over_the_files_own_blocks_is_timed_again_side_by_side(gguf, kern
     modes = plan.measurements["modes"]
     alone = {md: modes[md.name]["step_ms_timed_alone"] for md in (int8, int4)}
     again = {md: modes[md.name]["step_ms"] for md in (int8, int4)}
-    assert P.rank_modes(alone, exact=frozenset({int4}))[0] == int8  # the noise put int8 first
-    assert all(again[int4][b] < alone[int4][b] / 2 for b in K.DECODE_BUCKETS)  # and is gone side by side
+    assert P.rank_modes(alone, exact=frozenset({int4}))[0] == int8  # the neighbour put int8 first
+    assert alone[int4] != again[int4]  # int4 timed again, without the neighbour
     want = P.rank_modes(again, exact=frozenset({int4}))[0]
     assert "timed again side by side" in plan.reason
     if want == int4:  # int4 within the tie or ahead: served, and int8's quality never measured

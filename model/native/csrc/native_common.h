@@ -99,6 +99,7 @@ inline SoftTiles& soft_tiles() {
 inline bool amx_granted() { return true; }
 inline void soft_tile_load(int t, const void* base, long stride) {
     SoftTiles& s = soft_tiles();
+    if (s.config.palette != 1) __builtin_trap();  // no tile config loaded: #UD on the CPU
     memset(s.data[t], 0, sizeof s.data[t]);
     for (int r = 0; r < s.config.rows[t]; ++r) memcpy(s.data[t][r], (const char*)base + r * stride, s.config.colsb[t]);
 }
@@ -106,9 +107,15 @@ inline void soft_tile_store(int t, void* base, long stride) {
     SoftTiles& s = soft_tiles();
     for (int r = 0; r < s.config.rows[t]; ++r) memcpy((char*)base + r * stride, s.data[t][r], s.config.colsb[t]);
 }
+// The shapes the CPU requires of a tile product (it raises #UD otherwise: SIGILL): a tile config
+// loaded, C rows = A rows, C colsb = B colsb, A colsb = 4 x B rows. A mismatch traps here as well.
 template <bool B_SIGNED>
 inline void soft_tile_dp(int c, int a, int b) {
     SoftTiles& s = soft_tiles();
+    const AmxTileConfig& k = s.config;
+    if (k.palette != 1 || k.rows[c] != k.rows[a] || k.colsb[c] != k.colsb[b] || k.colsb[a] != 4 * k.rows[b] ||
+        k.rows[c] == 0)
+        __builtin_trap();
     for (int m = 0; m < s.config.rows[c]; ++m)
         for (int n = 0; n < s.config.colsb[c] / 4; ++n) {
             int32_t sum;
