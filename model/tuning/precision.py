@@ -540,6 +540,24 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
     probe = _Probe(builder, tokenizer, batch_invariant)
     skipped: dict[str, str] = {}
     confirmed: set[Mode] = set()  # modes whose lead over the file's own blocks was timed side by side
+
+    def time_whole(p: Mode) -> bool:
+        """A mode timed in part, timed whole: whether it has kernels (it is then in `measured`)."""
+        entry, roles[p] = time_mode(builder.config, p, batch_invariant, device, timed, verify=False, roles=roles[p])
+        del partial[p]
+        if entry["kernels"] is not None:
+            measured[p] = entry
+        return entry["kernels"] is not None
+
+    def settle(m: Mode) -> dict | None:
+        """m's kernels checked for batch invariance (settle_mode): its final entry, or None when some role
+        has no batch-invariant kernel (m is then out)."""
+        settled = settle_mode(m, roles.pop(m), timed)
+        if settled["kernels"] is None:
+            del measured[m]
+            return None
+        return settled
+
     chosen = None
     while chosen is None:
         ranked = rank_modes({md: m["step_ms"] for md, m in measured.items()}, exact=exact)
@@ -551,41 +569,29 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
             break
         else:
             rivals = []
-        if batch_invariant and md in roles:
-            settled = settle_mode(md, roles[md], timed)
-            if settled["kernels"] is None:  # some role has no batch-invariant kernel: the mode is out
-                del measured[md], roles[md]
+        if batch_invariant and md in roles:  # checked once: its kernels and times are then final
+            settled = settle(md)
+            if settled is None:
                 if not measured:
                     raise _no_invariant_kernel()
                 continue
             changed = settled["kernels"] != measured[md]["kernels"]
             measured[md] = report["modes"][md.name] = settled
-            del roles[md]  # checked: its kernels and times are final
             if changed:  # slower now: rank again
                 continue
         rivals = rivals or [p for p, e in partial.items() if not clearly_behind(e["at_least_ms"], measured[md]["step_ms"])]
         if rivals:  # modes timed in part that could rank with md: timed whole, then ranked again
             for p in rivals:
-                entry, roles[p] = time_mode(builder.config, p, batch_invariant, device, timed, verify=False,
-                                            roles=roles[p])
-                del partial[p]
-                if entry["kernels"] is not None:
-                    measured[p] = entry
+                time_whole(p)
             continue
         own = own_blocks_rival(md, [*ranked, *partial], exact, skipped) if md not in confirmed else None
         if own is not None:  # md's lead over the file's own blocks, confirmed side by side before its quality check
             confirmed.add(md)
-            if own in partial:  # timed in part: the rest of its roles first
-                entry, roles[own] = time_mode(builder.config, own, batch_invariant, device, timed, verify=False,
-                                              roles=roles[own])
-                del partial[own]
-                if entry["kernels"] is None:
-                    continue
-                measured[own] = entry
+            if own in partial and not time_whole(own):  # timed in part: the rest of its roles first
+                continue
             if batch_invariant and own in roles:
-                settled = settle_mode(own, roles.pop(own), timed)
-                if settled["kernels"] is None:
-                    del measured[own]
+                settled = settle(own)
+                if settled is None:
                     continue
                 measured[own] = settled
             for m, ms in side_by_side([md, own], measured, timed).items():
