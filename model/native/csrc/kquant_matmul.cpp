@@ -394,10 +394,14 @@ struct alignas(64) KqTileCodes {
     uint8_t rows[2 * QB / 4][64];
 };
 
-// Block b (of 32, counted from the group's first) of a group: its bytes.
+// The header of the super-block that holds block b (of 32, counted from the group's first), and block b's bytes.
+template <int F>
+inline const uint8_t* header_of(const uint8_t* g, int64_t b) {
+    return g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]);
+}
 template <int F>
 inline const uint8_t* block_at(const uint8_t* g, int64_t b) {
-    return g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]) + HEADER_BYTES[F] + (b % SUB) * BLOCK_BYTES[F];
+    return header_of<F>(g, b) + HEADER_BYTES[F] + (b % SUB) * BLOCK_BYTES[F];
 }
 
 // Block b's codes into `out`. Q6_K: the first half's chunks in tile 4 (rows 0..3), the second's in tile 7
@@ -474,7 +478,7 @@ void tile_group(const uint8_t* g, const Acts& a, int64_t r0, int R, float out[][
         if (b + 1 < KB) tile_sums<F, PRECISE, T>(a, r0, b + 1, block_codes(b + 1), sums[1 - p]);
         if (unpack && b + 2 < KB) tile_unpack<F>(g, b + 2, block_codes(b + 2), codes);
         if (j == 0) {
-            hdr = g + (b / SUB) * (HEADER_BYTES[F] + SUB * BLOCK_BYTES[F]);
+            hdr = header_of<F>(g, b);
             if (F != Q6K) scale_bytes(hdr + 64, sb);
         }
         V::F s0, s1, mt;
