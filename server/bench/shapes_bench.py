@@ -4,41 +4,47 @@ model_shapes.py), beside llama.cpp's `llama-server` on the same files, in one ru
     lmserve bench shapes --llama-server /path/to/llama-server \\
         --shapes llama-3.2-1b:q4_k_m+q4_0,llama-3.2-3b:q4_k_m,llama-3.1-8b:q4_k_m
 
-Each checkpoint is written once into --shapes-dir and reused. For each shape and format:
-- lmserve starts twice with its default flags (plus any --lmserve-flag): first on an empty cache folder
-  (cold: the precision probe and every other start-time measurement run; the native library is built
-  into it beforehand and timed apart), then again on that folder (cached). Each start records its time
-  to ready, the server process's resident memory at ready and its peak (VmRSS and VmHWM of
-  /proc/<pid>/status: the kernel's own accounting), the mode and kernels it chose (GetModelInfo), and
-  a first token (TTFT of one request);
-- on the cached server: chat prompts, 128 new tokens with EOS ignored, at c=1 and c=32 (peer_bench's
-  workload), then the peak resident memory after that load and the bytes of weights a decode step
-  reads (lmserve_model_step_weight_bytes);
-- llama-server on the same GGUF, the same chat runs; and on both Q4_0 and Q4_K_M of the shape, so that
-  the report names the peer's fastest format on this machine and lmserve's ratios against it too;
+Each checkpoint is written once into --shapes-dir and reused. For each shape:
+- lmserve starts on each format with its default flags (plus any --lmserve-flag) on an empty cache
+  folder, alone (cold: the precision probe and every other start-time measurement run; the native
+  library is built into it beforehand and timed apart);
+- then every server of the shape is started again, one at a time, and kept up: lmserve on each format's
+  folder (cached), and llama-server on each GGUF format and on both Q4_0 and Q4_K_M, so that the report
+  names the peer's fastest format on this machine and lmserve's ratios against it too. Each start
+  records its time to ready, the process's resident memory at ready and its peak (VmRSS and VmHWM of
+  /proc/<pid>/status: the kernel's own accounting), a first token (TTFT of one request), and for
+  lmserve the mode and kernels it chose (GetModelInfo);
+- with all of them up, chat prompts, 128 new tokens with EOS ignored (peer_bench's workload): at c=1 in
+  --c1-rounds rounds in which the servers take turns (each number the rounds' median; the read rate of
+  these VMs drifts by tens of percent within minutes, and in turns a drift meets every server alike),
+  then at c=32 once each; then each server's peak resident memory after that load, and the bytes of
+  weights lmserve's decode step reads (lmserve_model_step_weight_bytes);
 - the read-bandwidth bound of a batch-1 step: the bytes lmserve serves and the file's tensor bytes (what
   llama.cpp reads) at the highest read rate measured in this run (quant_kernels.read_bandwidth before and
-  after the servers, machine_peaks over buffers of the shape's packed linears), and the share of it
-  chat at c=1 reached;
+  after the servers and before each c=1 round, machine_peaks over buffers of the shape's packed
+  linears), and the share of it chat at c=1 reached;
 - the product bound of the chat wave at c=32 (bounds.product_bound): every weight meeting every token in
   one int8 product at machine_peaks' measured peak, each distinct prompt prefix once, nothing else
   charged; the most tokens a second any engine on these instructions shows here, over llama.cpp's rate.
 Shapes in --load-only (by default Llama-3.1-8B) only start (cold and cached) and give a first token.
 The report goes through the harness (reports/shapes/<machine>.json); a markdown table is printed.
-One server runs at a time. A benchmark, not a test: run it on a quiet machine.
+One server runs at a time; the others wait idle. A benchmark, not a test: run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from . import served
+from .machine import taking_turns
 from .model_shapes import GGUF_FORMATS, HF_FORMATS, SHAPES
 from .peer_bench import DEFAULT_BINARY, decode_rate, drive, peer_flags, rate
 
@@ -85,6 +91,8 @@ def add_arguments(p) -> None:
                    help="where the checkpoints are written once and reused (default: .cache/shapes)")
     p.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the peer's binary")
     p.add_argument("--lmserve-flag", action="append", default=[], help="extra `lmserve serve` flag (repeatable)")
+    p.add_argument("--c1-rounds", type=int, default=3,
+                   help="rounds of the c=1 chat run, the servers taking turns in each (default: 3)")
     p.add_argument("--c32-requests", type=int, default=64, help="measured requests at c=32 (default: 64)")
     p.add_argument("--startup-timeout", type=float, default=1800, help="seconds a server may take to be ready")
 
@@ -116,67 +124,91 @@ def _lmserve_start(s: served.Served) -> dict:
             "first_token": _first_token(s.grpc_target, "lmserve")}
 
 
-def _chat(where: str, api: str, args) -> list[dict]:
-    return [drive(where, api, "chat", 1, args.requests, args.max_new_tokens),
-            drive(where, api, "chat", 32, args.c32_requests, args.max_new_tokens)]
-
-
-def measure_lmserve(path: Path, args, load_only: bool) -> dict:
-    """lmserve on `path`: cold start, cached start, and on the cached server the chat runs."""
+def lmserve_cold(path: Path, args, stack: contextlib.ExitStack) -> tuple[dict, list[str]]:
+    """lmserve's record for `path` with its cold start (unless skipped: then the server's own cache folder,
+    what this machine measured before), and the flags a cached start takes: the cold start's cache folder,
+    removed when `stack` closes."""
     from lmserve.model.native import build as native
 
     out: dict = {"flags": list(args.lmserve_flag)}
-    cache = None
     flags = ["--model", str(path), "--threads", str(args.threads), *args.lmserve_flag]
-    if "cold" not in args.skip:  # else the server's own cache folder: what this machine measured before
-        cache = Path(tempfile.mkdtemp(prefix="lmserve-cache-", dir=args.shapes_dir))
-        flags += ["--cache-dir", str(cache)]
-        t0 = time.perf_counter()
-        _, why = native.build(cache)  # the compiler's seconds apart from the start's
-        out["native_build_seconds"] = round(time.perf_counter() - t0, 1)
-        out["native_build"] = why
+    if "cold" in args.skip:
+        return out, flags
+    cache = Path(tempfile.mkdtemp(prefix="lmserve-cache-", dir=args.shapes_dir))
+    stack.callback(shutil.rmtree, cache, ignore_errors=True)
+    flags += ["--cache-dir", str(cache)]
+    t0 = time.perf_counter()
+    _, why = native.build(cache)  # the compiler's seconds apart from the start's
+    out["native_build_seconds"] = round(time.perf_counter() - t0, 1)
+    out["native_build"] = why
     try:
-        if cache is not None:
-            try:
-                with served.lmserve(flags, metrics=False, startup_timeout=args.startup_timeout) as s:
-                    out["cold"] = _lmserve_start(s)
-            except served.StartFailed as exc:  # e.g. killed for memory: a cached start would measure again
-                out["cold"] = exc.record()
-                return out
-            finally:
-                print(json.dumps({"lmserve cold": out.get("cold")}), flush=True)
-        try:
-            with served.lmserve(flags, metrics=True, startup_timeout=args.startup_timeout) as s:
-                out["cached"] = _lmserve_start(s)
-                print(json.dumps({"lmserve cached": out["cached"]}), flush=True)
-                out["runs"] = [] if load_only else _chat(s.grpc_target, "lmserve", args)
-                out["after_load"] = s.memory()
-                out["step_weight_bytes"] = int(s.metrics()["lmserve_model_step_weight_bytes"])
-        except served.StartFailed as exc:
-            out["cached"] = exc.record()
-        except OSError as exc:  # it died under the load: /proc or /metrics gone
-            out["error"] = str(exc)
-    finally:
-        if cache is not None:
-            shutil.rmtree(cache, ignore_errors=True)
-    return out
+        with served.lmserve(flags, metrics=False, startup_timeout=args.startup_timeout) as s:
+            out["cold"] = _lmserve_start(s)
+    except served.StartFailed as exc:  # e.g. killed for memory: a cached start would measure again
+        out["cold"] = exc.record()
+    print(json.dumps({"lmserve cold": out["cold"]}), flush=True)
+    return out, flags
 
 
-def measure_peer(path: Path, args) -> dict:
-    """llama-server on `path`: time to ready, memory, a first token and the chat runs."""
-    flags = peer_flags(args.threads)
-    out: dict = {"flags": flags}
+def start_lmserve_cached(flags: list[str], record: dict, args, stack: contextlib.ExitStack) -> served.Served | None:
+    """lmserve started again on its cold start's folder, kept up until `stack` closes: its start into
+    `record["cached"]`; None when it did not start."""
     try:
-        with served.llama_server(args.llama_server, path, flags, startup_timeout=args.startup_timeout) as s:
-            out |= {"ready_seconds": round(s.ready_seconds, 2), "memory_at_ready": s.memory(),
-                    "first_token": _first_token(s.http_url, "openai")}
-            out["runs"] = _chat(s.http_url, "openai", args)
-            out["after_load"] = s.memory()
+        s = stack.enter_context(served.lmserve(flags, metrics=True, startup_timeout=args.startup_timeout))
     except served.StartFailed as exc:
-        out |= exc.record()
-    except OSError as exc:
-        out["error"] = str(exc)
+        record["cached"] = exc.record()
+        return None
+    record["cached"] = _lmserve_start(s)
+    print(json.dumps({"lmserve cached": record["cached"]}), flush=True)
+    return s
+
+
+def start_peer(path: Path, record: dict, args, stack: contextlib.ExitStack) -> served.Served | None:
+    """llama-server on `path`, kept up until `stack` closes: its flags, time to ready, memory and a first
+    token into `record`; None when it did not start."""
+    record["flags"] = peer_flags(args.threads)
+    try:
+        s = stack.enter_context(served.llama_server(args.llama_server, path, record["flags"],
+                                                    startup_timeout=args.startup_timeout))
+    except served.StartFailed as exc:
+        record |= exc.record()
+        return None
+    record |= {"ready_seconds": round(s.ready_seconds, 2), "memory_at_ready": s.memory(),
+               "first_token": _first_token(s.http_url, "openai")}
+    return s
+
+
+def median_run(rounds: list[dict]) -> dict:
+    """One record of a run repeated in rounds: its counts summed, each rate and latency the rounds' median."""
+    out = dict(rounds[0])
+    for k, v in rounds[0].items():
+        if k in ("requests", "completed", "failed", "output_tokens"):
+            out[k] = sum(r[k] for r in rounds)
+        elif isinstance(v, float) or k.endswith("_ms") or k == "tok_s":
+            values = [r[k] for r in rounds if r.get(k) is not None]
+            out[k] = round(statistics.median(values), 2) if values else None
+    out["rounds"] = len(rounds)
     return out
+
+
+def side_by_side(servers: dict[str, tuple[str, str]], args) -> tuple[dict[str, dict], list[float]]:
+    """Chat on servers that are all up at once, name -> (target, api): c=1 in --c1-rounds rounds taking
+    turns, the read bandwidth measured before each round, then c=32 once each in turn. On these VMs the
+    read rate drifts by tens of percent within minutes, so servers measured one after the other are not
+    compared at the same moment; in turns, a drift reaches each of them alike. Per server: "runs" (c=1 as
+    the rounds' medians, c=32) and "c1_rounds"; and the readings."""
+    from .quant_kernels import read_bandwidth
+
+    rounds: dict[str, list[dict]] = {name: [] for name in servers}
+    readings = []
+    for rnd in range(args.c1_rounds):
+        readings.append(read_bandwidth()["median_gb_s"])
+        for name, (where, api) in taking_turns(servers.items(), rnd):
+            rounds[name].append(drive(where, api, "chat", 1, args.requests, args.max_new_tokens))
+    c32 = {name: drive(where, api, "chat", 32, args.c32_requests, args.max_new_tokens)
+           for name, (where, api) in taking_turns(servers.items(), args.c1_rounds)}
+    return {name: {"runs": [median_run(rounds[name]), c32[name]], "c1_rounds": rounds[name]}
+            for name in servers}, readings
 
 
 # ---------------------------------------------------------------- bounds, ratios and the table (pure)
@@ -220,6 +252,8 @@ def entry_ratios(entry: dict, best: dict | None) -> dict:
         out[f"chat_c{c}_over_llama_cpp_same_file"] = _ratio(rate(lm, "chat", c), rate(peer, "chat", c))
         if best:
             out[f"chat_c{c}_over_llama_cpp_best"] = _ratio(rate(lm, "chat", c), best[f"chat_c{c}_tok_s"])
+    # a stream's rate once its prompt is read: what the tokens' arrival shows, TTFT apart
+    out["decode_c1_over_llama_cpp_same_file"] = _ratio(decode_rate(lm, "chat", 1), decode_rate(peer, "chat", 1))
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -233,10 +267,12 @@ def _ready(start: dict | None) -> str:
     return f"failed ({start['failed']}, {start['seconds']:.0f} s)" if "failed" in start else f"{start['ready_seconds']:.1f}"
 
 
-def _pair(a, b, ratio=None) -> str:
+def _pair(a, b, ratio=None, decode_ratio=None) -> str:
     if a is None:
         return "-"
     text = f"{a:.1f}" if b is None else f"{a:.1f} / {b:.1f}"
+    if ratio and decode_ratio:
+        return text + f" ({ratio:.2f}x; decode {decode_ratio:.2f}x)"
     return text + (f" ({ratio:.2f}x)" if ratio else "")
 
 
@@ -268,7 +304,8 @@ def table(shapes: list[dict]) -> str:
             rows.append(" | ".join([
                 f"| {sh['shape']}" + (" (load only)" if sh.get("load_only") else ""),
                 f"{e['format']} ({e['file_bytes'] / 1e9:.2f})", cached.get("mode", "-"), ready, rss,
-                _pair(rate(lm, "chat", 1), rate(peer, "chat", 1), r.get("chat_c1_over_llama_cpp_same_file")),
+                _pair(rate(lm, "chat", 1), rate(peer, "chat", 1), r.get("chat_c1_over_llama_cpp_same_file"),
+                      r.get("decode_c1_over_llama_cpp_same_file")),
                 _pair(rate(lm, "chat", 32), rate(peer, "chat", 32), r.get("chat_c32_over_llama_cpp_same_file")),
                 best_text, bound, share if served_b else "-", product]) + " |")
     return "\n".join(rows)
@@ -311,26 +348,53 @@ def measure_shape(name: str, formats: list[str], args, tokenizer_gguf: Path) -> 
         return path
 
     out["read_bandwidth_before"] = read_bandwidth()
-    peer_runs = {}
-    for fmt in formats:
-        path = file(fmt)
-        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
-        entry = {"format": fmt, "file": path.name, "file_bytes": size,
-                 "file_step_bytes": step_read_bytes(tensor_bytes(path))}
-        print(f"== {name} {fmt}: {path}", flush=True)
-        entry["lmserve"] = measure_lmserve(path, args, load_only)
-        if peer and fmt in GGUF_FORMATS:
-            entry["llama.cpp"] = peer_runs[fmt] = measure_peer(path, args)
-        out["entries"].append(entry)
+    peer_runs: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        up: dict[str, tuple[served.Served, dict]] = {}  # every server of the shape, started one at a time
+        cached_flags = []
+        for fmt in formats:
+            path = file(fmt)
+            size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+            entry = {"format": fmt, "file": path.name, "file_bytes": size,
+                     "file_step_bytes": step_read_bytes(tensor_bytes(path))}
+            print(f"== {name} {fmt}: {path}", flush=True)
+            entry["lmserve"], flags = lmserve_cold(path, args, stack)  # cold starts alone
+            out["entries"].append(entry)
+            cached_flags.append(flags)
+        for entry, flags in zip(out["entries"], cached_flags):
+            if "failed" not in entry["lmserve"].get("cold", {}):
+                s = start_lmserve_cached(flags, entry["lmserve"], args, stack)
+                if s is not None:
+                    up[f"lmserve {entry['format']}"] = (s, entry["lmserve"])
+        if peer:
+            own = [f for f in formats if f in GGUF_FORMATS]
+            for fmt in own + [f for f in PEER_CANDIDATES if f not in own and "peer-best" not in args.skip]:
+                print(f"== {name} {fmt}: llama.cpp" + ("" if fmt in own else " only"), flush=True)
+                s = start_peer(file(fmt), peer_runs.setdefault(fmt, {}), args, stack)
+                if s is not None:
+                    up[f"llama.cpp {fmt}"] = (s, peer_runs[fmt])
+        if not load_only and up:
+            runs, out["read_bandwidth_rounds"] = side_by_side(
+                {n: (s.grpc_target, "lmserve") if s.grpc_target else (s.http_url, "openai") for n, (s, _) in up.items()},
+                args)
+            for n, (s, record) in up.items():
+                record |= runs[n]
+        for n, (s, record) in up.items():
+            try:
+                record["after_load"] = s.memory()
+                if s.metrics_url:
+                    record["step_weight_bytes"] = int(s.metrics()["lmserve_model_step_weight_bytes"])
+            except OSError as exc:  # it died under the load: /proc or /metrics gone
+                record["error"] = str(exc)
+        for entry in out["entries"]:
+            if entry["format"] in peer_runs:
+                entry["llama.cpp"] = peer_runs[entry["format"]]
     if peer and "peer-best" not in args.skip:
-        for fmt in PEER_CANDIDATES:
-            if fmt not in peer_runs:
-                print(f"== {name} {fmt}: llama.cpp only", flush=True)
-                peer_runs[fmt] = measure_peer(file(fmt), args)
         out["peer_only"] = {f: r for f, r in peer_runs.items() if f not in formats}
     out["peer_best"] = peer_best({f: r for f, r in peer_runs.items() if f in PEER_CANDIDATES})
     out["read_bandwidth_after"] = read_bandwidth()
-    readings = [out["read_bandwidth_before"]["median_gb_s"], out["read_bandwidth_after"]["median_gb_s"]]
+    readings = [out["read_bandwidth_before"]["median_gb_s"], out["read_bandwidth_after"]["median_gb_s"],
+                *out.get("read_bandwidth_rounds", [])]
     if not load_only and "peaks" not in args.skip:
         out["machine_peaks"] = _step_peaks(shape, _vocab(tokenizer_gguf))
         readings.append(out["machine_peaks"].get("read_gb_s", {}).get("one_region", 0.0))

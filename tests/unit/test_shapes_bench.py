@@ -105,6 +105,22 @@ def test_ratios_bounds_and_the_peers_best_format_from_recorded_runs():
     assert "chat_c1_share_of_bound" not in SB.entry_bounds(alone, 25.0)["file"]
 
 
+def test_a_run_repeated_in_rounds_is_one_record_of_its_medians_and_summed_counts():
+    rounds = [{"workload": "chat", "concurrency": 1, "requests": 8, "completed": 8, "failed": 0, "output_tokens": 1024,
+               "tok_s": t, "itl_p50_ms": i, "ttft_p50_ms": None, "tpot_mean_ms": i + 1.0}
+              for t, i in ((30.0, 20.0), (41.0, 18.0), (35.0, 25.5))]
+    m = SB.median_run(rounds)
+    assert (m["tok_s"], m["itl_p50_ms"], m["tpot_mean_ms"], m["ttft_p50_ms"]) == (35.0, 20.0, 21.0, None)
+    assert (m["requests"], m["completed"], m["failed"], m["output_tokens"], m["rounds"]) == (24, 24, 0, 3072, 3)
+    assert (m["workload"], m["concurrency"]) == ("chat", 1)
+    # the decode ratio, from both servers' time per output token, beside the chat rates' in the table
+    lm, peer = SB.median_run(rounds[:1]), {**rounds[1], "tok_s": 20.0, "tpot_mean_ms": 31.5}
+    entry = {"lmserve": {"runs": [lm]}, "llama.cpp": {"runs": [peer]}}
+    assert SB.entry_ratios(entry, None) == {"chat_c1_over_llama_cpp_same_file": 1.5,
+                                            "decode_c1_over_llama_cpp_same_file": 1.5}
+    assert SB._pair(30.0, 20.0, 1.5, 1.5) == "30.0 / 20.0 (1.50x; decode 1.50x)"
+
+
 def test_the_table_has_a_row_per_shape_and_format_and_dashes_for_what_did_not_run():
     entry = {"format": "q4_k_m", "file_bytes": 669_000_000, "file_step_bytes": 650_000_000,
              "lmserve": {**_runs(30.0, 400.0, 25.0), "step_weight_bytes": 500_000_000, "cold": _start(18.0, 2 * 2**30),
