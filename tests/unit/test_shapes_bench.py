@@ -8,11 +8,14 @@ import os
 import resource
 
 import pytest
-
 from lmserve.client.bench.harness import build_parser
 from lmserve.client.bench.registry import BENCHMARKS
 from lmserve.server.bench import shapes_bench as SB
-from lmserve.server.bench.bounds import distinct_prefix_tokens, product_bound, read_bound
+from lmserve.server.bench.bounds import (
+    distinct_prefix_tokens,
+    product_bound,
+    read_bound,
+)
 from lmserve.server.bench.machine_peaks import decoder_step
 from lmserve.server.bench.model_shapes import SHAPES
 from lmserve.server.bench.served import process_memory
