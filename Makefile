@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench cuda-check venv clean
+.PHONY: serve test bench cuda-check amx-check venv clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ bench: $(STAMP)
 cuda-check: $(STAMP)
 	$(BIN)/pytest -q -s tests/unit/test_cuda_model.py tests/integration/test_cuda_metrics.py
 	$(BIN)/lmserve bench engine --device cuda
+
+# On a CPU whose OS grants AMX tiles: the tile paths' tests on the real instructions (elsewhere they run
+# over a software tile unit), then the quantized kernels with tiles beside `-vnni` (tiles off), taking turns.
+amx-check: $(STAMP)
+	$(BIN)/python -c "from lmserve.model.linear import quant_matmul as QM; k = QM.default_kernel(); \
+	assert k is not None and k.amx and not k.soft_tiles, 'no AMX tiles here: ' + (k.name if k else 'no native kernel')"
+	$(BIN)/pytest -q tests/unit/test_kquant_matmul.py tests/unit/test_quant_matmul.py -k amx
+	$(BIN)/lmserve bench kquant-kernels
 
 clean:
 	rm -rf $(VENV) .cache

@@ -55,6 +55,31 @@ def quant_kernel(native_kernels_dir):
     QM.use_cache_dir(None)
 
 
+def quant_kernels_built(tmp_path_factory, name: str, march: str):
+    """The quantized kernels' two sources (lm_qmm passes K-quant calls to lm_kqmm) built for `march` into
+    a folder of their own: another instruction set than the served build's, or other -D flags."""
+    from lmserve.model.linear import quant_matmul as QM
+    from lmserve.model.native import build as native
+
+    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]
+    lib, why = native.build(tmp_path_factory.mktemp(name), march=march, sources=src)
+    assert lib is not None, why
+    return QM.QuantMatmul(lib)
+
+
+@pytest.fixture(scope="session")
+def narrower_kernels(tmp_path_factory):
+    """The quantized kernels built for AVX2 (x86-64-v3) and for AVX-VNNI on ymm, where this CPU runs
+    them, by path name."""
+    flags = Path("/proc/cpuinfo").read_text()
+    out = {path: quant_kernels_built(tmp_path_factory, f"{path}-kernels", march)
+           for march, need, path in (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni"))
+           if need in flags}
+    if not out:
+        pytest.skip("this CPU has no AVX2")
+    return out
+
+
 @pytest.fixture(scope="session")
 def tile_kernel(tmp_path_factory):
     """The quantized kernels with their AMX tile paths switched on: the served build where the OS grants
@@ -62,17 +87,13 @@ def tile_kernel(tmp_path_factory):
     same tile code (layouts, padding rows, float steps) with plain loops in place of the instructions.
     The tile paths are written for AVX-512 machines; skips on one without AVX-512 VNNI."""
     from lmserve.model.linear import quant_matmul as QM
-    from lmserve.model.native import build as native
 
     served = QM.default_kernel()
     if served is not None and served.amx:
         return served
     if " avx512_vnni " not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the tile paths sit beside the AVX-512 VNNI one, which this CPU lacks")
-    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]  # lm_qmm calls lm_kqmm
-    lib, why = native.build(tmp_path_factory.mktemp("soft-tile-kernels"), march="native -DLM_SOFT_TILES", sources=src)
-    assert lib is not None, why
-    kernel = QM.QuantMatmul(lib)
+    kernel = quant_kernels_built(tmp_path_factory, "soft-tile-kernels", "native -DLM_SOFT_TILES")
     assert kernel.amx and kernel.name.endswith("+soft-tiles"), kernel.name
     return kernel
 

@@ -50,12 +50,18 @@ def add_arguments(p) -> None:
                         "completions: the same prompts as text to both servers' /v1/completions (a base model)")
 
 
-def workload(name: str, api: str) -> tuple[list, str]:
+def workload(name: str, api: str, tag: str = "") -> tuple[list, str]:
     """The workload's prompts and the load generator's API for `api` ("lmserve" or "openai": chat
-    messages; "completions": the same prompts as text, which an OpenAI client sends to /v1/completions)."""
+    messages; "completions": the same prompts as text, which an OpenAI client sends to /v1/completions).
+    tag: a line that starts every request's last message, so that a run repeated with another tag finds
+    none of its prompts in a server's prefix cache (the system prompt before it is still shared)."""
     from lmserve.client.bench import prompts as P
+    from lmserve.client.types import ChatMessage
 
     items = P.repeating_workload() if name == "repeat" else P.synthetic_workload()
+    if tag:
+        items = [P.WorkItem([*it.prompt[:-1], ChatMessage(it.prompt[-1].role, f"{tag}\n{it.prompt[-1].content}")],
+                            it.max_new_tokens) for it in items]
     if api != "completions":
         return items, api
     return [P.WorkItem(P.flatten_chat(it.prompt), it.max_new_tokens) for it in items], "openai"
@@ -66,12 +72,12 @@ def apis(args) -> tuple[str, str]:
     return ("completions", "completions") if args.api == "completions" else ("lmserve", "openai")
 
 
-def drive(where: str, api: str, name: str, concurrency: int, requests: int, max_new: int) -> dict:
+def drive(where: str, api: str, name: str, concurrency: int, requests: int, max_new: int, tag: str = "") -> dict:
     """chat: EOS ignored (`ignore_eos` in gRPC's SamplingParams and in both OpenAI APIs' bodies), every
-    request decodes max_new tokens; repeat: the answer as a user gets it (to EOS). api: workload()'s."""
+    request decodes max_new tokens; repeat: the answer as a user gets it (to EOS). api, tag: workload()'s."""
     from lmserve.client.bench.load import wave
 
-    items, api = workload(name, api)
+    items, api = workload(name, api, tag)
     _, agg = wave(where, concurrency, requests, max_new, api=api, items=items, warmup=min(2, requests),
                   ignore_eos=name != "repeat", timeout=600)
     out = {"workload": name, "concurrency": concurrency, "requests": requests, "completed": agg.completed,

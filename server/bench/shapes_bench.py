@@ -193,7 +193,8 @@ def median_run(rounds: list[dict]) -> dict:
 
 def side_by_side(servers: dict[str, tuple[str, str]], args) -> tuple[dict[str, dict], list[float]]:
     """Chat on servers that are all up at once, name -> (target, api): c=1 in --c1-rounds rounds taking
-    turns, the read bandwidth measured before each round, then c=32 once each in turn. On these VMs the
+    turns (each round's prompts tagged with its number: no round finds the last one's in a prefix cache),
+    the read bandwidth measured before each round, then c=32 once each in turn. On these VMs the
     read rate drifts by tens of percent within minutes, so servers measured one after the other are not
     compared at the same moment; in turns, a drift reaches each of them alike. Per server: "runs" (c=1 as
     the rounds' medians, c=32) and "c1_rounds"; and the readings."""
@@ -204,7 +205,7 @@ def side_by_side(servers: dict[str, tuple[str, str]], args) -> tuple[dict[str, d
     for rnd in range(args.c1_rounds):
         readings.append(read_bandwidth()["median_gb_s"])
         for name, (where, api) in taking_turns(servers.items(), rnd):
-            rounds[name].append(drive(where, api, "chat", 1, args.requests, args.max_new_tokens))
+            rounds[name].append(drive(where, api, "chat", 1, args.requests, args.max_new_tokens, tag=f"Round {rnd + 1}."))
     c32 = {name: drive(where, api, "chat", 32, args.c32_requests, args.max_new_tokens)
            for name, (where, api) in taking_turns(servers.items(), args.c1_rounds)}
     return {name: {"runs": [median_run(rounds[name]), c32[name]], "c1_rounds": rounds[name]}

@@ -162,6 +162,12 @@ def test_peer_completions_send_the_chat_prompts_as_text_that_both_servers_read_w
     assert items[0].prompt == "Explain the water cycle in one sentence."
     assert [it.prompt for it in items] == [m.prompt[1].content for m in chat]  # the user turn of each
     assert PB.workload("repeat", "completions")[0][1].prompt.startswith("Repeat the following paragraph word for word")
+    # a round's tag starts each last turn (the shapes bench's c=1 rounds: none finds the last one's prompts cached)
+    tagged, _ = PB.workload("chat", "lmserve", tag="Round 2.")
+    assert [m.prompt[0] for m in tagged] == [m.prompt[0] for m in chat]  # the system turn still shared
+    assert [m.prompt[1].content for m in tagged] == [f"Round 2.\n{m.prompt[1].content}" for m in chat]
+    assert PB.workload("chat", "completions", tag="Round 2.")[0][0].prompt == (
+        "Round 2.\nExplain the water cycle in one sentence.")
     assert PB.apis(SimpleNamespace(api="completions")) == ("completions", "completions")
     assert PB.apis(SimpleNamespace(api="chat")) == ("lmserve", "openai")
 

@@ -23,7 +23,6 @@ from lmserve.model.linear import kernels as Kn
 from lmserve.model.linear import quant_matmul as QM
 from lmserve.model.linear.formats import KQUANT_BLOCK_BYTES, KQuantBlocks, kquant_codes
 from lmserve.model.linear.quant_matmul import KQUANT_BITS, pack_kquant
-from lmserve.model.native import build as native
 
 Q4K, Q5K, Q6K = 12, 13, 14
 EPS = 2.0 ** -24  # float32's unit roundoff
@@ -212,13 +211,10 @@ def test_rows_do_not_depend_on_the_thread_count():
 
 
 @pytest.fixture(scope="module")
-def avx2_kernel(tmp_path_factory):
-    if " avx2 " not in open("/proc/cpuinfo").read():
+def avx2_kernel(narrower_kernels):
+    if "avx2" not in narrower_kernels:
         pytest.skip("this CPU has no AVX2")
-    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]
-    lib, why = native.build(tmp_path_factory.mktemp("avx2-kernels"), march="x86-64-v3", sources=src)
-    assert lib is not None, why
-    return QM.QuantMatmul(lib)
+    return narrower_kernels["avx2"]
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=["Q4_K", "Q5_K", "Q6_K"])

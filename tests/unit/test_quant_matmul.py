@@ -154,33 +154,15 @@ def test_rows_do_not_depend_on_the_thread_count(gguf):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-@pytest.fixture(scope="module")
-def narrower_paths(tmp_path_factory):
-    """The kernel built for AVX2 (x86-64-v3) and for AVX-VNNI on ymm, where this CPU runs them."""
-    flags = open("/proc/cpuinfo").read()
-    out = {}
-    cache = tmp_path_factory.mktemp("narrow-kernels")
-    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]  # lm_qmm calls lm_kqmm
-    for march, need, path in (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni")):
-        if need not in flags:
-            continue
-        lib, why = native.build(cache, march=march, sources=src)
-        assert lib is not None, why
-        out[path] = QM.QuantMatmul(lib)
-    if not out:
-        pytest.skip("this CPU has no AVX2")
-    return out
-
-
 @pytest.mark.parametrize("role", ["gate_up", "down", "head"])
-def test_narrower_paths_give_the_same_bits(gguf, narrower_paths, role):
+def test_narrower_paths_give_the_same_bits(gguf, narrower_kernels, role):
     """Exact integer sums, then one fixed order of float steps: the AVX2 and AVX-VNNI builds agree
     bit for bit with the native one (and are invariant like it)."""
     blocks = real_shapes(gguf)[role]
     x = torch.randn(11, blocks.q.shape[1]).bfloat16()
     for precise in (True, False):
         want = run(QM.default_kernel(), blocks, x, precise)
-        for path, k in narrower_paths.items():
+        for path, k in narrower_kernels.items():
             assert k.path == path
             got = run(k, blocks, x, precise)
             assert torch.equal(got, want), (path, precise)
