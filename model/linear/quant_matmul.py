@@ -26,6 +26,7 @@ from torch import Tensor
 import numpy as np
 
 from .formats import GROUP, KQUANT_TYPES, QK_K, KQuantBlocks, Q41Blocks, Q80Blocks, native_blocks
+from .weight_memory import weight_buffer
 
 GROUP_COLS = 16  # output columns per packed group (quant_matmul.cpp)
 PATHS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}  # lm_qmm_path() -> name
@@ -138,7 +139,7 @@ def pack_q4(blocks: Q41Blocks) -> Tensor:
     if native is not None:  # the same bytes in one pass
         q, d, m = (blocks.q.to(torch.uint8).contiguous(), blocks.d.float().contiguous(),
                    blocks.m.float().contiguous())
-        out = torch.empty(N // GROUP_COLS * (K // GROUP) * 320, dtype=torch.uint8)
+        out = weight_buffer(N // GROUP_COLS * (K // GROUP) * 320)
         if not native.pack_q4(q.data_ptr(), d.data_ptr(), m.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
             return out
     return pack_q4_torch(blocks)
@@ -162,7 +163,7 @@ def pack_q8(blocks: Q80Blocks) -> Tensor:
     native = native_blocks() if N % GROUP_COLS == 0 and K % GROUP == 0 else None
     if native is not None:  # the same bytes in one pass
         q, d = blocks.q.contiguous(), blocks.d.float().contiguous()
-        out = torch.empty(N // GROUP_COLS * (K // GROUP) * 544, dtype=torch.uint8)
+        out = weight_buffer(N // GROUP_COLS * (K // GROUP) * 544)
         if not native.pack_q8(q.data_ptr(), d.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads()):
             return out
     return pack_q8_torch(blocks)
@@ -195,7 +196,7 @@ def pack_kquant(parts: list[KQuantBlocks]) -> Tensor:
     table_bytes = -(-8 * (2 + 3 * len(runs)) // 64) * 64
     table = np.zeros(table_bytes // 8, dtype=np.int64)
     table[:2] = len(runs), K
-    out = torch.empty(table_bytes + sum(p.raw.numel() for p in parts), dtype=torch.uint8)
+    out = weight_buffer(table_bytes + sum(p.raw.numel() for p in parts))
     offset = table_bytes
     for i, run in enumerate(runs):
         table[2 + 3 * i: 5 + 3 * i] = run[0].qtype, sum(p.shape[0] for p in run), offset

@@ -19,6 +19,10 @@ round, in one process; each timing is the median over rounds (min beside it).
 The read bandwidth (a sum over 512 MiB, on the same threads and clock) is measured every round, and
 each candidate's M=1 rate is set against its own round's reading.
 
+First, the page placement of the weights a decode step streams (page_placement): a 1B step's layer
+linears at one row, Q4_K-a8, in the huge-page mappings serving uses beside copies in 4 KiB pages, in
+pairs taking turns.
+
 `--clock cpu` (with `--threads 1`) times by the thread's CPU time instead of the wall clock: on a
 machine shared with other work a pass may wait for a core, which wall time counts and CPU time does
 not (with more threads, CPU time would count OpenMP's spinning at barriers).
@@ -109,6 +113,42 @@ def candidates_for(qm) -> dict[str, tuple[str, bool, int]]:
     return out
 
 
+def page_placement(qm, pairs: int = 16, layers: int = 16) -> dict:
+    """A Llama-3.2-1B step's layer linears at one row (Q4_K-a8: qkv, o, gate_up in Q4_K, down in Q6_K,
+    `layers` times, ~620 MB), their packed weights in the mappings advised for huge pages that serving
+    uses (weight_memory.py) beside copies in torch's own memory (4 KiB pages where the OS gives huge
+    pages only on request): the two walks taking turns `pairs` times, best of 3 each, with the read
+    bandwidth after each pair. One pair takes ~0.1 s, so a drift of the VM's memory meets both alike."""
+    rng = np.random.default_rng(1)
+    step = [("Q4_K", 3072, 2048), ("Q4_K", 2048, 2048), ("Q4_K", 16384, 2048), ("Q6_K", 2048, 8192)] * layers
+    huge = [(random_weight(f, n, k, rng), n, k) for f, n, k in step]
+    small = [(w.clone(), n, k) for w, n, k in huge]
+    nbytes = sum(w.numel() for w, _, _ in huge)
+    xs = {k: torch.randn(1, k).bfloat16() for k in (2048, 8192)}
+    ys = {n: torch.empty(1, n, dtype=torch.bfloat16) for n in (3072, 2048, 16384)}
+    threads = torch.get_num_threads()
+
+    def walk(weights) -> float:
+        t0 = time.perf_counter()
+        for w, n, k in weights:
+            qm._fn(KQUANT_BITS, 0, xs[k].data_ptr(), 1, 1, k, w.data_ptr(), n, ys[n].data_ptr(), 1, threads)
+        return time.perf_counter() - t0
+
+    rows = []
+    for i in range(pairs):
+        gb_s = {}
+        for name, weights in taking_turns((("huge_pages", huge), ("4k_pages", small)), i):
+            gb_s[name] = round(nbytes / min(walk(weights) for _ in range(3)) / 1e9, 2)
+        rows.append({**gb_s, "read_gb_s": read_gb_s(time.perf_counter, mib=256, repeats=1)})
+    ratios = [r["huge_pages"] / r["4k_pages"] for r in rows]
+    out = {"weight_mb": round(nbytes / 1e6, 1), "pairs": rows,
+           "huge_over_4k_median": round(statistics.median(ratios), 3),
+           "huge_faster_in_pairs": sum(x > 1 for x in ratios)}
+    print("page placement: huge / 4k pages", out["huge_over_4k_median"], f"({out['huge_faster_in_pairs']}/{pairs} pairs)",
+          flush=True)
+    return out
+
+
 class _Calls:
     """The kernels called through the library's entry point on every shape's copies, with the inputs and
     outputs allocated once."""
@@ -189,6 +229,7 @@ def run(args) -> dict:
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     bw = read_gb_s(clock)
     print("read bandwidth", bw, "GB/s", flush=True)
+    placement = page_placement(qm)
     weights = packed_weights(shapes, np.random.default_rng(0))
     calls = _Calls(qm, shapes, weights, clock)
     candidates = candidates_for(qm)
@@ -198,7 +239,7 @@ def run(args) -> dict:
         qm.set_amx(QM.AMX_BY_RULE)
 
     report = {"threads": calls.threads, "clock": args.clock, "native_path": qm.name, "read_bandwidth_gb_s": bw,
-              "read_bandwidth_rounds_gb_s": bw_rounds,
+              "read_bandwidth_rounds_gb_s": bw_rounds, "page_placement": placement,
               "shapes": {s: {"out": n, "in": k} for s, (n, k) in shapes.items()},
               "note": "ms per call, median over rounds (min beside), weights from memory; gb_s: packed weight bytes "
                       "over the median time; m1_fraction_of_read_same_round: M=1 rate over that round's read "
