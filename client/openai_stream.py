@@ -117,16 +117,22 @@ class OpenAIStreamClient:
         while self._idle:
             self._idle.pop().close()
 
-    async def _connect(self) -> _Connection:
-        if self._idle:
-            return self._idle.pop()
+    async def _connect(self, fresh: bool = False) -> _Connection:
+        """An idle keep-alive connection (those the server has closed meanwhile are dropped), or a new one."""
+        while self._idle and not fresh:
+            conn = self._idle.pop()
+            if not conn.reader.at_eof():
+                return conn
+            conn.close()
         reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=2**20)
         return _Connection(reader, writer)
 
     async def _call(self, method: str, path: str, payload: Any = None) -> tuple[_Connection, int, dict]:
         body = b"" if payload is None else json.dumps(payload).encode()
-        for attempt in (0, 1):  # an idle keep-alive connection the server closed: once more on a new one
-            conn = await self._connect()
+        # an idle keep-alive connection the server closed before its close reached us: once more on a new
+        # one (not another idle one, which may have been closed with it)
+        for attempt in (0, 1):
+            conn = await self._connect(fresh=attempt == 1)
             try:
                 await conn.request(method, self.base + path, self.host, self._headers, body)
                 status, headers = await conn.response_head()
