@@ -120,12 +120,12 @@ def page_placement(qm, pairs: int = 16, layers: int = 16) -> dict:
     pages only on request): the two walks taking turns `pairs` times, best of 3 each, with the read
     bandwidth after each pair. One pair takes ~0.1 s, so a drift of the VM's memory meets both alike."""
     rng = np.random.default_rng(1)
-    step = [("Q4_K", 3072, 2048), ("Q4_K", 2048, 2048), ("Q4_K", 16384, 2048), ("Q6_K", 2048, 8192)] * layers
-    huge = [(random_weight(f, n, k, rng), n, k) for f, n, k in step]
+    step = [(fmt, *SHAPES[s]) for fmt, s in (("Q4_K", "qkv"), ("Q4_K", "o"), ("Q4_K", "gate_up"), ("Q6_K", "down"))]
+    huge = [(random_weight(f, n, k, rng), n, k) for f, n, k in step * layers]
     small = [(w.clone(), n, k) for w, n, k in huge]
     nbytes = sum(w.numel() for w, _, _ in huge)
-    xs = {k: torch.randn(1, k).bfloat16() for k in (2048, 8192)}
-    ys = {n: torch.empty(1, n, dtype=torch.bfloat16) for n in (3072, 2048, 16384)}
+    xs = {k: torch.randn(1, k).bfloat16() for _, _, k in step}
+    ys = {n: torch.empty(1, n, dtype=torch.bfloat16) for _, n, _ in step}
     threads = torch.get_num_threads()
 
     def walk(weights) -> float:
