@@ -50,7 +50,7 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("kquant-kernels", "lmserve.server.bench.kquant_kernels",
               "the K-quant kernel beside the int4 and int8 ones at Llama-3.2-1B's shapes, weights from memory"),
     Benchmark("attention-kernels", "lmserve.server.bench.attention_kernels",
-              "prompt attention per layer, beside another revision's kernels if asked"),
+              "prompt and decode attention, beside another revision's kernels if asked"),
     Benchmark("machine-peaks", "lmserve.server.bench.machine_peaks",
               "this CPU's int8 product rate and the rate a decode step's weights are read at"),
     Benchmark("matcher-choice", "lmserve.server.bench.matcher_choice",

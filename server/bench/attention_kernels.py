@@ -1,4 +1,4 @@
-"""Prompt attention's cost per layer, this build beside another revision's, in one run.
+"""Prompt and decode attention's cost, this build beside another revision's, in one run.
 
     lmserve bench attention-kernels --baseline-rev HEAD~1
 
@@ -10,7 +10,12 @@ cached ones, on a bfloat16 and an int8 cache, on the path this machine serves (A
 OS grants them) and on the vector path. With --baseline-rev, the same calls run on a library built
 from that git revision's kernel sources, the two taking turns in every round (in turn first: on a
 2-core VM a call's run right after another's was ~10% faster), so the ratio is measured side by side. Reports GFLOP/s counting 4 flops per query-key pair and head dimension.
-A benchmark, not a test: run it on a quiet machine.
+
+Then the native decode-attention call (decode_rows): a step's 16 layers of Llama-3.2-1B's attention (32
+query heads, 8 kv heads, head_dim 64), every row one new token over `keys` cached ones of its own slot,
+on a bfloat16 and an int8 cache, each layer's cache its own (a step reads them from memory as the model
+does once the weights have passed through the cache). Reports ms a step and the cache's bytes read a
+second, against the same baseline. A benchmark, not a test: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ...model.native import build as native
+from ...model.attention.decode import DecodeAttention
 from ...model.attention.prompt import PromptAttention
 from .machine import taking_turns
 
@@ -36,6 +42,10 @@ def add_arguments(p) -> None:
 
 SHAPES = ((16, 1000), (16, 2500), (32, 2500), (64, 2500), (512, 0), (512, 2000))
 H, HKV, D, LEN = 9, 3, 64, 4096  # SmolLM2-135M's heads and head_dim; a cache slot of 4,096 positions
+
+
+DECODE_SHAPES = ((1, 600), (8, 600), (32, 300), (8, 4000))  # (rows, cached keys each)
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_LAYERS = 32, 8, 16  # Llama-3.2-1B's attention, head_dim D
 
 
 def library_at(rev: str, into: Path):
@@ -119,26 +129,92 @@ def _rows(samples: dict, baseline_rev: str | None) -> list[dict]:
     return rows
 
 
+def decode_step_caches(rows: int, keys: int, dtype: torch.dtype) -> list[tuple]:
+    """A step's layers of caches for `rows` slots holding `keys` positions each (one more for the new
+    token), seeded: (k, v, k scales, v scales) per layer, the scales None but in an int8 cache."""
+    torch.manual_seed(rows * 10_000 + keys)
+    shape = (rows, DECODE_KV_HEADS, keys + 1, D)
+    layers = []
+    for _ in range(DECODE_LAYERS):
+        if dtype == torch.int8:
+            scales = torch.rand(rows, keys + 1, 2, DECODE_KV_HEADS) * 0.01 + 1e-3
+            layers.append((torch.randint(-127, 128, shape, dtype=torch.int8),
+                           torch.randint(-127, 128, shape, dtype=torch.int8), scales[:, :, 0], scales[:, :, 1]))
+        else:
+            layers.append((torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16(), None, None))
+    return layers
+
+
+def decode_rows(kernels: dict, rounds: int, baseline_rev: str | None) -> list[dict]:
+    """Per cache dtype and DECODE_SHAPES entry, each kernel's ms for a step's layers (median over rounds),
+    the cache bytes it read a second, and this build's speedup over the baseline; the kernels take turns
+    on every shape in every round."""
+    samples: dict = {}
+    for cache_name, dtype in (("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        for rows, keys in DECODE_SHAPES:
+            layers = decode_step_caches(rows, keys, dtype)
+            qkv = torch.randn(rows, 1, DECODE_HEADS + 2 * DECODE_KV_HEADS, D).bfloat16()
+            q, k, v = qkv[:, :, :DECODE_HEADS], qkv[:, :, DECODE_HEADS:-DECODE_KV_HEADS], qkv[:, :, -DECODE_KV_HEADS:]
+            slots, pos = torch.arange(rows), torch.full((rows,), keys, dtype=torch.long)
+            for rnd in range(rounds):
+                for name, kernel in taking_turns(kernels.items(), rnd):
+                    t0 = time.perf_counter()
+                    for kc, vc, ks, vs in layers:
+                        kernel(q, k, v, kc, vc, slots, pos, ks, vs)
+                    samples.setdefault((cache_name, rows, keys, name), []).append(time.perf_counter() - t0)
+            del layers
+        print(f"decode attention: {cache_name} cache done", flush=True)
+    out = []
+    for (cache_name, rows, keys, name), ts in samples.items():
+        seconds = statistics.median(ts)
+        per_key = 2 * D * (1 if cache_name == "int8" else 2) + (8 if cache_name == "int8" else 0)  # K, V (+ scales)
+        nbytes = DECODE_LAYERS * rows * DECODE_KV_HEADS * (keys + 1) * per_key
+        row = {"cache": cache_name, "rows": rows, "keys": keys, "kernel": name,
+               "ms_per_step": round(seconds * 1e3, 3), "cache_gb_s": round(nbytes / seconds / 1e9, 1)}
+        if baseline_rev and name == "this build":
+            row["speedup_over_baseline"] = round(statistics.median(samples[(cache_name, rows, keys, baseline_rev)])
+                                                 / seconds, 3)
+        out.append(row)
+    return out
+
+
 def run(args) -> dict:
     lib, _ = native.load()
-    if lib is None or not PromptAttention.built(lib):
-        raise SystemExit("the prompt-attention kernel is not built on this machine (it needs AVX-512 BF16)")
-    kernels = {"this build": PromptAttention(lib)}
+    if lib is None:
+        raise SystemExit("the native kernels are not built on this machine")
+    prompt_built = PromptAttention.built(lib)
+    kernels = {"this build": PromptAttention(lib)} if prompt_built else {}
+    decoders = {"this build": DecodeAttention(lib)}
     baseline_commit = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline_rev:
             base_lib, baseline_commit = library_at(args.baseline_rev, Path(tmp))
-            kernels[args.baseline_rev] = PromptAttention(base_lib)
-        paths = ["amx", "vector"] if kernels["this build"].uses_amx(D) else ["vector"]
-        samples = _sample(kernels, random_caches(), paths, args.rounds, args.calls)
-    rows = _rows(samples, args.baseline_rev)
+            decoders[args.baseline_rev] = DecodeAttention(base_lib)
+            if prompt_built:
+                kernels[args.baseline_rev] = PromptAttention(base_lib)
+        rows = []
+        if prompt_built:
+            paths = ["amx", "vector"] if kernels["this build"].uses_amx(D) else ["vector"]
+            rows = _rows(_sample(kernels, random_caches(), paths, args.rounds, args.calls), args.baseline_rev)
+        decode = decode_rows(decoders, args.rounds, args.baseline_rev)
     report = {"threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": HKV, "head_dim": D},
               "baseline_commit": baseline_commit,
               "timing": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
-                        "turns within every round", "rows": rows}
+                        "turns within every round", "rows": rows,
+              "prompt_kernel": "built" if prompt_built else "not built on this machine (it needs AVX-512 BF16)",
+              "decode_shape": {"heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS, "head_dim": D,
+                               "layers": DECODE_LAYERS},
+              "decode_timing": "ms for a step's layers, one call a layer: medians over rounds; the kernels take turns "
+                               "within every round",
+              "decode_rows": decode}
     for r in rows:
         if r["kernel"] == "this build":
             extra = f"  {r['speedup_over_baseline']:.2f}x the baseline" if "speedup_over_baseline" in r else ""
             print(f"{r['cache']:8s} {r['path']:6s} T={r['tokens']:4d} after {r['start']:5d}: "
                   f"{r['ms_per_layer']:.3f} ms ({r['gflop_s']:.0f} GFLOP/s){extra}")
+    for r in decode:
+        if r["kernel"] == "this build":
+            extra = f"  {r['speedup_over_baseline']:.2f}x the baseline" if "speedup_over_baseline" in r else ""
+            print(f"decode {r['cache']:8s} {r['rows']:3d} rows x {r['keys']:5d} keys: {r['ms_per_step']:.2f} ms a step "
+                  f"({r['cache_gb_s']:.1f} GB/s){extra}")
     return report

@@ -35,7 +35,9 @@ def _case(dtype, lengths, seed=0, heads=(H, HKV, D)):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
+# query heads per kv head against the value pass's heads in registers (16 / (d / 16), at most 8): one pass
+# of 3, 1 of 1, 4 of 2, passes of 4 then 1, 2 of 3, 7 of 1
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128), (10, 2, 64), (12, 2, 80), (7, 1, 256)])
 def test_matches_explicit_attention_and_writes_the_cache(kernel, dtype, tol, heads):
     lengths = [1, 15, 16, 17, 33, 200, 1024]
     q, k, v, kc, vc, slots, pos = _case(dtype, lengths, heads=heads)

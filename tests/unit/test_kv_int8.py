@@ -78,7 +78,7 @@ def test_codes_span_the_row_and_stand_for_it_within_half_a_step():
     assert (err <= scale[:, None] * (0.5 + 1e-4)).all()  # (and x / scale rounds in float32)
 
 
-@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128), (10, 2, 64), (12, 2, 80)])
 def test_decode_writes_torchs_codes_and_attends_over_what_they_stand_for(decode, heads):
     h, hkv, d = heads
     c = filled(heads, 6, 1040)

@@ -47,9 +47,42 @@ static inline v16f lane_sums(const v16f a[16]) {
            __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// Query heads whose output accumulators (C vectors each) stay in registers through a value pass.
+template <int C>
+constexpr int HEADS_PER_PASS = C >= 16 ? 1 : 16 / C > 8 ? 8 : 16 / C;
+
+// The weighted values of NG query heads (probabilities p[g] at stride `stride`, their sums' inverses
+// inv[g]) over keys 0..n-1: each key's value row is widened once into registers and added into every
+// head's accumulators, which stay in registers from the first key to the last. A head's output is the
+// sum of p_j v_j in key order (an int8 cache's p_j times the value's scale first), as one head at a time
+// would give it.
+template <class A, class KV, int C, int NG>
+static void value_pass(const typename KV::T* V, const float* vs, int ss, int n, const float* p, size_t stride,
+                       const float* inv, typename A::T* out) {
+    constexpr bool coded = sizeof(typename KV::T) == 1;
+    constexpr int d = 16 * C;
+    v16f o[NG][C];
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < C; ++c) o[g][c] = v16f{};
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int m = std::min(16, n - j0);
+        float weighted[NG][16];  // each probability (times its value's scale, in an int8 cache)
+        const v16f vscale = coded ? load_scales(vs + (size_t)j0 * ss, m, ss) : v16f{};
+        for (int g = 0; g < NG; ++g) F32::store(weighted[g], coded ? F32::load(p + g * stride + j0) * vscale : F32::load(p + g * stride + j0));
+        for (int l = 0; l < m; ++l) {
+            v16f v[C];
+            for (int c = 0; c < C; ++c) v[c] = KV::load(V + (size_t)(j0 + l) * d + 16 * c);
+            for (int g = 0; g < NG; ++g)
+                for (int c = 0; c < C; ++c) o[g][c] = o[g][c] + weighted[g][l] * v[c];
+        }
+    }
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < C; ++c) A::store(out + (size_t)g * d + 16 * c, o[g][c] * inv[g]);
+}
+
 // One (row, kv head) pair: G query heads over keys 0..n-1, head_dim 16 * C (a constant, so the
-// accumulators of one query head stay in registers). Keys and values are taken 16 rows at a time,
-// widened to float32 once into `rows` (shared by the G query heads) and fetched ahead of use.
+// accumulators stay in registers). Keys are taken 16 rows at a time, widened to float32 once into
+// `rows` (shared by the G query heads); values by value_pass. Both are fetched ahead of use.
 // A: the layout of q and out; KV: the cache's (ks, vs: the int8 cache's scales of key 0, the next
 // key's `ss` floats on).
 template <class A, class KV, int C>
@@ -61,10 +94,9 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
     const int d = 16 * C;
     const int blocks = (n + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
-    work.resize((size_t)G * stride + (size_t)G * d + 16 * (size_t)d);
+    work.resize((size_t)G * stride + 16 * (size_t)d);
     float* scores = work.data();  // [G, blocks * 16]
-    float* o_acc = scores + (size_t)G * stride;  // [G, d]
-    float* rows = o_acc + (size_t)G * d;  // [16, d]: the block's keys or values in float32
+    float* rows = scores + (size_t)G * stride;  // [16, d]: the block's keys in float32
     const size_t row_bytes = (size_t)d * sizeof(T);
 
     auto widen = [&](const T* src, int j0, int m) {  // rows j0 .. j0 + m - 1 of src; the rest zero
@@ -124,27 +156,14 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
     float inv[MAX_GROUP];
     for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(scores + g * stride, n);
 
-    for (int i = 0; i < G * d; ++i) o_acc[i] = 0.0f;
-    for (int blk = 0; blk < blocks; ++blk) {
-        const int j0 = blk * 16, m = std::min(16, n - j0);
-        widen(V, j0, m);
-        const v16f vscale = coded ? load_scales(vs + (size_t)j0 * ss, m, ss) : v16f{};
-        for (int g = 0; g < G; ++g) {
-            v16f o[C];
-            for (int c = 0; c < C; ++c) o[c] = F32::load(o_acc + g * d + 16 * c);
-            float weighted[16];  // an int8 cache: each probability times its value's scale
-            const float* p = scores + g * stride + j0;
-            if (coded) {
-                F32::store(weighted, F32::load(p) * vscale);
-                p = weighted;
-            }
-            for (int l = 0; l < m; ++l)
-                for (int c = 0; c < C; ++c) o[c] = o[c] + p[l] * F32::load(rows + l * d + 16 * c);
-            for (int c = 0; c < C; ++c) F32::store(o_acc + g * d + 16 * c, o[c]);
+    for (int g0 = 0; g0 < G; g0 += HEADS_PER_PASS<C>)
+        switch (std::min(HEADS_PER_PASS<C>, G - g0)) {
+#define PASS(h) \
+    case h: value_pass<A, KV, C, (h <= HEADS_PER_PASS<C> ? h : 1)>(V, vs, ss, n, scores + g0 * stride, stride, inv + g0, \
+                                                                    out + (size_t)g0 * d); break;
+            PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+#undef PASS
         }
-    }
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) A::store(out + (size_t)g * d + 16 * c, F32::load(o_acc + g * d + 16 * c) * inv[g]);
 }
 
 template <class A, class KV>
