@@ -55,16 +55,38 @@ def quant_kernel(native_kernels_dir):
     QM.use_cache_dir(None)
 
 
-def quant_kernels_built(tmp_path_factory, name: str, march: str):
-    """The quantized kernels' two sources (lm_qmm passes K-quant calls to lm_kqmm) built for `march` into
-    a folder of their own: another instruction set than the served build's, or other -D flags."""
-    from lmserve.model.linear import quant_matmul as QM
+def kernels_built(tmp_path_factory, name: str, march: str, sources: tuple[str, ...]):
+    """The native sources named (file names) built for `march` into a folder of their own: another
+    instruction set than the served build's, or other -D flags. The loaded library."""
     from lmserve.model.native import build as native
 
-    src = [s for s in native.SOURCES if s.name in ("quant_matmul.cpp", "kquant_matmul.cpp")]
-    lib, why = native.build(tmp_path_factory.mktemp(name), march=march, sources=src)
+    lib, why = native.build(tmp_path_factory.mktemp(name), march=march,
+                            sources=[s for s in native.SOURCES if s.name in sources])
     assert lib is not None, why
-    return QM.QuantMatmul(lib)
+    return lib
+
+
+def quant_kernels_built(tmp_path_factory, name: str, march: str):
+    """The quantized kernels' two sources (lm_qmm passes K-quant calls to lm_kqmm) built for `march`."""
+    from lmserve.model.linear import quant_matmul as QM
+
+    return QM.QuantMatmul(kernels_built(tmp_path_factory, name, march, ("quant_matmul.cpp", "kquant_matmul.cpp")))
+
+
+@pytest.fixture(scope="session")
+def narrower_decode_attention(tmp_path_factory):
+    """The decode-attention kernel built for AVX2 (x86-64-v3: the int8 cache's integer scores on two
+    256-bit halves) and for AVX-512 without VNNI (vpmaddwd in place of vpdpwssd), where this CPU runs
+    them, by name."""
+    from lmserve.model.attention.decode import DecodeAttention
+
+    flags = Path("/proc/cpuinfo").read_text()
+    builds = (("x86-64-v3", " avx2 ", "avx2"), ("native -mno-avx512vnni", " avx512_vnni ", "avx512-without-vnni"))
+    out = {name: DecodeAttention(kernels_built(tmp_path_factory, f"{name}-decode", march, ("decode_attention.cpp",)))
+           for march, need, name in builds if need in flags}
+    if not out:
+        pytest.skip("this CPU has no AVX2")
+    return out
 
 
 @pytest.fixture(scope="session")

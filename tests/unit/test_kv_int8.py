@@ -5,7 +5,8 @@ prefix copies), refusals where it cannot serve, and the engine's choice.
 
 The oracle for the kernels is oracles.explicit_attention in float32 over codes x scales: the kernels
 must compute attention over exactly those values (the codes widen exactly), so only the output's
-rounding to bfloat16 and the bfloat16 probabilities of the prompt path separate them."""
+rounding to bfloat16, the bfloat16 probabilities of the prompt path and the decode path's query in 16-bit
+codes under its largest element separate them."""
 
 from __future__ import annotations
 
@@ -96,6 +97,68 @@ def test_decode_writes_torchs_codes_and_attends_over_what_they_stand_for(decode,
         assert torch.equal(c.k[0, s, :, n - 1], kc) and torch.equal(ks[s, n - 1], kscale)
         assert torch.equal(c.v[0, s, :, n - 1], vc) and torch.equal(vs[s, n - 1], vscale)
         torch.testing.assert_close(out[b, 0].float(), reference(q[b, 0], c, s, n), atol=1e-2, rtol=1e-2)
+
+
+def _decode_one(decode, c, q, slot, n):
+    """Row q [1, 1, H, d] decoding at position n - 1 of `slot` (its own k/v written there)."""
+    hkv = c.k.shape[2]
+    kv = torch.randn(1, 1, 2 * hkv, q.shape[-1], generator=torch.Generator().manual_seed(n)).bfloat16()
+    return decode(q, kv[:, :, :hkv], kv[:, :, hkv:], c.k[0], c.v[0], torch.tensor([slot]),
+                  torch.tensor([n - 1]), *c.scale_views(0))
+
+
+@pytest.mark.parametrize("spread", ["elements over 2^-40 .. 2^2", "large", "tiny", "zero"])
+def test_decode_scores_hold_at_every_query_scale(decode, spread):
+    """The decode kernel takes an int8 cache's scores as integer sums, the query as int16 codes under a
+    power-of-two step set by its largest element: elements far below the largest round there (2^-16 of
+    it), a large query must not overflow the codes, a tiny one (~1e-30) must not lose its step, and an
+    all-zero one attends uniformly."""
+    c = filled((H, HKV, D), 2, 300, seed=4)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, H, D, generator=g)
+    if spread == "large":
+        q = q * 3e4
+    elif spread == "tiny":
+        q = q * 1e-30
+    elif spread == "zero":
+        q = torch.zeros_like(q)
+    else:
+        q = q * torch.pow(2.0, -torch.randint(0, 43, q.shape, generator=g).float())
+    q = q.bfloat16()
+    out = _decode_one(decode, c, q, 1, 300)
+    torch.testing.assert_close(out[0, 0].float(), reference(q[0, 0], c, 1, 300), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_query_over_codes_gives_nan_in_its_row_only(decode, bad):
+    c = filled((H, HKV, D), 3, 200)
+    qkv = torch.randn(3, 1, H + 2 * HKV, D).bfloat16()
+    q = qkv[:, :, :H].clone()
+    q[1, 0, 4, 7] = bad
+    out = decode(q, qkv[:, :, H:H + HKV], qkv[:, :, H + HKV:], c.k[0], c.v[0], torch.tensor([0, 1, 2]),
+                 torch.tensor([50, 120, 199]), *c.scale_views(0))
+    assert torch.isnan(out[1]).any() and torch.isfinite(out[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("heads", [(H, HKV, D), (12, 2, 80), (8, 1, 128)])
+def test_decode_over_codes_gives_the_same_bits_on_every_instruction_set(decode, narrower_decode_attention, heads):
+    """The integer scores are exact on every path (vpdpwssd, vpmaddwd, two AVX2 halves), and what follows
+    them is the same float32 arithmetic, so the narrower builds give the served build's bits."""
+    h, hkv, d = heads
+    base = filled(heads, 4, 700, seed=6)
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(4, 1, h + 2 * hkv, d, generator=g).bfloat16()
+    slots, pos = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 15, 300, 699])
+
+    def run(kernel):
+        c = KVCache(shape(heads), 4, 700, torch.int8)
+        c.k.copy_(base.k), c.v.copy_(base.v), c.scales.copy_(base.scales)
+        return kernel(qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:], c.k[0], c.v[0], slots, pos,
+                      *c.scale_views(0))
+
+    served = run(decode)
+    for name, kernel in narrower_decode_attention.items():
+        assert torch.equal(run(kernel), served), name
 
 
 def test_a_sliding_window_reads_its_own_keys_codes_and_scales(decode):

@@ -12,15 +12,23 @@
 //     45.4 -> 43.1, 1 after 600 1.05 -> 0.96);
 //   - the softmax sum runs over blocks of 16 keys from key 0 (the block pattern depends only on
 //     the row's own length), then the same lane tree;
-//   - the output accumulates p_j * v_j in key order, vectorised over the head dimension.
+//     An int8 cache's scores are integer sums instead (query_codes): the query as int16 codes under a
+//     power-of-two step, vpdpwssd against the key codes, exact in int32, then one conversion;
+//   - the output accumulates p_j * v_j in key order, vectorised over the head dimension, each head's
+//     accumulators in registers through the keys (value_pass).
 // Arithmetic is float32 whatever the cache dtype (float32, bfloat16, or int8 codes with one scale
-// per position and head: native_common.h). With int8, a score is (q . codes) x the key's scale, and
-// the output weighs value codes by probability x the value's scale, so the codes widen exactly.
+// per position and head: native_common.h). With int8, a score is (q16 . codes) x 2^-s x the key's
+// scale, and the output weighs value codes by probability x the value's scale, the codes widened
+// exactly. Measured by `lmserve bench attention-kernels` (a 1B step's 16 layers of 32 / 8 heads, the
+// decode rows beside the previous kernel's); the value pass in registers gave the same bits 1.11-1.24x
+// faster, the integer scores 1.1-1.2x more on an int8 cache (the 2-core Zen 4 VM, 2026-12-05). A value
+// pass in integers too (weights as int16 a block, vpdpwssd over pairs of keys) was 20% slower there.
 //
 // Built by native.py with the machine's own instruction set (-march=native), wrapped by
 // decode_attention.py; no torch headers. OpenMP resolves to the runtime torch has already loaded.
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -32,8 +40,9 @@ static const int PREFETCH_BLOCKS = 2;  // key blocks fetched ahead of their scor
 
 // 16 vectors (one per key) -> one vector of their 16 lane sums, key l in lane l. Every round adds
 // lanes of the same key only, so a key's sum does not depend on the keys beside it.
-static inline v16f lane_sums(const v16f a[16]) {
-    v16f r1[8], r2[4], r3[2];
+template <class V>
+static inline V lane_sums(const V a[16]) {
+    V r1[8], r2[4], r3[2];
     for (int i = 0; i < 8; ++i)
         r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                 __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -45,6 +54,86 @@ static inline v16f lane_sums(const v16f a[16]) {
                 __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// An int8 cache's scores are integer dot products: each query head is taken as int16 codes under a
+// power-of-two step, q = q16 2^-s with s putting max|q| in [2^14, 2^15), so every element whose bits
+// reach down to max|q| 2^-15 is exact (a bfloat16 query's 8 bits, over a range of 2^7), and smaller ones
+// round there (an error of at most max|q| 2^-16, against the 2^-9 of q's own bfloat16 rounding). A
+// score is then sum(q16 codes) exactly in int32 (|q16| < 2^15, |code| <= 127, d <= 256: under 2^31),
+// converted once and times 2^-s x the key's scale x `scale`. The key codes are widened once a block to
+// int16 and shared by the query heads: two multiply-adds of 32 pairs a key and head at head_dim 64
+// (vpdpwssd), where float32 took four fused multiply-adds after a widening to float.
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+// e with x = f 2^e, f in [0.5, 1), for a finite x >= 0 (0 and subnormals: -126)
+static inline int exponent_of(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (int)(bits >> 23) - 126;
+}
+
+static inline float power_of_two(int s) {  // 2^s for s in [-126, 127]
+    const uint32_t bits = (uint32_t)(s + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+constexpr int pair_vectors(int C) { return (C + 1) / 2; }  // 32 int16 a vector; head_dim 80 padded to 96
+
+// q's d bfloat16 values -> int16 codes (padded with zeros to `padded`) and their step 2^-s; NaN when q
+// holds a NaN or an infinity (its scores are NaN then, as the float path gives them); 0 for all zeros.
+static inline float query_codes(const uint16_t* q, int d, int padded, int16_t* codes) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < d; ++i) {
+        const float a = std::fabs(bf16_to_float(q[i]));
+        finite = finite && a <= 3.4028235e38f;
+        amax = a > amax ? a : amax;
+    }
+    for (int i = 0; i < padded; ++i) codes[i] = 0;
+    if (!finite) return __builtin_nanf("");
+    if (amax == 0.0f) return 0.0f;
+    const int e = exponent_of(amax);  // amax = f 2^e, f in [0.5, 1)
+    if (e < -100) return 0.0f;  // under 2^-100: its scores are 0 (within 2^-85 of them)
+    const int s = 15 - e;
+    const float up = power_of_two(s), round = 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer
+    for (int i = 0; i < d; ++i) codes[i] = (int16_t)(int32_t)((bf16_to_float(q[i]) * up + round) - round);
+    return power_of_two(-s);
+}
+
+typedef int16_t v32s __attribute__((vector_size(64)));  // 32 int16
+
+// acc + the pairwise products of 32 int16, exactly: lane t gets a[2t] b[2t] + a[2t + 1] b[2t + 1].
+static inline v16i dot_pairs(v16i acc, v32s a, v32s b) {
+#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+    return (v16i)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#else
+    return (v16i)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16((__m512i)a, (__m512i)b));
+#endif
+#else  // two AVX2 halves
+    __m256i h[2], x[2], y[2];
+    memcpy(h, &acc, sizeof h);
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    for (int i = 0; i < 2; ++i) h[i] = _mm256_add_epi32(h[i], _mm256_madd_epi16(x[i], y[i]));
+    v16i r;
+    memcpy(&r, h, sizeof r);
+    return r;
+#endif
+}
+
+static inline v32s load_pairs(const int16_t* p) {
+    v32s r;
+    memcpy(&r, p, sizeof r);
+    return r;
 }
 
 // Query heads whose output accumulators (C vectors each) stay in registers through a value pass.
@@ -111,6 +200,14 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
 
     // bfloat16 queries and keys: scores by vdpbf16ps on the stored pairs, no widened copy of the keys
     constexpr bool pairs = std::is_same<A, BF16>::value && std::is_same<KV, BF16>::value && C % 2 == 0;
+    constexpr int PV = pair_vectors(C);
+    alignas(64) int16_t q16[coded ? MAX_GROUP : 1][32 * PV], krows[coded ? 16 : 1][32 * PV];
+    float qstep[MAX_GROUP];  // an int8 cache: 2^-s x scale per query head
+    if constexpr (coded) {
+        for (int g = 0; g < G; ++g) qstep[g] = query_codes((const uint16_t*)q + (size_t)g * d, d, 32 * PV, q16[g]) * scale;
+        for (int l = 0; l < 16; ++l)
+            for (int i = d; i < 32 * PV; ++i) krows[l][i] = 0;
+    }
     for (int blk = 0; blk < PREFETCH_BLOCKS; ++blk) fetch(K, blk * 16);
     for (int blk = 0; blk < blocks; ++blk) {
         const int j0 = blk * 16, m = std::min(16, n - j0);
@@ -136,8 +233,25 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
             continue;
 #endif
         }
+        if constexpr (coded) {
+            for (int l = 0; l < m; ++l)  // this block's key codes as int16 (rows past the last: zeros)
+                for (int i = 0; i < d; ++i) krows[l][i] = (int16_t)K[(size_t)(j0 + l) * d + i];
+            for (int l = m; l < 16; ++l)
+                for (int i = 0; i < d; ++i) krows[l][i] = 0;
+            const v16f kscale = load_scales(ks + (size_t)j0 * ss, m, ss);
+            for (int g = 0; g < G; ++g) {
+                v16i acc[16];
+                for (int l = 0; l < 16; ++l) {
+                    v16i a = v16i{};
+                    for (int c = 0; c < PV; ++c) a = dot_pairs(a, load_pairs(q16[g] + 32 * c), load_pairs(krows[l] + 32 * c));
+                    acc[l] = a;
+                }
+                const v16f sc = __builtin_convertvector(lane_sums(acc), v16f) * (kscale * qstep[g]);
+                memcpy(scores + g * stride + j0, &sc, sizeof sc);
+            }
+            continue;
+        }
         widen(K, j0, m);
-        const v16f kscale = coded ? load_scales(ks + (size_t)j0 * ss, m, ss) : v16f{};
         for (int g = 0; g < G; ++g) {
             v16f qg[C];
             for (int c = 0; c < C; ++c) qg[c] = A::load(q + (size_t)g * d + 16 * c);
@@ -148,7 +262,7 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
                 for (int c = 1; c < C; ++c) a = a + qg[c] * F32::load(k + 16 * c);
                 acc[l] = a;
             }
-            const v16f sc = coded ? (lane_sums(acc) * kscale) * scale : lane_sums(acc) * scale;
+            const v16f sc = lane_sums(acc) * scale;
             memcpy(scores + g * stride + j0, &sc, sizeof sc);
         }
     }
