@@ -21,7 +21,7 @@
 // scale, and the output weighs value codes by probability x the value's scale, the codes widened
 // exactly. Measured by `lmserve bench attention-kernels` (a 1B step's 16 layers of 32 / 8 heads, the
 // decode rows beside the previous kernel's); the value pass in registers gave the same bits 1.11-1.24x
-// faster, the integer scores 1.1-1.2x more on an int8 cache (the 2-core Zen 4 VM, 2026-12-05). A value
+// faster, the integer scores 1.10-1.24x more on an int8 cache (the 2-core Zen 4 VM, 2026-12-05). A value
 // pass in integers too (weights as int16 a block, vpdpwssd over pairs of keys) was 20% slower there.
 //
 // Built by native.py with the machine's own instruction set (-march=native), wrapped by
