@@ -64,13 +64,6 @@ static inline V lane_sums(const V a[16]) {
 // converted once and times 2^-s x the key's scale x `scale`. The key codes are widened once a block to
 // int16 and shared by the query heads: two multiply-adds of 32 pairs a key and head at head_dim 64
 // (vpdpwssd), where float32 took four fused multiply-adds after a widening to float.
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 // e with x = f 2^e, f in [0.5, 1), for a finite x >= 0 (0 and subnormals: -126)
 static inline int exponent_of(float x) {
     uint32_t bits;
@@ -93,7 +86,7 @@ static inline float query_codes(const uint16_t* q, int d, int padded, int16_t* c
     float amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < d; ++i) {
-        const float a = std::fabs(bf16_to_float(q[i]));
+        const float a = std::fabs(bf16_to_f32(q[i]));
         finite = finite && a <= 3.4028235e38f;
         amax = a > amax ? a : amax;
     }
@@ -103,8 +96,8 @@ static inline float query_codes(const uint16_t* q, int d, int padded, int16_t* c
     const int e = exponent_of(amax);  // amax = f 2^e, f in [0.5, 1)
     if (e < -100) return 0.0f;  // under 2^-100: its scores are 0 (within 2^-85 of them)
     const int s = 15 - e;
-    const float up = power_of_two(s), round = 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer
-    for (int i = 0; i < d; ++i) codes[i] = (int16_t)(int32_t)((bf16_to_float(q[i]) * up + round) - round);
+    const float up = power_of_two(s);
+    for (int i = 0; i < d; ++i) codes[i] = (int16_t)__builtin_rintf(bf16_to_f32(q[i]) * up);  // nearest, ties even
     return power_of_two(-s);
 }
 

@@ -179,6 +179,13 @@ struct F32 {
     static inline void store(float* p, v16f x) { memcpy(p, &x, sizeof x); }
 };
 
+static inline float bf16_to_f32(uint16_t h) {  // one bfloat16 widened, exactly
+    const uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
 struct BF16 {
     typedef uint16_t T;
     static inline v16f load(const uint16_t* p) {
@@ -315,18 +322,14 @@ struct I8 {  // a cache row's codes widened to float32 (exactly: |code| <= 127)
 static inline void quantize_kv_row(const uint16_t* x, int d, int8_t* codes, float* scale) {
     float amax = 0.0f;
     for (int i = 0; i < d; ++i) {
-        uint32_t w = (uint32_t)x[i] << 16;
-        float f;
-        memcpy(&f, &w, sizeof f);
+        float f = bf16_to_f32(x[i]);
         f = f < 0.0f ? -f : f;
         amax = f > amax ? f : amax;
     }
     const float s = amax / 127.0f;
     *scale = s;
     for (int i = 0; i < d; ++i) {
-        uint32_t w = (uint32_t)x[i] << 16;
-        float f;
-        memcpy(&f, &w, sizeof f);
+        const float f = bf16_to_f32(x[i]);
         float r = s > 0.0f ? __builtin_rintf(f / s) : 0.0f;
         r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
         codes[i] = (int8_t)r;

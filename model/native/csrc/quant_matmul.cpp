@@ -82,13 +82,6 @@ static inline void prefetch_ahead(const uint8_t* g, int bytes) {
 // rows), 8 on the ymm paths (16 registers hold no more accumulators)
 static const int ROW_TILE = QMM_PATH == 3 ? 12 : 8;
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, 4);
-    return f;
-}
-
 static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; a NaN stays a NaN
     uint32_t w;
     memcpy(&w, &f, 4);

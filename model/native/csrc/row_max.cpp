@@ -19,12 +19,7 @@
 #include "native_common.h"
 
 static inline float element(const float* row, int j) { return row[j]; }
-static inline float element(const uint16_t* row, int j) {  // a bfloat16 widened
-    const uint32_t w = (uint32_t)row[j] << 16;
-    float v;
-    memcpy(&v, &w, 4);
-    return v;
-}
+static inline float element(const uint16_t* row, int j) { return bf16_to_f32(row[j]); }  // a bfloat16 widened
 
 // A row's n largest values with their indices, largest first; of equal values the lower index first
 // (values are offered in index order). A row holding a NaN gives a NaN log-sum-exp, and its top values
