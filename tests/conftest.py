@@ -73,6 +73,16 @@ def quant_kernels_built(tmp_path_factory, name: str, march: str):
     return QM.QuantMatmul(kernels_built(tmp_path_factory, name, march, ("quant_matmul.cpp", "kquant_matmul.cpp")))
 
 
+def narrower_builds(tmp_path_factory, builds, make) -> dict:
+    """make(name, march) for each (march, cpu flag, name) of `builds` whose flag this CPU has, by name;
+    skips where it has none (every table starts with AVX2)."""
+    flags = Path("/proc/cpuinfo").read_text()
+    out = {name: make(name, march) for march, need, name in builds if need in flags}
+    if not out:
+        pytest.skip("this CPU has no AVX2")
+    return out
+
+
 @pytest.fixture(scope="session")
 def narrower_decode_attention(tmp_path_factory):
     """The decode-attention kernel built for AVX2 (x86-64-v3: the int8 cache's integer scores on two
@@ -80,26 +90,20 @@ def narrower_decode_attention(tmp_path_factory):
     them, by name."""
     from lmserve.model.attention.decode import DecodeAttention
 
-    flags = Path("/proc/cpuinfo").read_text()
-    builds = (("x86-64-v3", " avx2 ", "avx2"), ("native -mno-avx512vnni", " avx512_vnni ", "avx512-without-vnni"))
-    out = {name: DecodeAttention(kernels_built(tmp_path_factory, f"{name}-decode", march, ("decode_attention.cpp",)))
-           for march, need, name in builds if need in flags}
-    if not out:
-        pytest.skip("this CPU has no AVX2")
-    return out
+    return narrower_builds(
+        tmp_path_factory,
+        (("x86-64-v3", " avx2 ", "avx2"), ("native -mno-avx512vnni", " avx512_vnni ", "avx512-without-vnni")),
+        lambda name, march: DecodeAttention(kernels_built(tmp_path_factory, f"{name}-decode", march,
+                                                          ("decode_attention.cpp",))))
 
 
 @pytest.fixture(scope="session")
 def narrower_kernels(tmp_path_factory):
     """The quantized kernels built for AVX2 (x86-64-v3) and for AVX-VNNI on ymm, where this CPU runs
     them, by path name."""
-    flags = Path("/proc/cpuinfo").read_text()
-    out = {path: quant_kernels_built(tmp_path_factory, f"{path}-kernels", march)
-           for march, need, path in (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni"))
-           if need in flags}
-    if not out:
-        pytest.skip("this CPU has no AVX2")
-    return out
+    return narrower_builds(
+        tmp_path_factory, (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -mavxvnni", " avx_vnni ", "avx-vnni")),
+        lambda path, march: quant_kernels_built(tmp_path_factory, f"{path}-kernels", march))
 
 
 @pytest.fixture(scope="session")
