@@ -86,6 +86,11 @@ class Frontend:
         # the engine id is unique even if callers reuse theirs
         return self.inputs.generate_request(inp, f"{rid}#{next(self._ids)}", deadline, origin)
 
+    def count_prompt(self, inp: GenerateInput) -> int:
+        """The prompt tokens `inp` would take (on a worker thread): the size checks, then the rendering."""
+        precheck_generate(inp, self.limits)
+        return len(self.inputs.prompt_ids(inp))
+
     def samples(self, request: Request, n: int) -> list[Request]:
         """`n` requests sampling the same prompt independently: ids `<id>/<i>`; with a seed, sample i's is
         derived from it (sample 0 keeps it, so n=1 and the first of n agree)."""

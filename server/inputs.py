@@ -310,16 +310,19 @@ class InputConverter:
             logit_bias=tuple(p.logit_bias),
         )
 
+    def prompt_ids(self, req: GenerateInput) -> list[int]:
+        """The prompt's token ids: the text tokenized, or the chat rendered with its tools."""
+        if req.kind == "prompt":
+            return self.tokenizer.encode(req.prompt, add_special_tokens=True, parse_special=req.parse_special_tokens)
+        if req.kind == "token_ids":
+            return list(req.token_ids)
+        return self._chat(req.messages, "messages", tools=req.tools)[0]
+
     def generate_request(self, req: GenerateInput, engine_id: str, deadline: float | None,
                          origin: str = "") -> Request:
         """The engine Request of a prechecked input; RequestValidationError names proto fields."""
         kind = req.kind
-        if kind == "prompt":
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True, parse_special=req.parse_special_tokens)
-        elif kind == "token_ids":
-            ids = list(req.token_ids)
-        else:
-            ids, _ = self._chat(req.messages, "messages", tools=req.tools)
+        ids = self.prompt_ids(req)
         compiled = self._tool_constraint(req.tools, req.params.constraint) if req.tools is not None else None
         params = self._params(req.params, len(ids))
         if compiled is not None:

@@ -26,20 +26,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..auth import BearerTokens
-from ..edge_errors import EdgeError, Failure
+from ..edge_errors import EdgeError, Failure, Problem
 from ..engine.outputs import GenerationResult, Usage
 from ..engine.request import RequestValidationError
 from ..frontend import Frontend, new_request_id
-from ..tools.parser import CallParser
-from .errors import error_body, problem_of, render, renamed
+from . import anthropic_messages
+from .anthropic_messages import MessagesDialect
+from .errors import problem_of, render, renamed
 from .choices import admit, gather_all, merged
 from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, check_model, parse_body, translate
 from .openai_responses import (DONE, StreamEvents, choice_body, completion_body, error_event, finish_name,
                                logprobs_of, total_usage)
+from .reply import Reply
 from .sse import EventStream, unless_disconnected
 
 log = logging.getLogger("lmserve.http")
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes need no token, as grpc.health.v1 needs none
+OPEN_PATHS = frozenset({"/health", "/ready"})
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models")  # probes need no token, as grpc.health.v1 needs none
 JSON = "application/json"
 
 
@@ -67,23 +70,26 @@ class OpenAIEdge:
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
         self.started = int(time.time())
+        self.messages_dialect = MessagesDialect()
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/messages", self.messages, methods=["POST"]),
+                  Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/ready", self.ready, methods=["GET"])]
         self._routes = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
-        self._generate_routes = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions}
+        self._generate_routes = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions,
+                                 "/v1/messages": self.messages}
 
     async def app(self, scope, receive, send) -> None:
         """ASGI entry: bearer tokens first (probes are open), then the routes."""
         if scope["type"] == "http" and self.tokens is not None and scope["path"] not in OPEN_PATHS:
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not self.tokens.accepts(auth.decode("latin-1")):
-                body = error_body(Failure.UNAUTHENTICATED, "missing or invalid bearer token "
-                                  "(send Authorization: Bearer TOKEN)")
-                await error_response(401, body)(scope, receive, send)
+            if not self._authenticated(scope["headers"]):
+                problem = Problem(Failure.UNAUTHENTICATED, "missing or invalid token (send Authorization: Bearer "
+                                                           "TOKEN, or x-api-key: TOKEN)")
+                await error_response(*self._render(scope["path"], problem))(scope, receive, send)
                 return
         generate = self._generate_routes.get(scope["path"]) if scope["type"] == "http" else None
         if generate is not None and scope["method"] == "POST":
@@ -92,6 +98,22 @@ class OpenAIEdge:
             await response(scope, receive, send)
             return
         await self._routes(scope, receive, send)
+
+    def _authenticated(self, headers) -> bool:
+        """A token of the tokens file, as `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's)."""
+        for k, v in headers:
+            if k == b"authorization" and self.tokens.accepts(v.decode("latin-1")):
+                return True
+            if k == b"x-api-key" and self.tokens.accepts("Bearer " + v.decode("latin-1")):
+                return True
+        return False
+
+    @staticmethod
+    def _render(path: str, problem: Problem, rid: str | None = None) -> tuple[int, bytes]:
+        """(status, body) of a problem in the error shape of the API `path` belongs to."""
+        if path.startswith(anthropic_messages.PATH):
+            return anthropic_messages.error(problem, rid)
+        return render(problem)
 
     # ---- generation ---------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -136,15 +158,15 @@ class OpenAIEdge:
 
     async def _whole(self, request: Request, req: OpenAIRequest, rid: str, created: int, samples: list, runs: list,
                      shared: Usage | None, headers: dict) -> Response:
-        calls = [CallParser() for _ in runs] if req.reads_calls else None  # each choice's calls, read as they come
+        replies = [Reply(req.input.tools) for _ in runs] if req.reads_calls else None  # calls, read as they come
 
         async def collect(i: int) -> GenerationResult:
             result = GenerationResult(request_id=rid)
             async with contextlib.aclosing(runs[i]) as chunks:
                 async for chunk in chunks:
                     result.add(chunk)
-                    if calls is not None:
-                        self._read_calls(calls[i], chunk, samples[i])
+                    if replies is not None:
+                        self._read(replies[i], chunk, samples[i])
             return result
 
         try:
@@ -156,7 +178,7 @@ class OpenAIEdge:
                 lps = None
                 if req.logprobs:
                     lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, result.logprobs, req.chat)
-                choices.append(choice_body(req, i, result.text, result.finish_reason, lps, calls and calls[i]))
+                choices.append(choice_body(req, i, result.text, result.finish_reason, lps, replies and replies[i].calls))
         except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
             status, body = render(problem_of(exc, req.names))
             return error_response(status, body, rid)
@@ -169,7 +191,7 @@ class OpenAIEdge:
         events = StreamEvents(req, rid, created)
         offsets = [0] * len(runs)
         usages = [None] * len(runs)
-        calls = [CallParser() for _ in runs] if req.reads_calls else None  # each choice's calls, read as they come
+        replies = [Reply(req.input.tools) for _ in runs] if req.reads_calls else None  # calls, read as they come
         try:
             if req.chat:
                 for i in range(len(runs)):
@@ -181,14 +203,14 @@ class OpenAIEdge:
                         lps = await self.frontend.offload(logprobs_of, self.frontend.tokenizer, chunk.logprobs,
                                                           req.chat, offsets[i])
                         offsets[i] += len(chunk.text)
-                    if calls is not None:
-                        deltas = self._read_calls(calls[i], chunk, samples[i])
+                    if replies is not None:
+                        deltas = self._read(replies[i], chunk, samples[i])
                         for k, delta in enumerate(deltas):
                             yield events.delta(delta, lps if k == 0 else None, i)
                         if lps and not deltas:
                             yield events.piece("", lps, None, i)
                         if chunk.finished:
-                            yield events.finish(finish_name(chunk.finish_reason, calls[i]), i)
+                            yield events.finish(finish_name(chunk.finish_reason, replies[i].calls), i)
                     elif chunk.text or chunk.finished or lps:
                         yield events.piece(chunk.text, lps, chunk.finish_reason, i)
                     if chunk.finished:
@@ -199,14 +221,87 @@ class OpenAIEdge:
             yield error_event(problem_of(exc, req.names))
         yield DONE
 
-    def _read_calls(self, calls: CallParser, chunk, sample) -> list:
-        """A chunk's text read for calls; a call repeating an earlier one ends the answer (its request is
-        stopped, its last chunk still comes)."""
-        repeated = calls.repeated
-        deltas = calls.feed(chunk.text)
-        if calls.repeated and not repeated and not chunk.finished:
+    def _read(self, reply: Reply, chunk, sample) -> list:
+        """A chunk read into its answer; an answer complete before the model ends it (a call repeating an
+        earlier one) ends its request (its last chunk still comes)."""
+        deltas = reply.read(chunk)
+        if reply.due_end():
             self.frontend.end(sample)
-        return deltas + (calls.finish() if chunk.finished else [])
+        return deltas
+
+    # ---- the one-answer dialects (Messages; each holds its own shapes) --------------------------
+    async def messages(self, request: Request) -> Response:
+        return await self._answer(request, self.messages_dialect)
+
+    async def _answer(self, request: Request, dialect) -> Response:
+        """One answer in a dialect's shapes: `dialect.translate` (a body -> translate.Generation),
+        `answer` (the whole body), `events` (the stream's events) and `error` (its error shape)."""
+        rid = request.headers.get("x-request-id") or new_request_id()
+        try:
+            self.frontend.check_accepting()
+            raw = await self._body(request)
+            gen, sample = await self.frontend.offload(self._prepare_answer, dialect, raw, rid)
+            (run,) = await admit([self.frontend.run(sample, announce=True)])
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            status, body = dialect.error(problem_of(exc), rid if _printable(rid) else None)
+            return error_response(status, body, rid if _printable(rid) else None)
+        headers = {"x-request-id": rid}
+        reply = Reply(gen.input.tools)
+        prompt_tokens = len(sample.prompt_ids)
+        if gen.stream:
+            return EventStream(self._answer_events(dialect, gen, rid, sample, run, reply), headers)
+        try:
+            if await unless_disconnected(request.receive, self._collect(run, reply, sample)) is None:
+                return Response(status_code=499)  # the client left: its request was cancelled
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            return error_response(*dialect.error(problem_of(exc), rid), rid)
+        return json_response(dialect.answer(gen, rid, reply, prompt_tokens), headers=headers)
+
+    def _prepare_answer(self, dialect, raw: bytes, rid: str):
+        """On a worker thread: body -> the dialect's Generation -> the engine Request."""
+        gen = dialect.translate(parse_body(raw), self.fields)
+        check_model(gen.model, self.frontend.model_names)
+        try:
+            return gen, self.frontend.request_for(replace(gen.input, request_id=rid), rid, None, "http")
+        except RequestValidationError as exc:
+            raise renamed(exc, gen.names) from None
+
+    async def _collect(self, run, reply: Reply, sample) -> Reply:
+        async with contextlib.aclosing(run) as chunks:
+            async for chunk in chunks:
+                self._read(reply, chunk, sample)
+        return reply
+
+    async def _answer_events(self, dialect, gen, rid: str, sample, run, reply: Reply):
+        """A dialect's events of one streamed answer; an error after the start is the dialect's error event."""
+        events = dialect.events(gen, rid, len(sample.prompt_ids))
+        try:
+            yield events.start()
+            async with contextlib.aclosing(run) as chunks:
+                async for chunk in chunks:
+                    for delta in self._read(reply, chunk, sample):
+                        yield events.delta(delta)
+            yield events.end(reply)
+        except Exception as exc:  # noqa: BLE001 - the stream has started: the error becomes an event
+            yield events.error(problem_of(exc))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's count_tokens: the prompt tokens a messages body would take, generating nothing."""
+        try:
+            self.frontend.check_ready()
+            raw = await self._body(request)
+            count = await self.frontend.offload(self._count, raw)
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            return error_response(*anthropic_messages.error(problem_of(exc)))
+        return json_response(json.dumps({"input_tokens": count}).encode())
+
+    def _count(self, raw: bytes) -> int:
+        gen = anthropic_messages.translate(parse_body(raw), self.fields, counting=True)
+        check_model(gen.model, self.frontend.model_names)
+        try:
+            return self.frontend.count_prompt(gen.input)
+        except RequestValidationError as exc:
+            raise renamed(exc, gen.names) from None
 
     async def _body(self, request: Request) -> bytes:
         """The request body, at most max_body_bytes, arriving within read_timeout."""
@@ -236,6 +331,8 @@ class OpenAIEdge:
             self.frontend.check_ready()
         except EdgeError as exc:
             return error_response(*render(problem_of(exc)))
+        if "anthropic-version" in request.headers:  # Anthropic's clients send it on every request
+            return json_response(anthropic_messages.models_body(self.frontend.model_names, self.started))
         cards = [self._model_card(name) for name in self.frontend.model_names]
         return json_response(json.dumps({"object": "list", "data": cards}).encode())
 
@@ -246,6 +343,8 @@ class OpenAIEdge:
             check_model(model_id, self.frontend.model_names)
         except EdgeError as exc:
             return error_response(*render(problem_of(exc)))
+        if "anthropic-version" in request.headers:
+            return json_response(json.dumps(anthropic_messages.model_card(model_id, self.started)).encode())
         return json_response(json.dumps(self._model_card(model_id)).encode())
 
     def _state(self) -> tuple[bool, bool, str]:
@@ -269,12 +368,13 @@ class OpenAIEdge:
         return json_response(json.dumps({"status": detail}).encode(), 200 if ready else 503)
 
     async def _not_found(self, request: Request, exc) -> Response:
-        return error_response(404, error_body(Failure.NOT_FOUND, f"no such path: {request.url.path[:200]} "
-                                              "(this server has /v1/chat/completions, /v1/completions and /v1/models)"))
+        problem = Problem(Failure.NOT_FOUND, f"no such path: {request.url.path[:200]} (this server has "
+                                             f"{', '.join(PATHS)})")
+        return error_response(*self._render(request.url.path, problem))
 
     async def _not_allowed(self, request: Request, exc) -> Response:
-        return json_response(error_body(Failure.INVALID_ARGUMENT, f"method {request.method} is not allowed on "
-                                         f"{request.url.path[:200]}"), 405)
+        problem = Problem(Failure.INVALID_ARGUMENT, f"method {request.method} is not allowed on {request.url.path[:200]}")
+        return json_response(self._render(request.url.path, problem)[1], 405)
 
 
 def _too_large(limit: int) -> EdgeError:

@@ -12,19 +12,16 @@ refused with --strict-openai-fields.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import threading
 from dataclasses import dataclass
 
-from ..edge_errors import EdgeError, Failure
-from ..engine.request import RequestValidationError
 from ..inputs import ChatTurn, GenerateInput, InputParams
-from ..tools import MAX_TOOLS, Tool, ToolCall, ToolUse
-from ..tools.spec import NAME
+from ..tools import ToolCall, ToolUse
 from .errors import OpenAINames
+from .translate import (BodyError, FieldPolicy, History, Reader, ToolSet, check_model, json_type, or_default,
+                        parse_body, strings)
 
-log = logging.getLogger("lmserve.http")
+__all__ = ["BodyError", "FieldPolicy", "OpenAIRequest", "check_model", "parse_body", "translate"]
 
 # OpenAI's default for /v1/completions when max_tokens is left out (chat leaves it to the server)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -52,37 +49,6 @@ MAX_OPENAI_TEMPERATURE = 2.0
 MAX_CHOICES = 128
 
 
-class FieldPolicy:
-    """What a top-level field this server does not know gets: refused with a 400 naming it (strict),
-    or ignored, its name logged once (at most `max_logged` names, so a client cannot grow the set)."""
-
-    def __init__(self, strict: bool = False, max_logged: int = 256):
-        self.strict = strict
-        self.max_logged = max_logged
-        self._logged: set[str] = set()
-        self._lock = threading.Lock()
-
-    def unknown(self, names: list[str], where: str) -> None:
-        if not names:
-            return
-        if self.strict:
-            raise BodyError(names[0], f"is not a parameter of {where} (this server refuses unknown fields: "
-                                      "--strict-openai-fields)")
-        with self._lock:
-            new = [n for n in names if n not in self._logged][: max(0, self.max_logged - len(self._logged))]
-            self._logged.update(new)
-        for name in new:
-            log.warning("ignoring the field %r of %s, which this server does not know (logged once per name; "
-                        "--strict-openai-fields refuses such requests)", name[:64], where)
-
-
-class BodyError(RequestValidationError):
-    """A body that is not a usable request (malformed JSON, a wrong type): a 400 naming the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__([(param, message)])
-
-
 @dataclass(frozen=True)
 class OpenAIRequest:
     """A translated request: what to generate and how to answer (stream, usage, logprobs)."""
@@ -103,40 +69,19 @@ class OpenAIRequest:
         return self.input.tools is not None and self.input.tools.calls_allowed
 
 
-def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body; BodyError (a 400) for anything else."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BodyError("body", f"is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        body = json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise BodyError("body", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise BodyError("body", "is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BodyError("body", f"must be a JSON object, got {_json_type(body)}")
-    return body
-
-
-def _refuse_constant(name: str):
-    raise BodyError("body", f"is not valid JSON: {name} is not a number JSON allows")
-
-
 def translate(body: dict, chat: bool, fields: FieldPolicy | None = None) -> OpenAIRequest:
     """A parsed body of /v1/chat/completions (chat) or /v1/completions -> OpenAIRequest.
 
     The fields are read in a fixed order, so that a body with several faults is always refused for the
     same one."""
     fields = fields or FieldPolicy()
-    r = _Reader(body)
+    r = Reader(body)
     model = r.get("model", str, required=True)
     _refuse_unsupported(body)
     max_name, max_tokens = _max_tokens(r, chat)
     stop = _stop(r.get("stop", (str, list)))
     want_logprobs, logprobs = _logprobs(r, chat)
-    n = _or(r.get("n", int, low=1, high=MAX_CHOICES), 1)
+    n = or_default(r.get("n", int, low=1, high=MAX_CHOICES), 1)
     constraint = _response_format(r.get("response_format", dict))
     stream, include_usage = _streaming(r)
     r.get("user", str)
@@ -156,7 +101,7 @@ def _refuse_unsupported(body: dict) -> None:
             raise BodyError(name, _WHY_NOT.get(name, "is not supported by this server"))
 
 
-def _max_tokens(r: _Reader, chat: bool) -> tuple[str, int | None]:
+def _max_tokens(r: Reader, chat: bool) -> tuple[str, int | None]:
     """The name the client used for the token limit (answers name it too) and the limit: None leaves it to
     the server (chat); completions default to OpenAI's 16."""
     body = r.body
@@ -176,10 +121,10 @@ def _stop(stop: str | list | None) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         return (stop,)
-    return tuple(_strings(stop, "stop"))
+    return tuple(strings(stop, "stop"))
 
 
-def _logprobs(r: _Reader, chat: bool) -> tuple[bool, int | None]:
+def _logprobs(r: Reader, chat: bool) -> tuple[bool, int | None]:
     """Whether to answer with log-probabilities, and how many alternatives per token (None: no logprobs).
     Chat asks with logprobs: true and top_logprobs: k; completions with logprobs: k."""
     if not chat:
@@ -192,20 +137,20 @@ def _logprobs(r: _Reader, chat: bool) -> tuple[bool, int | None]:
     return want, (top or 0) if want else None
 
 
-def _streaming(r: _Reader) -> tuple[bool, bool]:
+def _streaming(r: Reader) -> tuple[bool, bool]:
     """stream, and stream_options.include_usage (only allowed when streaming)."""
     stream = bool(r.get("stream", bool))
     options = r.get("stream_options", dict)
     if options is not None and not stream:
         raise BodyError("stream_options", "is only allowed with stream: true")
-    return stream, bool(_Reader(options or {}, "stream_options.").get("include_usage", bool))
+    return stream, bool(Reader(options or {}, "stream_options.").get("include_usage", bool))
 
 
-def _temperature_top_p(r: _Reader) -> tuple[float, float | None]:
+def _temperature_top_p(r: Reader) -> tuple[float, float | None]:
     """temperature (OpenAI's range unless lmserve_ranges: true) and top_p; top_p 0 means greedy decoding.
     The lower bounds are the engine's own (one message for both edges)."""
     wide = bool(r.get("lmserve_ranges", bool))
-    temperature = _or(r.get("temperature", float, high=None if wide else MAX_OPENAI_TEMPERATURE,
+    temperature = or_default(r.get("temperature", float, high=None if wide else MAX_OPENAI_TEMPERATURE,
                             beyond="; lmserve_ranges: true accepts more"), 1.0)  # OpenAI's default is 1
     top_p = r.get("top_p", float)
     if top_p == 0.0:  # only the most likely token
@@ -213,7 +158,7 @@ def _temperature_top_p(r: _Reader) -> tuple[float, float | None]:
     return temperature, top_p
 
 
-def _params(r: _Reader, chat: bool, max_tokens: int | None, stop: tuple[str, ...], logprobs: int | None,
+def _params(r: Reader, chat: bool, max_tokens: int | None, stop: tuple[str, ...], logprobs: int | None,
             constraint: tuple[str, object] | None) -> InputParams:
     """The sampling and stopping parameters; their values' ranges (and the penalties') are the engine's
     to check."""
@@ -224,22 +169,22 @@ def _params(r: _Reader, chat: bool, max_tokens: int | None, stop: tuple[str, ...
         top_p=top_p,
         seed=r.get("seed", int),
         stop=stop,
-        presence_penalty=_or(r.get("presence_penalty", float), 0.0),
-        frequency_penalty=_or(r.get("frequency_penalty", float), 0.0),
+        presence_penalty=or_default(r.get("presence_penalty", float), 0.0),
+        frequency_penalty=or_default(r.get("frequency_penalty", float), 0.0),
         logprobs=logprobs,
-        top_k=_or(r.get("top_k", int), 0),
-        min_p=_or(r.get("min_p", float), 0.0),
+        top_k=or_default(r.get("top_k", int), 0),
+        min_p=or_default(r.get("min_p", float), 0.0),
         repetition_penalty=r.get("repetition_penalty", float),
         ignore_eos=bool(r.get("ignore_eos", bool)),
         stop_token_ids=tuple(_ints(r.get("stop_token_ids", list) or [], "stop_token_ids")),
-        speculate=_or(r.get("speculate", bool), True),
+        speculate=or_default(r.get("speculate", bool), True),
         prediction=_prediction(r.get("prediction", dict)) if chat else "",
         constraint=constraint,
         logit_bias=_logit_bias(r.get("logit_bias", dict)),
     )
 
 
-def _chat_input(r: _Reader, params: InputParams, fields: FieldPolicy) -> GenerateInput:
+def _chat_input(r: Reader, params: InputParams, fields: FieldPolicy) -> GenerateInput:
     """messages, tools, tool_choice and parallel_tool_calls of a chat body."""
     tools = _tool_use(r.get("tools", list), r.body.get("tool_choice"), r.get("parallel_tool_calls", bool))
     r.seen.add("tool_choice")
@@ -247,7 +192,7 @@ def _chat_input(r: _Reader, params: InputParams, fields: FieldPolicy) -> Generat
                          tools=tools)
 
 
-def _prompt_input(r: _Reader, params: InputParams) -> GenerateInput:
+def _prompt_input(r: Reader, params: InputParams) -> GenerateInput:
     """The prompt of a completions body; tools are a chat matter."""
     for name in ("tools", "tool_choice"):
         if r.body.get(name) not in (None, []):
@@ -282,7 +227,7 @@ def _logit_bias(bias: dict | None) -> tuple[tuple[int, float], ...]:
         if not (key.isascii() and key.lstrip("-").isdigit()):
             raise BodyError("logit_bias", f"keys must be token ids (integers, as strings), got {key[:32]!r}")
         if type(value) not in (int, float) or not math.isfinite(value):
-            raise BodyError("logit_bias", f"the bias of token {key} must be a number, got {_json_type(value)}")
+            raise BodyError("logit_bias", f"the bias of token {key} must be a number, got {json_type(value)}")
         out.append((int(key), float(value)))
     return tuple(out)
 
@@ -298,66 +243,55 @@ def _prediction(prediction: dict | None) -> str:
 
 def _tool_use(tools: list | None, choice, parallel: bool | None) -> ToolUse | None:
     """tools, tool_choice and parallel_tool_calls -> ToolUse; None when no tools are offered."""
-    if not tools:
-        if choice in (None, "none", "auto"):
-            return None
-        raise BodyError("tool_choice", "needs tools to choose from")
-    if len(tools) > MAX_TOOLS:
-        raise BodyError("tools", f"at most {MAX_TOOLS} functions, got {len(tools)}")
-    parsed = []
+    tools = tools or []
+    found = ToolSet(len(tools), "tools")
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
             raise BodyError(f"{where}.type", "must be 'function' (the only kind of tool served)")
         f = t.get("function")
         if not isinstance(f, dict):
-            raise BodyError(f"{where}.function", f"must be an object, got {_json_type(f)}")
-        r = _Reader(f, f"{where}.function.")
-        name = r.get("name", str, required=True)
-        if not NAME.fullmatch(name):
-            raise BodyError(f"{where}.function.name", f"must be 1 to 64 letters, digits, '_' or '-', got {name[:80]!r}")
-        if any(p.name == name for p in parsed):
-            raise BodyError(f"{where}.function.name", f"{name!r} is defined twice")
+            raise BodyError(f"{where}.function", f"must be an object, got {json_type(f)}")
+        r = Reader(f, f"{where}.function.")
+        r.get("name", str, required=True)
         r.get("strict", bool)  # calls always follow the schema here
-        parsed.append(Tool(name, r.get("description", str) or "", r.get("parameters", dict)))
+        found.add(f["name"], r.get("description", str), r.get("parameters", dict), f"{where}.function.name")
+    parallel = or_default(parallel, True)
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolUse(tuple(parsed), choice or "auto", parallel=_or(parallel, True))
+        return found.use(choice or "auto", parallel=parallel)
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        if not found.tools:
+            raise BodyError("tool_choice", "needs tools to choose from")
         raise BodyError("tool_choice", _TOOL_CHOICE)
-    name = choice["function"].get("name")
-    if not any(t.name == name for t in parsed):
-        raise BodyError("tool_choice.function.name", f"{str(name)[:80]!r} is not a function in tools "
-                                                     f"({', '.join(t.name for t in parsed[:8])})")
-    return ToolUse(tuple(parsed), "function", name, parallel=_or(parallel, True))
+    return found.use("function", choice["function"].get("name"), parallel, "tool_choice.function.name")
 
 
 def _tool_calls(raw, where: str) -> tuple[ToolCall, ...]:
     """An assistant message's tool_calls -> ToolCalls (arguments as JSON text)."""
     if not isinstance(raw, list):
-        raise BodyError(where, f"must be an array, got {_json_type(raw)}")
+        raise BodyError(where, f"must be an array, got {json_type(raw)}")
     calls = []
     for j, c in enumerate(raw):
         at = f"{where}[{j}]"
         if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
             raise BodyError(at, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}')
-        call_id = _Reader(c, f"{at}.").get("id", str, required=True)
-        f = _Reader(c["function"], f"{at}.function.")
+        call_id = Reader(c, f"{at}.").get("id", str, required=True)
+        f = Reader(c["function"], f"{at}.function.")
         arguments = c["function"].get("arguments")
         if isinstance(arguments, dict):  # some clients send the object itself
             arguments = json.dumps(arguments, ensure_ascii=False)
         elif not isinstance(arguments, str):
-            raise BodyError(f"{at}.function.arguments", f"must be a string of JSON, got {_json_type(arguments)}")
+            raise BodyError(f"{at}.function.arguments", f"must be a string of JSON, got {json_type(arguments)}")
         calls.append(ToolCall(call_id, f.get("name", str, required=True), arguments))
     return tuple(calls)
 
 
 def _messages(raw: list, fields: FieldPolicy) -> list[ChatTurn]:
-    turns = []
-    call_ids: set[str] = set()
+    history = History()
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise BodyError(where, f"must be an object, got {_json_type(m)}")
+            raise BodyError(where, f"must be an object, got {json_type(m)}")
         extra = sorted(m.keys() - _MESSAGE_KEYS)
         if extra:
             refused = [k for k in extra if k in _MESSAGE_REFUSED and m[k] is not None]
@@ -367,17 +301,15 @@ def _messages(raw: list, fields: FieldPolicy) -> list[ChatTurn]:
         role = m.get("role")
         if role not in _ROLES:
             raise BodyError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {str(role)[:32]!r}")
-        calls, call_id = (), None
+        if role == "tool":
+            call_id = Reader(m, f"{where}.").get("tool_call_id", str, required=True)
+            history.result(call_id, _content(m.get("content"), f"{where}.content", role), f"{where}.tool_call_id")
+            continue
+        calls = ()
         if role == "assistant" and m.get("tool_calls") is not None:
             calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
-            call_ids.update(c.id for c in calls)
-        if role == "tool":
-            call_id = _Reader(m, f"{where}.").get("tool_call_id", str, required=True)
-            if call_id not in call_ids:
-                raise BodyError(f"{where}.tool_call_id", f"{call_id[:80]!r} matches no call of an earlier assistant "
-                                                         "message")
-        turns.append(ChatTurn(_ROLES[role], _content(m.get("content"), f"{where}.content", role), calls, call_id))
-    return turns
+        history.say(_ROLES[role], _content(m.get("content"), f"{where}.content", role), calls)
+    return history.turns
 
 
 def _content(content, where: str, role: str) -> str:
@@ -392,7 +324,7 @@ def _content(content, where: str, role: str) -> str:
                 raise BodyError(f"{where}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
             parts.append(part["text"])
         return "".join(parts)
-    raise BodyError(where, f"must be a string or a list of text parts, got {_json_type(content)}")
+    raise BodyError(where, f"must be a string or a list of text parts, got {json_type(content)}")
 
 
 def _completion_input(prompt, params: InputParams) -> GenerateInput:
@@ -409,73 +341,8 @@ def _completion_input(prompt, params: InputParams) -> GenerateInput:
     raise BodyError("prompt", "must be a non-empty string or a list of token ids")
 
 
-def _strings(values: list, name: str) -> list[str]:
-    for i, v in enumerate(values):
-        if not isinstance(v, str):
-            raise BodyError(f"{name}[{i}]", f"must be a string, got {_json_type(v)}")
-    return values
-
-
 def _ints(values: list, name: str) -> list[int]:
     for i, v in enumerate(values):
         if type(v) is not int:
-            raise BodyError(f"{name}[{i}]", f"must be an integer, got {_json_type(v)}")
+            raise BodyError(f"{name}[{i}]", f"must be an integer, got {json_type(v)}")
     return values
-
-
-def _or(value, default):
-    return default if value is None else value
-
-
-class _Reader:
-    """Typed access to a body's fields; remembers which it read."""
-
-    def __init__(self, body: dict, prefix: str = ""):
-        self.body, self.prefix, self.seen = body, prefix, set()
-
-    def get(self, name: str, kind, required: bool = False, low=None, high=None, beyond: str = ""):
-        self.seen.add(name)
-        value = self.body.get(name)
-        where = self.prefix + name
-        if value is None:
-            if required:
-                raise BodyError(where, "is required")
-            return None
-        if kind is float:  # JSON numbers: an integer is a fine float; a bool is neither
-            if type(value) not in (int, float) or not math.isfinite(value):
-                raise BodyError(where, f"must be a number, got {_json_type(value)}")
-            value = float(value)
-        elif kind is int:
-            if type(value) is float and value.is_integer():
-                value = int(value)
-            if type(value) is not int:
-                raise BodyError(where, f"must be an integer, got {_json_type(value)}")
-        elif kind is bool:
-            if type(value) is not bool:
-                raise BodyError(where, f"must be true or false, got {_json_type(value)}")
-        elif not isinstance(value, kind):
-            names = {str: "a string", list: "an array", dict: "an object"}
-            want = " or ".join(names[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
-            raise BodyError(where, f"must be {want}, got {_json_type(value)}")
-        if low is not None and value < low:
-            raise BodyError(where, f"must be at least {low}, got {value}")
-        if high is not None and value > high:
-            raise BodyError(where, f"must be at most {high}, got {value}{beyond}")
-        if isinstance(value, str) and kind is str and name == "model" and not value:
-            raise BodyError(where, "must not be empty")
-        return value
-
-
-def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def check_model(model: str, served: tuple[str, ...]) -> None:
-    """An unknown model is a 404, as OpenAI answers it."""
-    if model not in served:
-        names = " or ".join(repr(n) for n in served)
-        raise EdgeError(Failure.NOT_FOUND, f"the model {model[:200]!r} is not served here; this server serves "
-                                           f"{names} (GET /v1/models)", param="model")

@@ -16,8 +16,10 @@ from ..engine.request import FinishReason
 from .errors import error_body
 from ..tools.parser import CallParser, Delta, ParsedCall
 from .openai_requests import OpenAIRequest
+from .reply import Ending, ending
 
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_ENDINGS = {Ending.END: "stop", Ending.STOP: "stop", Ending.LENGTH: "length", Ending.CALLS: "tool_calls"}
 DONE = b"data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -81,10 +83,7 @@ def logprobs_of(tokenizer, lps: list[TokenLogprob], chat: bool, offset: int = 0)
 
 def finish_name(finish: FinishReason, calls: CallParser | None = None) -> str:
     """OpenAI's finish_reason: `tool_calls` where the answer ended after complete calls (or at a repeat)."""
-    if calls is not None and (calls.repeated or (calls.complete_calls and finish in (FinishReason.EOS,
-                                                                                     FinishReason.STOP))):
-        return "tool_calls"
-    return FINISH.get(finish, "stop")
+    return _ENDINGS[ending(finish, calls)]
 
 
 def choice_body(req: OpenAIRequest, index: int, text: str, finish: FinishReason, logprobs: dict | None,
