@@ -8,7 +8,7 @@ kernel runs. Three backends:
 - `SdpaBackend`: SDPA over views of the cache (attention.AttentionMetadata and its call plan);
   any device. Batch-invariant serving gives every sequence its own call over exactly its own keys.
 - `NativeCpuBackend`: the project's CPU kernels: decode rows in one call per layer
-  (attention/decode.py) and, for a bfloat16 cache on AVX-512 BF16, prompt tokens in one call per
+  (attention/decode.py) and, on any CPU with AVX2, prompt tokens in one call per
   layer (attention/prompt.py); SDPA for what they do not take.
 - `CudaGraphsBackend`: SDPA, plus decode steps of static shape over the whole cache so that they
   can be captured as CUDA graphs (server/engine/cuda_graphs.py).

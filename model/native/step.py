@@ -10,7 +10,7 @@ batch-invariant for the same reasons.
 
 It takes the steps the native attention backend lays out: decode rows (`KernelDecode`, a verified
 draft's rows included), prompt chunks and packed new prompts (`KernelPrompt`), and steps mixing them.
-Steps on SDPA (no AVX-512 BF16 for the prompt kernel, another device) keep the eager layers.
+Steps on SDPA (no prompt kernel below AVX2, another device) keep the eager layers.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def run(args) -> dict:
               "baseline_commit": baseline_commit,
               "timing": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
                         "turns within every round", "rows": rows,
-              "prompt_kernel": "built" if prompt_built else "not built on this machine (it needs AVX-512 BF16)",
+              "prompt_kernel": "built" if prompt_built else "not built on this machine (it needs AVX2)",
               "decode_shape": {"heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS, "head_dim": D,
                                "layers": DECODE_LAYERS},
               "decode_timing": "ms for a step's layers, one call a layer: medians over rounds; the kernels take turns "

@@ -63,7 +63,7 @@ def int8_unavailable(loaded) -> str | None:
         return f"it needs bfloat16 activations ({str(loaded.dtype).removeprefix('torch.')} is served; float32 is the token-exact reference)"
     backend = loaded.attention
     if not isinstance(backend, NativeCpuBackend) or backend.prompt_kernel is None:
-        return "it needs the native decode and prompt attention kernels (AVX-512 BF16), which do not serve here"
+        return "it needs the native decode and prompt attention kernels (AVX2), which do not serve here"
     return None
 
 

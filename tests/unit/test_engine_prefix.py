@@ -190,7 +190,7 @@ def trained_bf16(trained_model_dir, native_kernels_dir):
     loaded = load_model(trained_model_dir, dtype=torch.bfloat16, device="cpu",
                         cache_dir=native_kernels_dir)
     if getattr(loaded.attention, "prompt_kernel", None) is None:  # SDPA serves prompts there; the property below is the kernel's
-        pytest.skip("no prompt-attention kernel on this CPU (it needs AVX-512 BF16)")
+        pytest.skip("no prompt-attention kernel on this CPU (it needs AVX2)")
     return loaded
 
 

@@ -1,4 +1,5 @@
-"""The CPU prompt-attention kernel (bfloat16; AVX-512 BF16, or AMX tiles where granted), each path: equal to the explicit attention within
+"""The CPU prompt-attention kernel (bfloat16 or int8 cache; AVX-512 BF16 dot products, the same sums on AVX2
+multiply-adds, or AMX tiles where granted), each path: equal to the explicit attention within
 bfloat16 rounding, each token bitwise the same whatever chunk or batch it comes in, bounds-checked;
 and through the model, a bfloat16 prefill on the kernel gives SDPA's logits within rounding and a
 prompt prefilled in chunks equals the same prompt prefilled whole, bit for bit."""
@@ -26,12 +27,12 @@ def lib(native_kernels_dir):
     return lib
 
 
-@pytest.fixture(scope="module", params=["avx512-bf16", "amx"])
+@pytest.fixture(scope="module", params=["vector", "amx"])
 def kernel(lib, request) -> PromptAttention:
-    """Each path the kernel has: AVX-512 BF16 dot products, and AMX tiles where the OS grants them
-    (a process serves one path for every prompt token; both must hold every property here)."""
-    if not PromptAttention.built(lib):  # the loader keeps SDPA on such a CPU; nothing of ours runs there
-        pytest.skip("this CPU has no AVX-512 BF16: prompt attention stays on SDPA")
+    """Each path the kernel has: vector dot products (AVX-512 BF16, or AVX2 multiply-adds), and AMX tiles
+    where the OS grants them (a process serves one path for every prompt token; both must hold every
+    property here)."""
+    assert PromptAttention.built(lib), "the prompt kernel is built on every CPU with AVX2"
     k = PromptAttention(lib)
     was = k.allow_amx(request.param == "amx")
     if request.param == "amx" and not k.uses_amx(D):
@@ -41,18 +42,27 @@ def kernel(lib, request) -> PromptAttention:
     k.allow_amx(was)
 
 
-def _cache(heads=(H, HKV, D), seed=0):
+@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def dtype(request, kernel):
+    """The cache's dtype (queries and outputs take it too): bfloat16, and float32 (the token-exact
+    reference's cache, on the vector path alone: the tiles take bfloat16 products)."""
+    if request.param == torch.float32 and kernel.uses_amx(D):
+        pytest.skip("a float32 cache takes the vector path, tested under [vector]")
+    return request.param
+
+
+def _cache(heads=(H, HKV, D), seed=0, dtype=torch.bfloat16):
     h, hkv, d = heads
     g = torch.Generator().manual_seed(seed)
-    kc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).bfloat16()
-    vc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).bfloat16()
+    kc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).to(dtype)
+    vc = torch.randn(SLOTS, hkv, MAX_LEN, d, generator=g).to(dtype)
     return kc, vc
 
 
-def _queries(n, heads=(H, HKV, D), seed=1):
+def _queries(n, heads=(H, HKV, D), seed=1, dtype=torch.bfloat16):
     h, hkv, d = heads
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(n, h + 2 * hkv, d, generator=g).bfloat16()
+    qkv = torch.randn(n, h + 2 * hkv, d, generator=g).to(dtype)
     return qkv[:, :h]  # strided rows, as the model passes them
 
 
@@ -75,19 +85,24 @@ def _tokens(spans):
 
 
 @pytest.mark.parametrize("heads", [(H, HKV, D), (4, 4, 32), (8, 1, 128), (6, 2, 32)])
-def test_matches_explicit_attention(kernel, heads):
-    kc, vc = _cache(heads)
+def test_matches_explicit_attention(kernel, heads, dtype):
+    kc, vc = _cache(heads, dtype=dtype)
     # a new prompt from 0, a chunk continuing one, single tokens at block edges, a long tail
     slots, pos = _tokens([(0, 0, 37), (3, 500, 40), (1, 15, 1), (1, 16, 1), (2, 1, 2), (4, 1050, 30)])
-    q = _queries(len(slots), heads)
+    q = _queries(len(slots), heads, dtype=dtype)
     out = kernel(q, kc, vc, slots, pos)  # [T, H*d]
-    torch.testing.assert_close(out.float(), _reference(q, kc, vc, slots, pos), atol=2e-2, rtol=2e-2)
-    err = (out.float() - _reference(q, kc, vc, slots, pos)).abs().mean()
+    assert out.dtype == dtype
+    ref = _reference(q, kc, vc, slots, pos)
+    if dtype == torch.float32:  # float32 sums in another order: a few units in the last place
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    err = (out.float() - ref).abs().mean()
     assert err < 2e-3  # bfloat16 rounding of the output and of the probabilities, on average well below
 
 
-def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel):
-    kc, vc = _cache()
+def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel, dtype):
+    kc, vc = _cache(dtype=dtype)
     rng = random.Random(0)
     for trial in range(12):
         spans, used = [], rng.sample(range(SLOTS), rng.randint(1, 4))
@@ -95,7 +110,7 @@ def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel):
             n = rng.randint(1, 60)
             spans.append((s, rng.randint(0, MAX_LEN - n), n))
         slots, pos = _tokens(spans)
-        q = _queries(len(slots), seed=trial)
+        q = _queries(len(slots), seed=trial, dtype=dtype)
         together = kernel(q, kc, vc, slots, pos)
         t = rng.randrange(len(slots))
         alone = kernel(q[t:t + 1], kc, vc, slots[t:t + 1], pos[t:t + 1])
@@ -106,10 +121,10 @@ def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel):
         assert torch.equal(split, together)
 
 
-def test_threads_do_not_change_a_bit(kernel):
-    kc, vc = _cache()
+def test_threads_do_not_change_a_bit(kernel, dtype):
+    kc, vc = _cache(dtype=dtype)
     slots, pos = _tokens([(0, 0, 100), (2, 700, 64)])
-    q = _queries(len(slots))
+    q = _queries(len(slots), dtype=dtype)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -121,14 +136,14 @@ def test_threads_do_not_change_a_bit(kernel):
     assert torch.equal(one, two)
 
 
-def test_non_finite_keys_stay_in_their_slot_and_past_a_tokens_position(kernel):
-    kc, vc = _cache()
+def test_non_finite_keys_stay_in_their_slot_and_past_a_tokens_position(kernel, dtype):
+    kc, vc = _cache(dtype=dtype)
     kc[1, :, 40] = float("nan")  # slot 1 at position 40
     vc[1, :, 41:] = float("inf")  # and everything past it in the values
     slots, pos = _tokens([(1, 0, 40), (0, 30, 20)])  # slot 1's tokens see keys 0..39 only
-    out = kernel(_queries(len(slots)), kc, vc, slots, pos)
+    out = kernel(_queries(len(slots), dtype=dtype), kc, vc, slots, pos)
     assert torch.isfinite(out).all()
-    bad = kernel(_queries(1), kc, vc, torch.tensor([1]), torch.tensor([40]))
+    bad = kernel(_queries(1, dtype=dtype), kc, vc, torch.tensor([1]), torch.tensor([40]))
     assert torch.isnan(bad).all()
 
 
@@ -148,27 +163,35 @@ def test_a_token_outside_the_cache_raises(kernel, bad):
 
 def test_shapes_it_does_not_take_are_declared(kernel):
     assert PromptAttention.supports(torch.bfloat16, 64, 9, 3)
-    assert not PromptAttention.supports(torch.float32, 64, 9, 3)  # float32 keeps SDPA (token-exact path)
+    assert PromptAttention.supports(torch.float32, 64, 9, 3)
+    assert not PromptAttention.supports(torch.float16, 64, 9, 3)
     assert not PromptAttention.supports(torch.bfloat16, 48, 9, 3)  # head_dim must be whole pairs of 16
     assert not PromptAttention.supports(torch.bfloat16, 64, 9, 2)
     kc = torch.zeros(2, 3, 8, 48, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
         kernel(torch.zeros(1, 9, 48, dtype=torch.bfloat16), kc, kc, torch.tensor([0]), torch.tensor([0]))
+    kc = torch.zeros(2, 3, 8, 64)
+    with pytest.raises(TypeError):  # a float32 cache with bfloat16 queries
+        kernel(torch.zeros(1, 9, 64, dtype=torch.bfloat16), kc, kc, torch.tensor([0]), torch.tensor([0]))
 
 
 # ---- through the model ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(kernel):
+def _model(dtype):
     from lmserve.model.config import ModelConfig
     from lmserve.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig(vocab_size=300, hidden_size=H * D, intermediate_size=256, num_layers=2, num_heads=H,
                       num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).init_weights(std=0.05, generator=torch.Generator().manual_seed(3)).bfloat16().eval()
+    m = LlamaForCausalLM(cfg).init_weights(std=0.05, generator=torch.Generator().manual_seed(3)).to(dtype).eval()
     for linear in [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]:
         _one_row_at_a_time(linear)
     return m
+
+
+@pytest.fixture(scope="module")
+def model(kernel):
+    return _model(torch.bfloat16)
 
 
 def _one_row_at_a_time(linear: torch.nn.Linear) -> None:
@@ -218,3 +241,21 @@ def test_model_prefill_on_the_kernel_matches_sdpa_and_chunks_change_nothing(mode
     torch.testing.assert_close(whole.float(), sdpa.float(), atol=0.1, rtol=0.05)
     p, r = torch.log_softmax(whole.float(), -1), torch.log_softmax(sdpa.float(), -1)
     assert (p.exp() * (p - r)).sum() < 1e-3  # KL(kernel || SDPA) of the next-token distribution
+
+
+def test_float32_model_prefill_on_the_kernel_matches_sdpa_and_chunks_change_nothing(kernel):
+    """float32, the token-exact reference, takes the kernel too: a prompt cut into chunks (as after a
+    prefix hit) gives the whole prompt's logits bit for bit, and SDPA's to float32 rounding."""
+    from lmserve.model.kv_cache import KVCache
+
+    if kernel.uses_amx(D):
+        pytest.skip("a float32 cache takes the vector path, tested under [vector]")
+    model = _model(torch.float32)
+    ids = random.Random(6).choices(range(model.config.vocab_size), k=300)
+    caches = [KVCache(model.config, 1, 512, torch.float32) for _ in range(3)]
+    with torch.inference_mode():
+        whole = _prefill(model, caches[0], ids, [300], kernel)[-1]
+        chunked = _prefill(model, caches[1], ids, [100, 37, 16, 147], kernel)[-1]
+        sdpa = _prefill(model, caches[2], ids, [300], None)[-1]
+    assert torch.equal(whole, chunked)
+    torch.testing.assert_close(whole, sdpa, atol=1e-4, rtol=1e-4)

@@ -44,7 +44,7 @@ extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const
                                    float* v_scales, const int64_t* slots, const int64_t* pos, void* out, int B, int H,
                                    int Hkv, int d, int64_t num_slots, int64_t max_len, float scale, int64_t window,
                                    int threads);
-extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+extern "C" int lm_prompt_attention(int bf16, const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
                                    const float* k_scales, const float* v_scales, const int64_t* slots,
                                    const int64_t* pos, void* out, int T, int H, int Hkv, int d, int64_t num_slots,
                                    int64_t max_len, float scale, int threads);
@@ -156,7 +156,7 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
                                         L.k_scales, L.v_scales, slots, pos, attn, P, H, Hkv, d, s->num_slots,
                                         s->max_len, s->scale, L.window, threads));
         else if (P > 0)
-            STEP(1, lm_prompt_attention(qk, qk_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales, slots, pos, attn, P, H,
+            STEP(1, lm_prompt_attention(1, qk, qk_n, L.k_cache, L.v_cache, L.k_scales, L.v_scales, slots, pos, attn, P, H,
                                         Hkv, d, s->num_slots, s->max_len, s->scale, threads));
         if (B > 0)
             STEP(1, lm_decode_attention(1, qk + P * qk_n, qk_n, qk + P * qk_n + (size_t)H * d, qk_n,

@@ -26,15 +26,27 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 #include <vector>
 
 #include "native_common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PA_BF16_DOT 1  // the pair products on the CPU's bfloat16 dot product
+#else
+#define PA_BF16_DOT 0  // ... on float multiply-adds (AVX2), in the same order: the same sums
+#endif
+
 static const int MAX_PAIRS = 128;  // head_dim <= 256
-static const int GROUP_ROWS = 8;   // query rows scored together (they share each K vector load)
+// query rows scored together (they share each K vector load); AVX2 has 16 vector registers, not 32
+#if PA_BF16_DOT || defined(__AVX512F__)
+static const int GROUP_ROWS = PA_BF16_DOT ? 8 : 4;
+#else
+static const int GROUP_ROWS = 2;
+#endif
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
 static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
 static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
@@ -76,12 +88,18 @@ static inline v16h bf16_of(const int8_t* p) {
     memcpy(&w, &f, sizeof w);
     return __builtin_convertvector(w >> 16, v16h);  // exact: a code has at most 7 significant bits
 }
-static inline v16u bf16_pairs_of(const uint16_t* p) {
+// 16 32-bit words of a cache row: 16 bfloat16 pairs (int8 codes as their bfloat16), or 16 floats' bits.
+static inline v16u words_of(const uint16_t* p) {
     v16u r;
     memcpy(&r, p, sizeof r);
     return r;
 }
-static inline v16u bf16_pairs_of(const int8_t* p) {
+static inline v16u words_of(const float* p) {
+    v16u r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline v16u words_of(const int8_t* p) {
     const v16h lo = bf16_of(p), hi = bf16_of(p + 16);
     v32h both = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
                                         20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -90,16 +108,21 @@ static inline v16u bf16_pairs_of(const int8_t* p) {
     return r;
 }
 
-// Keys j0..j0+15 of one (slot, head) into out[p] = pair p (head dims 2p, 2p+1) of the 16 keys, one
-// key per lane; keys at or past `valid` read as zeros (positions past the block may hold anything).
+// A row's 32-bit words: d / 2 bfloat16 pairs, or d floats.
+template <class T>
+constexpr int words_per_row(int d) { return sizeof(T) == 4 ? d : d / 2; }
+
+// Keys j0..j0+15 of one (slot, head) into out[p] = word p (head dims 2p, 2p+1 of a bfloat16 or int8
+// cache; head dim p of a float32 one) of the 16 keys, one key per lane; keys at or past `valid` read
+// as zeros (positions past the block may hold anything).
 template <class T>
 static inline void pack_keys(const T* K, int d, int j0, int valid, v16u* out) {
-    const int pairs = d / 2;
-    for (int pc = 0; pc < pairs; pc += 16) {
+    const int words = words_per_row<T>(d), per_word = d / words;
+    for (int pc = 0; pc < words; pc += 16) {
         v16u r[16];
         for (int l = 0; l < 16; ++l) {
             if (j0 + l < valid)
-                r[l] = bf16_pairs_of(K + (size_t)(j0 + l) * d + 2 * pc);
+                r[l] = words_of(K + (size_t)(j0 + l) * d + per_word * pc);
             else
                 r[l] = v16u{};
         }
@@ -124,27 +147,61 @@ static inline void pack_values(const T* V, int d, int j0, int valid, v16u* out) 
     }
 }
 
-typedef uint32_t pair_t __attribute__((may_alias));  // two bfloat16 of a query row, read as one word
-
-static inline __m512bh as_bh(v16u x) { return (__m512bh)(__m512i)x; }
-static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1_epi32((int)x); }
-
-// Raw scores of NR query rows against the 16 packed keys: out[r] lane l = q_r . k_l in float32.
-template <int NR>
-static inline void score_rows(const pair_t* const* q, const v16u* Kp, int pairs, v16f* out) {
-    __m512 even[NR], odd[NR];
-    for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int p = 0; p < pairs; p += 2) {
-        const __m512bh k0 = as_bh(Kp[p]), k1 = as_bh(Kp[p + 1]);
-        for (int r = 0; r < NR; ++r) {
-            even[r] = _mm512_dpbf16_ps(even[r], k0, broadcast_pair(q[r][p]));
-            odd[r] = _mm512_dpbf16_ps(odd[r], k1, broadcast_pair(q[r][p + 1]));
-        }
-    }
-    for (int r = 0; r < NR; ++r) out[r] = (v16f)_mm512_add_ps(even[r], odd[r]);
+// A float32 cache's values of keys j0..j0+15: out[i * C + c] = key j0 + i's head dims 16c..16c+15
+// (zeros at or past `valid`).
+static inline void pack_values(const float* V, int d, int j0, int valid, v16u* out) {
+    const int C = d / 16;
+    for (int i = 0; i < 16; ++i)
+        for (int c = 0; c < C; ++c) out[i * C + c] = j0 + i < valid ? words_of(V + (size_t)(j0 + i) * d + 16 * c) : v16u{};
 }
 
-static void score_group(const pair_t* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
+typedef uint32_t pair_t __attribute__((may_alias));  // two bfloat16 of a query row, read as one word
+
+// A bfloat16 pair's odd (high) and even (low) element, widened exactly.
+static inline v16f odd_of(v16u x) { return (v16f)(x & 0xFFFF0000u); }
+static inline v16f even_of(v16u x) { return (v16f)(x << 16); }
+static inline float odd_of(uint32_t x) { return bf16_to_f32((uint16_t)(x >> 16)); }
+static inline float even_of(uint32_t x) { return bf16_to_f32((uint16_t)x); }
+
+#if PA_BF16_DOT
+static inline __m512bh as_bh(v16u x) { return (__m512bh)(__m512i)x; }
+static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1_epi32((int)x); }
+#endif
+
+// acc + per lane the products of a's bfloat16 pair with the broadcast pair b: the odd elements'
+// product added first, then the even's, each sum rounded in float32 (the order of VDPBF16PS, whose
+// products are exact as the multiply-adds' are: without it, the same sums; denormals aside, which it
+// flushes).
+static inline v16f dot_pair(v16f acc, v16u a, uint32_t b) {
+#if PA_BF16_DOT
+    return (v16f)_mm512_dpbf16_ps((__m512)acc, as_bh(a), broadcast_pair(b));
+#else
+    return fma16(even_of(a), v16f{} + even_of(b), fma16(odd_of(a), v16f{} + odd_of(b), acc));
+#endif
+}
+
+// acc + a packed word's 16 lanes times a query word: a bfloat16 pair (dot_pair), or one float.
+static inline v16f dot_word(v16f acc, v16u k, pair_t q) { return dot_pair(acc, k, q); }
+static inline v16f dot_word(v16f acc, v16u k, float q) { return fma16((v16f)k, v16f{} + q, acc); }
+
+// Raw scores of NR query rows against the 16 packed keys: out[r] lane l = q_r . k_l in float32, the
+// even and the odd words in two chains added at the end. W: a query word (pair_t or float).
+template <int NR, class W>
+static inline void score_rows(const W* const* q, const v16u* Kp, int words, v16f* out) {
+    v16f even[NR], odd[NR];
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = v16f{};
+    for (int p = 0; p < words; p += 2) {
+        const v16u k0 = Kp[p], k1 = Kp[p + 1];
+        for (int r = 0; r < NR; ++r) {
+            even[r] = dot_word(even[r], k0, q[r][p]);
+            odd[r] = dot_word(odd[r], k1, q[r][p + 1]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) out[r] = even[r] + odd[r];
+}
+
+template <class W>
+static void score_group(const W* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
     switch (n) {
         case 8: score_rows<8>(q, Kp, pairs, out); break;
         case 7: score_rows<7>(q, Kp, pairs, out); break;
@@ -175,15 +232,43 @@ static inline v8u prob_pairs(const float* p) {
 template <int NR>
 static inline void weigh_rows(float* const* acc, const v8u* pp, const v16u* Vp, int C) {
     for (int c = 0; c < C; ++c) {
-        __m512 o[NR];
-        for (int r = 0; r < NR; ++r) o[r] = _mm512_loadu_ps(acc[r] + 16 * c);
+        v16f o[NR];
+        for (int r = 0; r < NR; ++r) o[r] = F32::load(acc[r] + 16 * c);
         for (int i = 0; i < 8; ++i) {
-            const __m512bh v = as_bh(Vp[i * C + c]);
-            for (int r = 0; r < NR; ++r) o[r] = _mm512_dpbf16_ps(o[r], v, broadcast_pair(pp[r][i]));
+            const v16u v = Vp[i * C + c];
+            for (int r = 0; r < NR; ++r) o[r] = dot_pair(o[r], v, pp[r][i]);
         }
-        for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + 16 * c, o[r]);
+        for (int r = 0; r < NR; ++r) F32::store(acc[r] + 16 * c, o[r]);
     }
 }
+
+// acc[r] (d floats) += NR rows' probabilities p[r][0..15] x the 16 keys' packed float32 values, key by key.
+template <int NR>
+static inline void weigh_rows(float* const* acc, const float* const* p, const v16u* Vp, int C) {
+    for (int c = 0; c < C; ++c) {
+        v16f o[NR];
+        for (int r = 0; r < NR; ++r) o[r] = F32::load(acc[r] + 16 * c);
+        for (int i = 0; i < 16; ++i) {
+            const v16f v = (v16f)Vp[i * C + c];
+            for (int r = 0; r < NR; ++r) o[r] = fma16(v, v16f{} + p[r][i], o[r]);
+        }
+        for (int r = 0; r < NR; ++r) F32::store(acc[r] + 16 * c, o[r]);
+    }
+}
+
+// A query or output element (float32 with a float32 cache, else bfloat16) and a query word.
+template <class T>
+using Elem = std::conditional_t<sizeof(T) == 4, float, uint16_t>;
+template <class T>
+struct WordOf {
+    typedef uint32_t type __attribute__((may_alias));  // as pair_t (an alias template would drop the attribute)
+};
+template <>
+struct WordOf<float> {
+    typedef float type;
+};
+template <class T>
+using Word = typename WordOf<T>::type;
 
 struct Block {
     int t0, n;       // tokens t0 .. t0 + n - 1
@@ -245,9 +330,10 @@ static inline const float* weighted_probs(const float* p, const float* vs, int j
 }
 
 template <class T>
-static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
-                         uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w) {
-    const int G = H / Hkv, R = blk.n * G, pairs = d / 2, C = d / 16;
+static void attend_block(const Block& blk, int h, const Elem<T>* q, int64_t q_row, const CacheView<T>& cache,
+                         Elem<T>* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w) {
+    constexpr bool f32 = sizeof(T) == 4;
+    const int G = H / Hkv, R = blk.n * G, words = words_per_row<T>(d), C = d / 16;
     const int valid = (int)(blk.p0 + blk.n);  // keys the block's last token sees
     const int blocks = (valid + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
@@ -257,14 +343,14 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
     load_block_scales(cache, blk.slot, h, Hkv, max_len, valid, w);
     w.scores.resize((size_t)R * stride);
     w.acc.assign((size_t)R * d, 0.0f);
-    w.kp.resize(MAX_PAIRS);
-    w.vp.resize((size_t)8 * C);
+    w.kp.resize(words);
+    w.vp.resize((size_t)16 * C);
 
-    const pair_t* rows[BLOCK_ROWS];
+    const Word<T>* rows[BLOCK_ROWS];
     int len[BLOCK_ROWS];
     for (int i = 0; i < blk.n; ++i)
         for (int g = 0; g < G; ++g) {
-            rows[i * G + g] = (const pair_t*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
+            rows[i * G + g] = (const Word<T>*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
             len[i * G + g] = (int)(blk.p0 + i + 1);
         }
 
@@ -274,7 +360,7 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         for (int r0 = 0; r0 < R; r0 += GROUP_ROWS) {
             const int n = std::min(GROUP_ROWS, R - r0);
             v16f s[GROUP_ROWS];
-            score_group(rows + r0, n, w.kp.data(), pairs, s);
+            score_group(rows + r0, n, w.kp.data(), words, s);
             for (int r = 0; r < n; ++r) {
                 const v16f x = scaled_scores<T>(s[r], w.ks.data(), j0, scale);
                 memcpy(w.scores.data() + (size_t)(r0 + r) * stride + j0, &x, sizeof x);
@@ -289,28 +375,40 @@ static void attend_block(const Block& blk, int h, const uint16_t* q, int64_t q_r
         const int j0 = b * 16;
         pack_values(V, d, j0, valid, w.vp.data());
         float* acc[PV_ROWS];
-        v8u pp[PV_ROWS];
+        v8u pp[PV_ROWS];  // bfloat16 probability pairs (a bfloat16 or int8 cache)
+        const float* pf[PV_ROWS];  // float32 probabilities (a float32 cache)
         float tmp[16];
         int n = 0;
+        auto weigh = [&](auto rows_now) {
+            constexpr int NR = decltype(rows_now)::value;
+            if constexpr (f32) weigh_rows<NR>(acc, pf, w.vp.data(), C);
+            else weigh_rows<NR>(acc, pp, w.vp.data(), C);
+        };
         for (int r = 0; r < R; ++r) {
             if (j0 >= len[r]) continue;  // a block this row does not see adds exactly nothing
             acc[n] = w.acc.data() + (size_t)r * d;
-            pp[n++] = prob_pairs(weighted_probs<T>(w.scores.data() + (size_t)r * stride + j0, w.vs.data(), j0, tmp));
+            const float* probs = w.scores.data() + (size_t)r * stride + j0;
+            if constexpr (f32) pf[n++] = probs;
+            else pp[n++] = prob_pairs(weighted_probs<T>(probs, w.vs.data(), j0, tmp));
             if (n == PV_ROWS) {
-                weigh_rows<PV_ROWS>(acc, pp, w.vp.data(), C);
+                weigh(std::integral_constant<int, PV_ROWS>{});
                 n = 0;
             }
         }
-        if (n == 3) weigh_rows<3>(acc, pp, w.vp.data(), C);
-        if (n == 2) weigh_rows<2>(acc, pp, w.vp.data(), C);
-        if (n == 1) weigh_rows<1>(acc, pp, w.vp.data(), C);
+        if (n == 3) weigh(std::integral_constant<int, 3>{});
+        if (n == 2) weigh(std::integral_constant<int, 2>{});
+        if (n == 1) weigh(std::integral_constant<int, 1>{});
     }
 
     for (int i = 0; i < blk.n; ++i)
         for (int g = 0; g < G; ++g) {
             const int r = i * G + g;
-            uint16_t* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d;
-            for (int c = 0; c < C; ++c) BF16::store(o + 16 * c, F32::load(w.acc.data() + (size_t)r * d + 16 * c) * inv[r]);
+            Elem<T>* o = out + ((size_t)(blk.t0 + i) * H + (size_t)(h * G + g)) * d;
+            for (int c = 0; c < C; ++c) {
+                const v16f y = F32::load(w.acc.data() + (size_t)r * d + 16 * c) * inv[r];
+                if constexpr (f32) F32::store(o + 16 * c, y);
+                else BF16::store(o + 16 * c, y);
+            }
         }
 }
 
@@ -642,8 +740,8 @@ extern "C" int lm_prompt_attention_set_amx(int on) {
 
 // Every task of one call (blocks x kv heads), longest blocks (latest positions) first.
 template <class T>
-static void run_tasks(const std::vector<Block>& blocks, const uint16_t* q, int64_t q_row, const CacheView<T>& cache,
-                      uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel) {
+static void run_tasks(const std::vector<Block>& blocks, const Elem<T>* q, int64_t q_row, const CacheView<T>& cache,
+                      Elem<T>* out, int H, int Hkv, int d, int64_t max_len, float scale, int threads, bool parallel) {
     const int tasks = (int)blocks.size() * Hkv;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
@@ -658,12 +756,12 @@ static void run_tasks(const std::vector<Block>& blocks, const uint16_t* q, int64
 
 // The call on the path this process takes: AMX tiles (blocks of up to 16 tokens) or attend_block.
 template <class T>
-static void run_call(const int64_t* slots, const int64_t* pos, int T_, const uint16_t* q, int64_t q_row,
-                     const CacheView<T>& cache, uint16_t* out, int H, int Hkv, int d, int64_t max_len, float scale,
+static void run_call(const int64_t* slots, const int64_t* pos, int T_, const Elem<T>* q, int64_t q_row,
+                     const CacheView<T>& cache, Elem<T>* out, int H, int Hkv, int d, int64_t max_len, float scale,
                      int threads) {
     const int G = H / Hkv;
 #ifdef PA_AMX
-    const bool amx = amx_attention_applies(d);
+    const bool amx = sizeof(T) < 4 && amx_attention_applies(d);  // tiles take bfloat16 products only
     const int amx_tokens = AMX_TOKENS;  // a block's tokens fill one tile's rows at most
 #else
     const bool amx = false;
@@ -677,23 +775,29 @@ static void run_call(const int64_t* slots, const int64_t* pos, int T_, const uin
     for (const Block& b : blocks) work += (b.p0 + b.n) * b.n;
     const bool parallel = threads > 1 && (int)blocks.size() * Hkv * (amx ? G : 1) > 1 && work * H * d >= (1 << 16);
 #ifdef PA_AMX
-    if (amx) return run_amx(blocks, q, q_row, cache, out, H, Hkv, d, max_len, scale, threads, parallel);
+    if constexpr (sizeof(T) < 4)
+        if (amx) return run_amx(blocks, q, q_row, cache, out, H, Hkv, d, max_len, scale, threads, parallel);
 #endif
     run_tasks(blocks, q, q_row, cache, out, H, Hkv, d, max_len, scale, threads, parallel);
 }
 
 // 0: done; 1: a shape the kernel does not take (or not built); 2: a token's slot or position
-// outside the cache. k_scales, v_scales: null for a bfloat16 cache; else the layer's K and V
-// scale pointers of an int8 cache (native_common.h).
-extern "C" int lm_prompt_attention(const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+// outside the cache. bf16: q, out and the cache are bfloat16 (or the cache int8 codes), else float32.
+// k_scales, v_scales: null for a bfloat16 or float32 cache; else the layer's K and V scale pointers of
+// an int8 cache (native_common.h).
+extern "C" int lm_prompt_attention(int bf16, const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
                                    const float* k_scales, const float* v_scales, const int64_t* slots,
                                    const int64_t* pos, void* out, int T, int H, int Hkv, int d, int64_t num_slots,
                                    int64_t max_len, float scale, int threads) {
     if (d % 32 != 0 || d / 2 > MAX_PAIRS || Hkv <= 0 || H % Hkv != 0 || H / Hkv > SMALL_BLOCK_ROWS) return 1;
-    if ((k_scales == nullptr) != (v_scales == nullptr)) return 1;
+    if ((k_scales == nullptr) != (v_scales == nullptr) || (k_scales && !bf16)) return 1;
     for (int t = 0; t < T; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= max_len) return 2;
-    if (k_scales)
+    if (!bf16)
+        run_call(slots, pos, T, (const float*)q, q_row,
+                 CacheView<float>{(const float*)k_cache, (const float*)v_cache, nullptr, nullptr}, (float*)out, H, Hkv,
+                 d, max_len, scale, threads);
+    else if (k_scales)
         run_call(slots, pos, T, (const uint16_t*)q, q_row,
                  CacheView<int8_t>{(const int8_t*)k_cache, (const int8_t*)v_cache, k_scales, v_scales},
                  (uint16_t*)out, H, Hkv, d, max_len, scale, threads);
@@ -712,7 +816,7 @@ extern "C" int lm_prompt_attention_amx(int) { return 0; }
 
 extern "C" int lm_prompt_attention_set_amx(int) { return 0; }
 
-extern "C" int lm_prompt_attention(const void*, int64_t, const void*, const void*, const float*, const float*,
+extern "C" int lm_prompt_attention(int, const void*, int64_t, const void*, const void*, const float*, const float*,
                                    const int64_t*, const int64_t*, void*, int, int, int, int, int64_t, int64_t, float,
                                    int) {
     return 1;
