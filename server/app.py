@@ -142,10 +142,12 @@ class Server:
         self.http = None
         if settings.http_port:
             from .http.app import OpenAIEdge
+            from .http.response_store import ResponseStore
             from .http.server import HttpServer
 
             edge = OpenAIEdge(self.frontend, tokens, max_body_bytes=settings.max_receive_message_bytes,
-                              read_timeout=settings.http_read_timeout, strict_fields=settings.strict_openai_fields)
+                              read_timeout=settings.http_read_timeout, strict_fields=settings.strict_openai_fields,
+                              responses_store=ResponseStore(settings.responses_store_max, settings.responses_store_ttl))
             self.http = HttpServer(settings, edge.app)
 
     @property

@@ -51,6 +51,8 @@ class ServerSettings:
     served_model_name: str | None = None  # comma-separated names the HTTP API answers to; None: the --model name
     chat_template: str | None = None  # a Jinja2 chat template file served instead of the model's own
     strict_openai_fields: bool = False  # refuse (400) top-level fields the OpenAI edge does not know
+    responses_store_max: int = 1000  # Responses API: responses kept for previous_response_id (0: none)
+    responses_store_ttl: float = 3600.0  # Responses API: seconds a stored response is kept
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self):
@@ -75,6 +77,8 @@ class ServerSettings:
         for name in ("input_workers", "http_max_connections", "max_concurrent_rpcs", "max_concurrent_streams", "max_health_watchers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.responses_store_max < 0 or not self.responses_store_ttl > 0:
+            raise ValueError("--responses-store-max must be >= 0 and --responses-store-ttl > 0 (seconds)")
         if self.max_input_chars is not None and self.max_input_chars < 1:
             raise ValueError("--max-input-chars must be >= 1")
         if self.dtype not in DTYPE_CHOICES:
@@ -179,6 +183,9 @@ HELP = {
                      "(sandboxed like the model's; e.g. one that renders tools)",
     "strict_openai_fields": "refuse HTTP requests carrying top-level fields this server does not know (400 naming "
                             "the field) instead of ignoring them and logging each name once: true or false",
+    "responses_store_max": "responses the Responses API keeps in memory (with their conversations) for "
+                           "previous_response_id and GET /v1/responses/{id}; the oldest go first (0: none kept)",
+    "responses_store_ttl": "seconds a stored response is kept",
 }
 
 

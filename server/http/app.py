@@ -32,6 +32,8 @@ from ..engine.request import RequestValidationError
 from ..frontend import Frontend, new_request_id
 from . import anthropic_messages
 from .anthropic_messages import MessagesDialect
+from .openai_responses_api import ResponsesDialect
+from .response_store import ResponseStore
 from .errors import problem_of, render, renamed
 from .choices import admit, gather_all, merged
 from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, check_model, parse_body, translate
@@ -42,7 +44,8 @@ from .sse import EventStream, unless_disconnected
 
 log = logging.getLogger("lmserve.http")
 OPEN_PATHS = frozenset({"/health", "/ready"})
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models")  # probes need no token, as grpc.health.v1 needs none
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+         "/v1/models")  # probes need no token, as grpc.health.v1 needs none
 JSON = "application/json"
 
 
@@ -63,7 +66,7 @@ class OpenAIEdge:
     """The handlers; `app` is the ASGI application to serve."""
 
     def __init__(self, frontend: Frontend, tokens: tuple[str, ...] = (), max_body_bytes: int = 4 * 2**20,
-                 read_timeout: float = 30.0, strict_fields: bool = False):
+                 read_timeout: float = 30.0, strict_fields: bool = False, responses_store: ResponseStore | None = None):
         self.frontend = frontend
         self.fields = FieldPolicy(strict_fields)
         self.tokens = BearerTokens(tokens) if tokens else None
@@ -71,17 +74,20 @@ class OpenAIEdge:
         self.read_timeout = read_timeout
         self.started = int(time.time())
         self.messages_dialect = MessagesDialect()
+        self.responses_dialect = ResponsesDialect(responses_store or ResponseStore())
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/messages", self.messages, methods=["POST"]),
                   Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/ready", self.ready, methods=["GET"])]
         self._routes = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
         self._generate_routes = {"/v1/chat/completions": self.chat, "/v1/completions": self.completions,
-                                 "/v1/messages": self.messages}
+                                 "/v1/messages": self.messages, "/v1/responses": self.responses}
 
     async def app(self, scope, receive, send) -> None:
         """ASGI entry: bearer tokens first (probes are open), then the routes."""
@@ -229,9 +235,24 @@ class OpenAIEdge:
             self.frontend.end(sample)
         return deltas
 
-    # ---- the one-answer dialects (Messages; each holds its own shapes) --------------------------
+    # ---- the one-answer dialects (Messages, Responses; each holds its own shapes) --------------
     async def messages(self, request: Request) -> Response:
         return await self._answer(request, self.messages_dialect)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._answer(request, self.responses_dialect)
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET (or DELETE) a response the Responses API stored."""
+        response_id = request.path_params["response_id"]
+        try:
+            body = self.responses_dialect.stored(response_id)
+        except EdgeError as exc:
+            return error_response(*render(problem_of(exc)))
+        if request.method == "DELETE":
+            self.responses_dialect.store.delete(response_id)
+            return json_response(json.dumps({"id": response_id, "object": "response", "deleted": True}).encode())
+        return json_response(json.dumps(body, ensure_ascii=False).encode())
 
     async def _answer(self, request: Request, dialect) -> Response:
         """One answer in a dialect's shapes: `dialect.translate` (a body -> translate.Generation),

@@ -65,6 +65,7 @@ class Generation:
     input: GenerateInput
     names: Callable[[str], str]  # an engine field (`params.max_new_tokens`) -> the dialect's name for it
     stream: bool = False
+    echo: dict | None = None  # what the dialect's answer repeats of the request (the Responses API's settings)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -203,6 +204,12 @@ class History:
     def __init__(self):
         self.turns: list[ChatTurn] = []
         self._calls: set[str] = set()
+
+    def resume(self, turns) -> None:
+        """Turns of a conversation checked before (a stored response's)."""
+        for t in turns:
+            self.turns.append(t)
+            self._calls.update(c.id for c in t.tool_calls)
 
     def say(self, role: str, content: str, calls: tuple[ToolCall, ...] = ()) -> None:
         self.turns.append(ChatTurn(role, content, calls))

@@ -1,0 +1,90 @@
+"""The Messages and Responses dialects' translation without a server: the written field policy (unknown
+fields ignored or refused with --strict-openai-fields; no-effect fields accepted), Anthropic's defaults,
+field names in the dialects' words, and the bounded store of responses (count and age)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve.server.edge_errors import EdgeError
+from lmserve.server.engine.request import RequestValidationError
+from lmserve.server.http import anthropic_messages
+from lmserve.server.http.openai_responses_api import ResponsesDialect
+from lmserve.server.http.response_store import ResponseStore, Stored
+from lmserve.server.http.translate import FieldPolicy
+from lmserve.server.inputs import ChatTurn
+
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSES = {"model": "m", "input": "hi"}
+
+
+def messages(body: dict, strict: bool = False):
+    return anthropic_messages.translate(body, FieldPolicy(strict))
+
+
+def responses(body: dict, strict: bool = False, store: ResponseStore | None = None):
+    return ResponsesDialect(store or ResponseStore()).translate(body, FieldPolicy(strict))
+
+
+def refused(call) -> tuple[str, str]:
+    with pytest.raises(RequestValidationError) as err:
+        call()
+    ((param, message),) = err.value.violations
+    return param, message
+
+
+def test_unknown_fields_are_ignored_unless_strict():
+    for translate, body in ((messages, MESSAGES), (responses, RESPONSES)):
+        assert translate({**body, "newer_field": 1}).model == "m"
+        assert refused(lambda: translate({**body, "newer_field": 1}, strict=True))[0] == "newer_field"
+
+
+def test_no_effect_fields_are_accepted_even_when_strict():
+    messages({**MESSAGES, "metadata": {"user_id": "u"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+              "service_tier": "auto", "cache_control": {"type": "ephemeral"}}, strict=True)
+    responses({**RESPONSES, "metadata": {"a": "b"}, "store": False, "include": [], "reasoning": {"effort": "low"},
+               "user": "u", "truncation": "disabled"}, strict=True)
+    count = anthropic_messages.translate({**MESSAGES, "temperature": 0.5}, FieldPolicy(True), counting=True)
+    assert count.input.params.max_new_tokens == 0  # count_tokens ignores a messages body's sampling fields
+
+
+def test_anthropic_defaults_and_choices():
+    p = messages(MESSAGES).input.params
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (1.0, None, 0, 8)
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    use = messages({**MESSAGES, "tools": [tool], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert (use.input.tools.choice, use.input.tools.parallel) == ("required", False)
+    assert messages({**MESSAGES, "tools": [tool], "tool_choice": {"type": "none"}}).input.tools.calls_allowed is False
+
+
+def test_engine_fields_are_named_in_each_dialects_words():
+    m, r = messages(MESSAGES).names, responses(RESPONSES).names
+    assert (m("params.max_new_tokens"), m("params.stop"), m("messages[3].content"), m("params.top_k")) == (
+        "max_tokens", "stop_sequences", "messages", "top_k")
+    assert (r("params.max_new_tokens"), r("tools[2].function.parameters"), r("messages")) == (
+        "max_output_tokens", "tools[2].parameters", "input")
+    assert m("tools[1].function.parameters") == "tools[1].input_schema"
+
+
+def test_the_store_is_bounded_in_count_and_age():
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl=10, clock=lambda: now[0])
+    for i in range(3):
+        store.put(f"r{i}", Stored({"id": f"r{i}"}, ()))
+    assert store.get("r0") is None and store.get("r2").body["id"] == "r2" and len(store) == 2
+    now[0] = 10.0
+    assert store.get("r1") is None and store.get("r2") is None and len(store) == 0
+    ResponseStore(max_entries=0).put("x", Stored({}, ()))  # storing off: nothing kept
+
+
+def test_a_continued_response_starts_from_its_stored_conversation():
+    store = ResponseStore()
+    said = (ChatTurn("user", "hi"), ChatTurn("assistant", "hello"))
+    store.put("resp_a", Stored({"id": "resp_a"}, said))
+    gen = responses({**RESPONSES, "input": "more", "previous_response_id": "resp_a", "instructions": "Be brief."},
+                    store=store)
+    assert [(t.role, t.content) for t in gen.input.messages] == [
+        ("system", "Be brief."), ("user", "hi"), ("assistant", "hello"), ("user", "more")]
+    with pytest.raises(EdgeError) as err:
+        responses({**RESPONSES, "previous_response_id": "resp_b"}, store=store)
+    assert err.value.param == "previous_response_id" and "resp_b" in str(err.value)
