@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ssl
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -62,6 +63,19 @@ def test_a_wrong_token_is_a_401(tls_server, pki, token):
             client.models.list()
     assert err.value.status_code == 401 and err.value.body["type"] == "authentication_error"
     assert err.value.response.headers["www-authenticate"] == "Bearer"
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(tls_server, pki):
+    def claude(token: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=tls_server.http_url.removesuffix("/v1"), api_key=token, max_retries=0,
+                                   timeout=60, http_client=anthropic.DefaultHttpxClient(verify=trusting(pki)))
+
+    with claude(TOKENS[1]) as client:
+        model = client.models.list().data[0].id
+        assert client.messages.count_tokens(model=model, messages=[{"role": "user", "content": "hi"}]).input_tokens
+    with claude("wrong-token") as client, pytest.raises(anthropic.AuthenticationError) as err:
+        client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
 
 
 def test_probes_need_no_token(tls_server, pki):

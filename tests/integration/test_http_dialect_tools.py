@@ -1,0 +1,137 @@
+"""Function tools through Anthropic's Messages API and OpenAI's Responses API, from the real SmolLM2
+(its template renders no tools: the fallback prompt) and the real clients: the `anthropic` SDK, the
+`openai` SDK's responses, openai-agents' default (Responses) model, and langchain-anthropic. With a call
+required or a function named, every call validates against its schema (jsonschema as the oracle); a
+streamed call adds up to the whole answer's; a result fed back is answered."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def model_id(smollm2_http) -> str:
+    with openai.OpenAI(base_url=smollm2_http.http_url, api_key="x", max_retries=0) as c:
+        return c.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def claude(smollm2_http):
+    with anthropic.Anthropic(base_url=smollm2_http.http_url.removesuffix("/v1"), api_key="x", max_retries=0,
+                             timeout=600) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(smollm2_http):
+    with openai.OpenAI(base_url=smollm2_http.http_url, api_key="x", max_retries=0, timeout=600) as c:
+        yield c
+
+
+def anthropic_tools() -> list[dict]:
+    return [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
+            {"name": "add", "description": "Add two integers", "input_schema": ADD}]
+
+
+def test_anthropic_tool_use_validates_streams_alike_and_takes_its_result(claude, model_id):
+    kw = dict(model=model_id, max_tokens=60, tools=anthropic_tools(), messages=[{"role": "user", "content": QUESTION}],
+              tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
+    whole = claude.messages.create(**kw)
+    assert whole.stop_reason == "tool_use"
+    (call,) = [b for b in whole.content if b.type == "tool_use"]
+    assert call.id.startswith("toolu_") and call.name in SCHEMAS
+    jsonschema.validate(call.input, SCHEMAS[call.name])
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content] == [
+        (b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content]
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == whole.usage.output_tokens
+    named = claude.messages.create(**{**kw, "tool_choice": {"type": "tool", "name": "add"},
+                                      "messages": [{"role": "user", "content": "What is 2 plus 40?"}]})
+    (add,) = [b for b in named.content if b.type == "tool_use"]
+    assert add.name == "add"
+    jsonschema.validate(add.input, ADD)
+    history = kw["messages"] + [{"role": "assistant", "content": [b.model_dump() for b in whole.content]},
+                                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                              "content": "Sunny, 24 C"}]}]
+    answer = claude.messages.create(**{**kw, "max_tokens": 24, "tool_choice": {"type": "auto"}, "messages": history})
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    counted = claude.messages.count_tokens(model=model_id, tools=anthropic_tools(), messages=history).input_tokens
+    assert counted == answer.usage.input_tokens + answer.usage.cache_read_input_tokens > whole.usage.input_tokens
+
+
+def test_responses_function_call_validates_streams_alike_and_continues_by_id(oai, model_id):
+    tools = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+              "parameters": WEATHER}, {"type": "function", "name": "add", "description": "Add two integers",
+                                       "parameters": ADD}]
+    kw = dict(model=model_id, input=QUESTION, tools=tools, tool_choice="required", parallel_tool_calls=False,
+              max_output_tokens=60, temperature=0)
+    whole = oai.responses.create(**kw)
+    (call,) = [i for i in whole.output if i.type == "function_call"]
+    assert call.call_id.startswith("call_") and call.name in SCHEMAS and whole.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with oai.responses.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[2:4] == ["response.output_item.added", "response.function_call_arguments.delta"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [(i.name, i.arguments) for i in final.output] == [(call.name, call.arguments)]
+    answer = oai.responses.create(model=model_id, previous_response_id=whole.id, tools=tools, max_output_tokens=40,
+                                  temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                         "output": "Sunny, 24 C"}])
+    assert answer.output and answer.usage.input_tokens > whole.usage.input_tokens
+
+
+async def test_openai_agents_default_responses_model_runs_a_tool_to_the_end(smollm2_http, model_id):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)  # no traces sent to OpenAI's servers
+    cities = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        cities.append(city)
+        return f"Sunny in {city}, 24 C"
+
+    client = openai.AsyncOpenAI(base_url=smollm2_http.http_url, api_key="x", max_retries=0, timeout=900)
+    agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                  model=OpenAIResponsesModel(model=model_id, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                               max_tokens=100))
+    result = await Runner.run(agent, QUESTION, max_turns=6)
+    await client.close()
+    kinds = [type(item) for item in result.new_items]
+    assert kinds[:2] == [ToolCallItem, ToolCallOutputItem] and kinds[-1] is MessageOutputItem, kinds
+    assert cities and isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_langchain_anthropic_bind_tools(smollm2_http, model_id):
+    langchain_anthropic = pytest.importorskip("langchain_anthropic")
+    from langchain_core.tools import tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    chat = langchain_anthropic.ChatAnthropic(model=model_id, base_url=smollm2_http.http_url.removesuffix("/v1"),
+                                             api_key="x", max_tokens=60, temperature=0, max_retries=0, timeout=600)
+    message = chat.bind_tools([add], tool_choice="add").invoke("What is 2 plus 40?")
+    assert message.tool_calls and not message.invalid_tool_calls, message
+    (call,) = message.tool_calls
+    assert call["name"] == "add"
+    jsonschema.validate(call["args"], add.tool_call_schema.model_json_schema())
