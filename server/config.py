@@ -117,7 +117,7 @@ HELP = {
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "host": "address the gRPC and HTTP servers bind (0.0.0.0 for all interfaces)",
     "port": "gRPC port (0: any free port, logged when bound)",
-    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models; "
+    "http_port": "port of the HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models; "
                  "probes /health and /ready), bound on --host with the same TLS and tokens as gRPC "
                  "(0 disables it; -1 binds any free port, which the startup log names)",
     "http_max_connections": "open HTTP connections at once; more are answered 503",
