@@ -5,7 +5,13 @@ quant_matmul.cpp, logit_mask.cpp, row_max.cpp, native_step.cpp; native_common.h)
 system C++ compiler (`-O3 -march=native -fopenmp`, the sources side by side on the cores: ~9 s on 2),
 cached under `<cache_dir>/kernels` per (sources, compiler, CPU), and loaded with ctypes: no torch
 headers, so building is quick, and OpenMP resolves to the runtime torch has already loaded. Without
-a compiler the callers keep the torch paths and log why.
+a compiler, or on a CPU the kernels do not know (no x86-64 AVX2 and FMA: ARM, older x86), the library
+is not built and the callers keep the torch paths and log why.
+
+$LMSERVE_NATIVE_MARCH names a narrower instruction set to build for than this CPU's own ("x86-64-v3":
+AVX2, no AVX-512; "x86-64-v2": none the kernels know), so that one machine can serve, and be tested,
+as a narrower one would; with ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA holding torch's own kernels
+to the same set (tests/unit/test_narrower_cpu.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,32 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 _BUILD_SECONDS = 180
+MARCH_ENV = "LMSERVE_NATIVE_MARCH"
+
+
+def served_march() -> str:
+    """What the served library is compiled for: "native" (this CPU's own instruction set), or the
+    narrower one named in $LMSERVE_NATIVE_MARCH (read at each build, not at import)."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def _target_defines(cxx: str, march: str) -> str:
+    """The compiler's predefined macros for this target ("" when it cannot tell)."""
+    arch, *more = march.split()
+    try:
+        return subprocess.run([cxx, f"-march={arch}", *more, "-dM", "-E", "-x", "c++", os.devnull],
+                              capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def unknown_cpu(cxx: str, march: str) -> str | None:
+    """Why the kernels have no path for this target (they need x86-64 with AVX2 and FMA), or None."""
+    defines = _target_defines(cxx, march)
+    if "__AVX2__" in defines and "__FMA__" in defines:
+        return None
+    what = "this CPU" if march == "native" else f"-march={march}"
+    return f"{what} has no AVX2 and FMA, which the native kernels need: the torch paths serve"
 
 
 def _identity(march: str = "native", sources=SOURCES) -> str:
@@ -55,17 +87,21 @@ def sources_digest(sources=SOURCES) -> str:
     return h.hexdigest()[:20]
 
 
-def build(cache_dir: Path, march: str = "native", sources=SOURCES) -> tuple[ctypes.CDLL | None, str]:
+def build(cache_dir: Path, march: str | None = None, sources=SOURCES) -> tuple[ctypes.CDLL | None, str]:
     """The library for this machine (compiled on first use, then cached), or None and why not.
 
-    march: the instruction set compiled for, optionally followed by more -m flags; "native"
-    serves, another (e.g. "x86-64-v3": AVX2, no AVX-512; "x86-64-v3 -mavxvnni") lets tests run a
+    march: the instruction set compiled for, optionally followed by more -m flags; None: the served
+    one (served_march: "native" unless narrowed), another (e.g. "x86-64-v3": AVX2, no AVX-512; "x86-64-v3 -mavxvnni") lets tests run a
     narrower path of the kernels on this machine, with `sources` a subset of SOURCES."""
     cxx = os.environ.get("CXX", "g++")
+    march = march or served_march()
     if shutil.which(cxx) is None:
         return None, f"no C++ compiler ({cxx}) on PATH"
     target = Path(cache_dir) / "kernels" / f"lmserve-native-{_identity(march, sources)}.so"
     if not target.is_file():
+        why = unknown_cpu(cxx, march)
+        if why:
+            return None, why
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -79,7 +115,7 @@ def build(cache_dir: Path, march: str = "native", sources=SOURCES) -> tuple[ctyp
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"compiling the native kernels failed: {exc}"
     try:
-        return ctypes.CDLL(str(target)), "built for this CPU"
+        return ctypes.CDLL(str(target)), "built for this CPU" if march == "native" else f"built for -march={march}"
     except OSError as exc:
         return None, f"loading the native kernels failed: {exc}"
 

@@ -165,8 +165,10 @@ def cpu_identity() -> dict:
                 flags = line.split(":", 1)[1].strip()
     except OSError:
         pass
+    from ..native.build import served_march
+
     return {"cpu": name, "flags": flags, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "capability": torch.backends.cpu.get_cpu_capability()}
+            "capability": torch.backends.cpu.get_cpu_capability(), "native_march": served_march()}
 
 
 # Bumped when how kernels are timed or chosen changes, so that a cached choice made by older code is
