@@ -84,9 +84,11 @@ def test_langchain_with_structured_output(chat_model, method):
     assert isinstance(person, Person), person
 
 
-async def test_openai_agents_runs_a_function_tool_to_the_end(smollm2_http, model_id):
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+async def run_weather_agent(base_url: str, model_class: str, model_id: str, **settings) -> None:
+    """An openai-agents Agent on `model_class` (its Chat Completions or its Responses model) runs a weather
+    tool to the end of its run: a call, its output, and a final message."""
+    import agents
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
     from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
 
     set_tracing_disabled(True)  # no traces sent to OpenAI's servers
@@ -98,17 +100,21 @@ async def test_openai_agents_runs_a_function_tool_to_the_end(smollm2_http, model
         cities.append(city)
         return f"Sunny in {city}, 24 C"
 
-    client = openai.AsyncOpenAI(base_url=smollm2_http.http_url, api_key="x", max_retries=0, timeout=900)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=900)
     agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                  model=OpenAIChatCompletionsModel(model=model_id, openai_client=client),
+                  model=getattr(agents, model_class)(model=model_id, openai_client=client),
                   # the first turn must call (the run then resets tool_choice, so the next turn may answer)
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, **settings))
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
     await client.close()
     kinds = [type(item) for item in result.new_items]
     assert kinds[:2] == [ToolCallItem, ToolCallOutputItem] and kinds[-1] is MessageOutputItem, kinds
     assert cities and all(isinstance(c, str) for c in cities)
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+async def test_openai_agents_runs_a_function_tool_to_the_end(smollm2_http, model_id):
+    await run_weather_agent(smollm2_http.http_url, "OpenAIChatCompletionsModel", model_id, max_tokens=80)
 
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
