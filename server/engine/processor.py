@@ -34,6 +34,15 @@ class StepOutput:
     gap: float | None = None  # seconds since the sequence's previous token (None for its first)
 
 
+def _constraint_ended(seq: Sequence) -> bool:
+    """Its constraint admits nothing after the token just recorded but the end (a JSON value closed, a tool
+    call whose grammar allows one): it ends there, where the end-of-sequence token the mask forces would
+    end it a token later. The constraint may have taken tokens past this one (a verified draft's run, an
+    overlapped step): it says after how many it finished."""
+    c = seq.constraint
+    return c is not None and not seq.request.params.ignore_eos and c.finished_at == len(seq.output_ids)
+
+
 class OutputProcessor:
     """Owns stops and detokenizing; the scheduler records the tokens and retires the sequences it says
     are done."""
@@ -112,6 +121,8 @@ class OutputProcessor:
             if stops.stopped:
                 reason = FinishReason.STOP
                 state.matched_stop = stops.matched
+            elif _constraint_ended(seq):
+                reason = FinishReason.EOS
             elif len(seq.output_ids) >= p.max_new_tokens:
                 reason = FinishReason.LENGTH
         if reason is not None and reason is not FinishReason.STOP:

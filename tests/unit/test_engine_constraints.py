@@ -139,6 +139,8 @@ async def test_regex_grammar_and_choice_outputs(smol):
         arith = await collect(engine, Request(chat(smol, "Write a sum."), params(Constraint.grammar(ARITH), 60,
                                                                                   temperature=0.8, seed=3)))
         pick = await collect(engine, Request(chat(smol, "Your favourite colour?"), params(Constraint.choice(options))))
+        tight = await collect(engine, Request(chat(smol, "Your favourite colour?"),
+                                              params(Constraint.choice(options), len(pick[0].token_ids))))
         obj = await collect(engine, Request(chat(smol, "A JSON object about a cat."),
                                             params(Constraint.json_object(), 60)))
     for res, _ in (phone, arith, pick):
@@ -146,6 +148,10 @@ async def test_regex_grammar_and_choice_outputs(smol):
     assert re.fullmatch(PHONE, phone[0].text)
     parser.parse(arith[0].text)
     assert pick[0].text in options
+    # nothing may follow a choice but the end: the answer ends with it, no end-of-sequence token generated,
+    # and so does one whose length limit strikes at its last token
+    assert not set(pick[0].token_ids) & set(smol.tokenizer.eos_ids)
+    assert tight[0].finish_reason is FinishReason.EOS and tight[0].token_ids == pick[0].token_ids
     if obj[0].finish_reason is FinishReason.EOS:
         assert isinstance(json.loads(obj[0].text), dict)
     else:  # ran out of tokens mid-object: a prefix of one

@@ -15,7 +15,8 @@ thread takes a core from the forward's. `allowed` answers as the mask's bit does
 id's answer to the mask along walks over each kind of constraint (llguidance is pinned).
 
 End of sequence is allowed exactly where the constraint is complete (the library puts the eos ids
-in the mask then, and only them once nothing can follow). `rollback(n)` undoes the last n tokens
+in the mask then, and only them once nothing can follow: `finished_at`, where the engine ends the
+output without generating that token). `rollback(n)` undoes the last n tokens
 and `count_valid(tokens)` says how many of a draft the constraint accepts: the two calls
 speculative decoding needs to verify a draft and rewind the rejected part.
 """
@@ -83,6 +84,9 @@ class ConstraintState:
         self._pending: Future | None = None
         self._stale = True  # the bits are not this position's mask (nor being computed)
         self.tokens = 0  # accepted so far
+        # after how many tokens nothing but the end may follow (None: not yet); read from the library where no
+        # mask is computing (its calls are serial), so never waited for
+        self.finished_at: int | None = 0 if matcher.is_stopped() else None
         self._start_mask()
 
     def _fill(self) -> None:
@@ -167,6 +171,8 @@ class ConstraintState:
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"token {token} is not allowed by the constraint: {self._m.get_error()[:200]}")
         self.tokens += 1
+        if self.finished_at is None and self._m.is_stopped():
+            self.finished_at = self.tokens
         self._start_mask()
 
     def rollback(self, n: int) -> None:
@@ -176,6 +182,8 @@ class ConstraintState:
             if n > self.tokens or not self._m.rollback(n):
                 raise ConstraintError(f"cannot roll back {n} of {self.tokens} tokens")
             self.tokens -= n
+            if self.finished_at is not None and self.finished_at > self.tokens:
+                self.finished_at = None
         self._start_mask()
 
     def count_valid(self, tokens: list[int]) -> int:
@@ -191,9 +199,8 @@ class ConstraintState:
 
     @property
     def is_finished(self) -> bool:
-        """Nothing but end of sequence may follow."""
-        self._wait()
-        return self._m.is_stopped()
+        """Nothing but end of sequence may follow (`finished_at`: no wait for the mask computing ahead)."""
+        return self.finished_at is not None
 
 
 def unpack(bitmasks: Tensor, vocab: int) -> Tensor:
