@@ -9,7 +9,8 @@ Under `auto` the text before a call is llguidance's lazy lexeme ending at the tr
 writes `<tool_call>` every token is allowed (a mask that costs microseconds: every token is allowed
 there), and from the trigger's last byte on, whichever tokens spelled it, the call is held to a name
 among the functions and arguments valid under its schema; after the calls only more calls (when
-parallel) or the end may follow. One matcher and one mask path serve text, calls and constrained
+parallel, and no function is named) or the end may follow. Where one call is all that may follow, the
+grammar admits nothing after it but the end, and the engine ends the answer there (processor.py). One matcher and one mask path serve text, calls and constrained
 answers alike, drafts are verified against it as for any constraint, and no engine change is needed.
 """
 
@@ -70,7 +71,7 @@ def tool_grammar(use: ToolUse, answer: dict | None = None) -> str:
         rules.append(f"args_{i}: %json {json.dumps(generation_schema(tool.schema))}")
     names = " | ".join(f"fn_{i}" for i in range(len(functions)))
     rules.append(f"call: {_lit(HEAD)} ({names}) {_lit(TAIL)}")
-    rules.append(f"calls: call ({_lit(BETWEEN + TRIGGER)} call)*" if use.parallel else "calls: call")
+    rules.append("calls: call" if use.one_call else f"calls: call ({_lit(BETWEEN + TRIGGER)} call)*")
     if use.choice != "auto":
         start = [f"start: {_lit(TRIGGER)} calls"]
     elif answer is None:

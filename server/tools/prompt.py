@@ -150,5 +150,5 @@ def _fallback_system_text(use: ToolUse) -> str:
     listed = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.schema},
                                   ensure_ascii=False) for t in use.callable())
     when = _WHEN[use.choice].format(name=use.function)
-    parallel = f"\n{FALLBACK_PARALLEL}" if use.parallel and use.choice != "function" else ""
+    parallel = "" if use.one_call else f"\n{FALLBACK_PARALLEL}"
     return f"{FALLBACK_INTRO}\n{listed}\n\n{FALLBACK_FORMAT}{parallel}\n{when}"

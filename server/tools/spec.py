@@ -52,6 +52,12 @@ class ToolUse:
     def calls_allowed(self) -> bool:
         return self.choice != "none" and bool(self.tools)
 
+    @property
+    def one_call(self) -> bool:
+        """At most one call: parallel calls refused, or a function named (OpenAI's forced function, Anthropic's
+        `tool` choice); the answer ends where that call ends."""
+        return not self.parallel or self.choice == "function"
+
     def callable(self) -> tuple[Tool, ...]:
         """The functions a call may name."""
         if self.choice == "function":

@@ -14,6 +14,9 @@ import openai
 import pytest
 from test_openai_clients import run_weather_agent
 
+from lmserve.client import Client
+from lmserve.server.tools import ToolCall
+
 pytestmark = pytest.mark.slow
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -26,6 +29,13 @@ QUESTION = "What is the weather in Paris?"
 def model_id(smollm2_http) -> str:
     with openai.OpenAI(base_url=smollm2_http.http_url, api_key="x", max_retries=0) as c:
         return c.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def own_tokens(smollm2_http):
+    """A call's own tokens: its envelope, as the model writes it, tokenized by the server (the Tokenize RPC)."""
+    with Client(smollm2_http.target, timeout=60) as client:
+        yield lambda name, arguments: len(client.tokenize(ToolCall("", name, arguments).envelope()).token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +127,48 @@ def test_langchain_anthropic_bind_tools(smollm2_http, model_id):
     (call,) = message.tool_calls
     assert call["name"] == "add"
     jsonschema.validate(call["args"], add.tool_call_schema.model_json_schema())
+
+
+ADD_QUESTION = "What is 2 plus 40?"
+
+
+def test_a_forced_call_ends_where_it_ends_in_every_dialect(oai, claude, model_id, own_tokens):
+    """A named function (Anthropic's `tool` choice) or parallel calls refused: one call is all that may follow,
+    so the answer ends with it, costing its own tokens (+ 10 at most); the limit striking at its last token
+    still ends it as a call. With parallel calls allowed, the limit striking after a complete call ends the
+    answer at the limit, the complete call kept."""
+    question = [{"role": "user", "content": ADD_QUESTION}]
+    chat_tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+    chat = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=120,
+                                       temperature=0, tool_choice={"type": "function", "function": {"name": "add"}})
+    (c,) = chat.choices
+    (call,) = c.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    own = own_tokens("add", call.function.arguments)
+    assert c.finish_reason == "tool_calls" and chat.usage.completion_tokens <= own + 10, (chat.usage, own)
+
+    message = claude.messages.create(model=model_id, max_tokens=120, tools=anthropic_tools(), messages=question,
+                                     tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 0})
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, ADD)
+    own = own_tokens("add", json.dumps(use.input))
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens <= own + 10, (message.usage, own)
+
+    response_tools = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
+    response = oai.responses.create(model=model_id, input=ADD_QUESTION, tools=response_tools, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    (item,) = response.output
+    jsonschema.validate(json.loads(item.arguments), ADD)
+    own = own_tokens("add", item.arguments)
+    assert response.status == "completed" and response.usage.output_tokens <= own + 10, (response.usage, own)
+
+    exact = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=own,
+                                        temperature=0, tool_choice="required", parallel_tool_calls=False)
+    (same,) = exact.choices[0].message.tool_calls
+    assert same.function.arguments == item.arguments
+    assert exact.choices[0].finish_reason == "tool_calls" and exact.usage.completion_tokens == own
+    more = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=own + 3,
+                                       temperature=0, tool_choice="required")  # SmolLM2 goes on to a second call
+    (kept,) = more.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(kept.function.arguments), ADD)  # complete
+    assert more.choices[0].finish_reason == "length" and own_tokens("add", kept.function.arguments) < own + 3

@@ -86,13 +86,19 @@ def vocabulary(smollm2_tokenizer):
     return build_vocabulary(smollm2_tokenizer)
 
 
-def accepts(vocabulary, tokenizer, grammar: str, text: str) -> bool:
-    """Whether the grammar lets `text` through to its end (tokenized as the model would write it)."""
+def matcher_after(vocabulary, tokenizer, grammar: str, text: str):
+    """The grammar's matcher after `text` (tokenized as the model would write it), or None where it refuses it."""
     from llguidance import LLMatcher
 
     matcher = LLMatcher(vocabulary.ll_tokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    return all(matcher.consume_token(t) for t in tokenizer.encode(text, parse_special=False)) and matcher.is_accepting()
+    return matcher if all(matcher.consume_token(t) for t in tokenizer.encode(text, parse_special=False)) else None
+
+
+def accepts(vocabulary, tokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar lets `text` through to its end."""
+    matcher = matcher_after(vocabulary, tokenizer, grammar, text)
+    return matcher is not None and matcher.is_accepting()
 
 
 def test_the_grammar_holds_calls_to_the_envelope_and_the_schemas(vocabulary, smollm2_tokenizer):
@@ -106,7 +112,7 @@ def test_the_grammar_holds_calls_to_the_envelope_and_the_schemas(vocabulary, smo
         "auto": [("Paris is sunny.", True), ("", True), ("Let me see. " + ok_weather, True),
                  ("<tool_call> is a tag", False), ("Sure " + envelope("add", '{"a": "x", "b": 2}'), False),
                  (ok_add + "\nthen text", False)],
-        "function": [(ok_add, True), (ok_weather, False)],
+        "function": [(ok_add, True), (ok_weather, False), (ok_add + "\n" + envelope("add", '{"a": 3, "b": 4}'), False)],
     }
     for choice, examples in cases.items():
         use = ToolUse((WEATHER, ADD), choice, "add" if choice == "function" else None)
@@ -116,6 +122,11 @@ def test_the_grammar_holds_calls_to_the_envelope_and_the_schemas(vocabulary, smo
     single = tool_grammar(ToolUse((WEATHER, ADD), "required", parallel=False))
     assert accepts(vocabulary, smollm2_tokenizer, single, ok_add)
     assert not accepts(vocabulary, smollm2_tokenizer, single, ok_add + "\n" + ok_add)
+    # one call all that may follow: after it nothing but the end (where the engine ends the answer); else more calls
+    for use, one in ((ToolUse((WEATHER, ADD), "required", parallel=False), True),
+                     (ToolUse((WEATHER, ADD), "function", "add"), True), (ToolUse((WEATHER, ADD), "required"), False)):
+        assert use.one_call is one
+        assert matcher_after(vocabulary, smollm2_tokenizer, tool_grammar(use), ok_add).is_stopped() is one
     answer = tool_grammar(ToolUse((ADD,), "auto"), answer={"type": "object", "properties": {"x": {"type": "integer"}},
                                                              "required": ["x"]})
     assert accepts(vocabulary, smollm2_tokenizer, answer, '{"x": 3}')
