@@ -10,8 +10,9 @@ writes `<tool_call>` every token is allowed (a mask that costs microseconds: eve
 there), and from the trigger's last byte on, whichever tokens spelled it, the call is held to a name
 among the functions and arguments valid under its schema; after the calls only more calls (when
 parallel, and no function is named) or the end may follow. Where one call is all that may follow, the
-grammar admits nothing after it but the end, and the engine ends the answer there (processor.py). One matcher and one mask path serve text, calls and constrained
-answers alike, drafts are verified against it as for any constraint, and no engine change is needed.
+grammar admits nothing after it but the end, where the engine ends any constrained output. One matcher
+and one mask path serve text, calls and constrained answers alike, drafts are verified against it as
+for any constraint, and no engine change is needed.
 """
 
 from __future__ import annotations
