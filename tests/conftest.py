@@ -98,6 +98,18 @@ def narrower_decode_attention(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def narrower_prompt_attention(tmp_path_factory):
+    """The prompt-attention kernel built for AVX2 (x86-64-v3: the pair products on float multiply-adds),
+    where this CPU runs it, by name."""
+    from lmserve.model.attention.prompt import PromptAttention
+
+    return narrower_builds(
+        tmp_path_factory, (("x86-64-v3", " avx2 ", "avx2"),),
+        lambda name, march: PromptAttention(kernels_built(tmp_path_factory, f"{name}-prompt", march,
+                                                          ("prompt_attention.cpp",))))
+
+
+@pytest.fixture(scope="session")
 def narrower_kernels(tmp_path_factory):
     """The quantized kernels built for AVX2 (x86-64-v3) and for AVX-VNNI on ymm, where this CPU runs
     them, by path name."""

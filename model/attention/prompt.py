@@ -5,9 +5,9 @@ SDPA's CPU kernel computes a bfloat16 prompt's attention in float32 arithmetic (
 long prompt spends most of its prefill there, and a late chunk of it costs a decoding batch
 sharing the step more than its linear layers do. The kernel here takes the bfloat16 dot products
 of AVX-512 BF16 with float32 sums (the products are exact either way; on AVX2, float multiply-adds in
-the same order give the same sums), in one call per layer for every prefill token of a step. Each
+the order the instruction is specified with), in one call per layer for every prefill token of a step. Each
 token's output depends only on its own keys: the same whatever chunk, batch or prefix-cache hit it
-came with. Float32 caches keep SDPA.
+came with. A float32 cache takes float32 products, so the token-exact reference keeps that property too.
 """
 
 from __future__ import annotations

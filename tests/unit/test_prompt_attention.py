@@ -7,6 +7,7 @@ prompt prefilled in chunks equals the same prompt prefilled whole, bit for bit."
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +120,22 @@ def test_a_token_is_bitwise_the_same_in_any_chunk_or_batch(kernel, dtype):
         split = torch.cat([kernel(q[:cut], kc, vc, slots[:cut], pos[:cut]),
                            kernel(q[cut:], kc, vc, slots[cut:], pos[cut:])]) if cut < len(slots) else together
         assert torch.equal(split, together)
+
+
+def test_the_avx2_build_agrees_with_this_machines(kernel, dtype, narrower_prompt_attention):
+    """The AVX2 build (pair products on float multiply-adds) against the one this CPU serves: a float32
+    cache bitwise (the same float steps lane by lane); a bfloat16 cache within a bfloat16 rounding of the
+    output (AVX-512 BF16's dot product flushes denormals and may round its pair sums otherwise; AMX tiles
+    sum in another order), and bitwise where this CPU has neither."""
+    kc, vc = _cache(dtype=dtype)
+    slots, pos = _tokens([(0, 0, 37), (3, 500, 40), (1, 15, 1), (4, 1050, 30)])
+    q = _queries(len(slots), dtype=dtype)
+    served, avx2 = kernel(q, kc, vc, slots, pos), narrower_prompt_attention["avx2"](q, kc, vc, slots, pos)
+    flags = Path("/proc/cpuinfo").read_text()
+    if dtype == torch.float32 or (" avx512_bf16 " not in flags and not kernel.uses_amx(D)):
+        assert torch.equal(served, avx2)
+    else:
+        torch.testing.assert_close(served.float(), avx2.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_threads_do_not_change_a_bit(kernel, dtype):

@@ -37,7 +37,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PA_BF16_DOT 1  // the pair products on the CPU's bfloat16 dot product
 #else
-#define PA_BF16_DOT 0  // ... on float multiply-adds (AVX2), in the same order: the same sums
+#define PA_BF16_DOT 0  // ... on float multiply-adds (AVX2), in the order VDPBF16PS is specified with
 #endif
 
 static const int MAX_PAIRS = 128;  // head_dim <= 256
@@ -169,9 +169,10 @@ static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1
 #endif
 
 // acc + per lane the products of a's bfloat16 pair with the broadcast pair b: the odd elements'
-// product added first, then the even's, each sum rounded in float32 (the order of VDPBF16PS, whose
-// products are exact as the multiply-adds' are: without it, the same sums; denormals aside, which it
-// flushes).
+// product added first, then the even's, each sum rounded in float32. That is VDPBF16PS as Intel's
+// reference specifies it (its products are exact, as the multiply-adds' are), so the two paths agree
+// to float32 rounding at least; the instruction flushes denormals, and a CPU may round its pair sum
+// otherwise. Each path is invariant on its own: a machine runs one for every prompt token.
 static inline v16f dot_pair(v16f acc, v16u a, uint32_t b) {
 #if PA_BF16_DOT
     return (v16f)_mm512_dpbf16_ps((__m512)acc, as_bh(a), broadcast_pair(b));
