@@ -72,6 +72,26 @@ def library_at(rev: str, into: Path):
     return lib, commit
 
 
+class SdpaPrompt:
+    """What prompt tokens take without the kernel (the SDPA backend's per-sequence call over the cache):
+    the T tokens of one slot, from position pos[0] on, attending to keys 0..their position through SDPA
+    with a boolean mask, the kv heads repeated for the query heads. A bfloat16 cache only."""
+
+    takes_int8 = False
+
+    def allow_amx(self, on: bool) -> bool:
+        return False
+
+    def __call__(self, q, k_cache, v_cache, slots, pos, k_scales=None, v_scales=None):
+        T, n = q.shape[0], int(pos[-1]) + 1
+        slot, group = int(slots[0]), H // HKV
+        k = k_cache[slot, :, :n].repeat_interleave(group, 0)  # [H, n, D]
+        v = v_cache[slot, :, :n].repeat_interleave(group, 0)
+        mask = torch.arange(n)[None, :] <= pos[:, None]  # [T, n]: True = may attend
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+        return out.transpose(0, 1).reshape(T, H * D)
+
+
 def random_caches() -> dict[str, tuple]:
     """A bfloat16 and an int8 cache (with its per-position scales) of one layer and two slots, seeded:
     (k, v, k scales, v scales) by name."""
@@ -98,6 +118,9 @@ def _sample(kernels: dict, caches: dict, paths: list[str], rounds: int, calls: i
                     slots = torch.ones(T, dtype=torch.long)
                     pos = torch.arange(start, start + T)
                     for name, kernel in taking_turns(kernels.items(), rnd):
+                        if (cache_name == "int8" and not getattr(kernel, "takes_int8", True)) or (
+                                path == "amx" and isinstance(kernel, SdpaPrompt)):
+                            continue
                         was = kernel.allow_amx(path == "amx")
                         kernel(q, k, v, slots, pos, ks, vs)  # warm-up
                         times = []
@@ -120,12 +143,12 @@ def _rows(samples: dict, baseline_rev: str | None) -> list[dict]:
         flops = 4 * H * D * sum(start + i + 1 for i in range(T))
         rows.append({"cache": cache_name, "path": path, "tokens": T, "start": start, "kernel": name,
                      "ms_per_layer": round(ms, 4), "gflop_s": round(flops / ms / 1e6, 1)})
-    if baseline_rev:
-        base = {(r["cache"], r["path"], r["tokens"], r["start"]): r["ms_per_layer"] for r in rows
-                if r["kernel"] == baseline_rev}
+    for other, field in ((baseline_rev, "speedup_over_baseline"), ("sdpa", "speedup_over_sdpa")):
+        base = {(r["cache"], r["tokens"], r["start"]): r["ms_per_layer"] for r in rows if other and r["kernel"] == other}
         for r in rows:
-            if r["kernel"] == "this build":
-                r["speedup_over_baseline"] = round(base[(r["cache"], r["path"], r["tokens"], r["start"])] / r["ms_per_layer"], 3)
+            key = (r["cache"], r["tokens"], r["start"])
+            if r["kernel"] == "this build" and key in base:
+                r[field] = round(base[key] / r["ms_per_layer"], 3)
     return rows
 
 
@@ -183,7 +206,7 @@ def run(args) -> dict:
     if lib is None:
         raise SystemExit("the native kernels are not built on this machine")
     prompt_built = PromptAttention.built(lib)
-    kernels = {"this build": PromptAttention(lib)} if prompt_built else {}
+    kernels = {"this build": PromptAttention(lib), "sdpa": SdpaPrompt()} if prompt_built else {}
     decoders = {"this build": DecodeAttention(lib)}
     baseline_commit = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +223,8 @@ def run(args) -> dict:
     report = {"threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": HKV, "head_dim": D},
               "baseline_commit": baseline_commit,
               "timing": "ms per layer call: medians over rounds of each round's median over calls; the kernels take "
-                        "turns within every round", "rows": rows,
+                        "turns within every round (sdpa: what prompt tokens take without the kernel, bfloat16 "
+                        "cache only)", "rows": rows,
               "prompt_kernel": "built" if prompt_built else "not built on this machine (it needs AVX2)",
               "decode_shape": {"heads": DECODE_HEADS, "kv_heads": DECODE_KV_HEADS, "head_dim": D,
                                "layers": DECODE_LAYERS},
@@ -210,6 +234,7 @@ def run(args) -> dict:
     for r in rows:
         if r["kernel"] == "this build":
             extra = f"  {r['speedup_over_baseline']:.2f}x the baseline" if "speedup_over_baseline" in r else ""
+            extra += f"  {r['speedup_over_sdpa']:.2f}x SDPA" if "speedup_over_sdpa" in r else ""
             print(f"{r['cache']:8s} {r['path']:6s} T={r['tokens']:4d} after {r['start']:5d}: "
                   f"{r['ms_per_layer']:.3f} ms ({r['gflop_s']:.0f} GFLOP/s){extra}")
     for r in decode:

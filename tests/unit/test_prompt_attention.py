@@ -276,3 +276,15 @@ def test_float32_model_prefill_on_the_kernel_matches_sdpa_and_chunks_change_noth
         sdpa = _prefill(model, caches[2], ids, [300], None)[-1]
     assert torch.equal(whole, chunked)
     torch.testing.assert_close(whole, sdpa, atol=1e-4, rtol=1e-4)
+
+
+def test_the_benchmarks_sdpa_baseline_computes_the_same_attention(kernel):
+    """`lmserve bench attention-kernels` times the kernel beside SDPA's call over the cache: that call
+    must do the same work (a chunk of one slot after cached keys), or the ratio means nothing."""
+    from lmserve.server.bench.attention_kernels import SdpaPrompt
+
+    kc, vc = _cache()
+    slots, pos = _tokens([(2, 300, 24)])
+    q = _queries(len(slots)).contiguous()
+    torch.testing.assert_close(SdpaPrompt()(q, kc, vc, slots, pos).float(), kernel(q, kc, vc, slots, pos).float(),
+                               atol=2e-2, rtol=2e-2)
