@@ -168,12 +168,6 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-    @property
-    def is_plain_llama(self) -> bool:
-        """Whether every layer is the Llama layer (what the native step loop computes, windows aside)."""
-        return (self.norm_style == "llama" and not self.sandwich_norms and self.hidden_act == "silu"
-                and not self.qk_norm and self.embed_scale == 1.0 and self.rope_local_theta is None)
-
     # ---- Hugging Face config.json -------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any] | str | Path, name: str | None = None) -> "ModelConfig":

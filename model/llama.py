@@ -31,12 +31,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.gemma = gemma  # scaled by (1 + weight) in float32, then cast (config.norm_style "gemma")
-        # linear/fused_ops.FusedOps: bfloat16 rows on CPU in one native pass (Llama-style norms of hidden rows)
-        self.fused = None if gemma else fused
+        self.style = "gemma" if gemma else "llama"
+        # linear/fused_ops.FusedOps: bfloat16 rows on CPU in one native pass
+        self.fused = fused
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None and self.fused.applies(x):
-            return self.fused.add_rmsnorm(x, None, self.weight, self.eps)[1]
+            return self.fused.add_rmsnorm(x, None, self.weight, self.eps, self.style)[1]
         # normalized in float32, cast back, then scaled (HF's order). Written out rather than
         # F.rms_norm, which is slower on CPU; in-place where the tensor is our own temporary.
         x32 = x.float()
@@ -44,6 +45,13 @@ class RMSNorm(nn.Module):
         if self.gemma:
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+    def add_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(s, norm(s)) for s = residual + x: a residual add and the next norm, in one pass where fused."""
+        if self.fused is not None and self.fused.applies(x):
+            return self.fused.add_rmsnorm(x, residual, self.weight, self.eps, self.style)
+        s = residual + x
+        return s, self(s)
 
 
 class Rotary(nn.Module):
@@ -128,8 +136,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
-        # linear/fused_ops.FusedOps: RoPE of bfloat16 q|k on CPU in one native pass (without q/k norms)
-        self.fused = fused if self.q_norm is None else None
+        # linear/fused_ops.FusedOps: the q/k norms and RoPE of bfloat16 q|k on CPU in one native pass
+        self.fused = fused
 
     def fuse_projections(self, make=fuse_linears) -> None:
         self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
@@ -144,11 +152,12 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x).view(B, L, H, d), self.k_proj(x).view(B, L, Hkv, d), self.v_proj(x).view(B, L, Hkv, d)
         else:
             qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
+            if self.fused is not None and self.fused.applies(qkv):  # q/k norms and RoPE in one pass
+                norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+                qk = self.fused.rope(qkv, *rope, H + Hkv, H, norms)
+                return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
             if self.q_norm is None:
-                if self.fused is not None and self.fused.applies(qkv):
-                    qk = self.fused.rope(qkv, *rope, H + Hkv)
-                else:
-                    qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
+                qk = Rotary.apply(qkv[:, :, : H + Hkv], *rope)  # q and k heads rotated in one pass
                 return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
             q, k, v = qkv[:, :, :H], qkv[:, :, H: H + Hkv], qkv[:, :, H + Hkv:]
         if self.q_norm is not None:
@@ -167,8 +176,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, fused=None):
         super().__init__()
         self.act = cfg.hidden_act  # "silu" or "gelu_tanh"
-        # linear/fused_ops.FusedOps: SiLU(gate) * up of bfloat16 rows on CPU in one native pass
-        self.fused = fused if self.act == "silu" else None
+        # linear/fused_ops.FusedOps: act(gate) * up of bfloat16 rows on CPU in one native pass
+        self.fused = fused
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -187,7 +196,7 @@ class MLP(nn.Module):
             return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
         if self.fused is not None and self.fused.applies(gate_up):
-            return self.down_proj(self.fused.silu_mul(gate_up))
+            return self.down_proj(self.fused.act_mul(gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.activation(gate) * up)
 
@@ -218,17 +227,14 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), (cos, sin_signed))
 
     def exit(self, x: Tensor, attn: Tensor) -> Tensor:
-        """o_proj and residual, then RMSNorm, gated MLP and residual: the layer's output [B, L, D]."""
+        """o_proj and residual, then RMSNorm, gated MLP and residual: the layer's output [B, L, D].
+        Sandwich norms: each branch's output normed before its residual add too."""
         o = self.self_attn.o_proj(attn)
-        if self.sandwich:  # each branch normed before its residual add, the MLP's input normed too
-            x = x + self.post_attention_layernorm(o)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        norm = self.post_attention_layernorm
-        if norm.fused is not None and norm.fused.applies(o):  # the residual add and the norm in one pass
-            x, h = norm.fused.add_rmsnorm(o, x, norm.weight, norm.eps)
-            return x + self.mlp(h)
-        x = x + o
-        return x + self.mlp(norm(x))
+        if self.sandwich:
+            x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(o), x)
+            return x + self.post_feedforward_layernorm(self.mlp(h))
+        x, h = self.post_attention_layernorm.add_norm(o, x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -266,9 +272,8 @@ class Segment:
 
 
 class LlamaForCausalLM(nn.Module):
-    """`fused_ops` (linear/fused_ops.FusedOps): bfloat16 RMSNorm, RoPE and SwiGLU on CPU in native
-    passes where a layer is what they compute (Llama-style norms of hidden rows, RoPE of q|k without
-    q/k norms, SiLU); None: the torch ops."""
+    """`fused_ops` (linear/fused_ops.FusedOps): bfloat16 RMSNorm (either style), q/k norms with RoPE
+    and the gated activation on CPU in native passes; None: the torch ops."""
 
     def __init__(self, cfg: ModelConfig, fused_ops=None):
         super().__init__()
@@ -342,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         ropes = self.model.rotary.all_tables(positions)
         one = [Segment(input_ids, positions, meta)] if self.native_step is not None else None
         if one is not None and self.native_step.applies(one, cache):
-            x = self.native_step(x, *ropes[0], one, cache)
+            x = self.native_step(x, ropes, one, cache)
         else:
             for layer in self.model.layers:
                 x = layer(x, ropes[layer.rope_kind], meta, cache)

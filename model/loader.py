@@ -188,7 +188,7 @@ class NativeParts:
     """What this device's native library gives a served model, chosen before it is built (native_parts)."""
 
     attention: SdpaBackend  # the attention backend
-    fused_ops: object = None  # linear/fused_ops.FusedOps for bfloat16 RMSNorm/RoPE/SwiGLU, or None
+    fused_ops: object = None  # linear/fused_ops.FusedOps for bfloat16 norms, RoPE, activations; or None
     step_lib: object = None  # the library for steps in one native call (where the model can take them), or None
     why: str = ""  # how the library came to be, or why there is none
 
@@ -201,7 +201,7 @@ class NativeParts:
             steps = f"eager ({why_not})"
         else:
             steps = "through the compiled layers (--compile true)"
-        log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/SwiGLU; steps %s", self.why,
+        log.info("native kernels: %s: attention %s, %s RMSNorm/RoPE/gated activation; steps %s", self.why,
                  self.attention.describe(), "fused" if self.fused_ops is not None else "torch", steps)
 
 

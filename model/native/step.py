@@ -8,6 +8,12 @@ on the fused ops, `NativeStep` calls those same kernels from one C++ loop instea
 arguments in the same order: its rows are bitwise the eager step's (tests/unit/test_native_step.py),
 batch-invariant for the same reasons.
 
+It computes each layer from a description (`_describe`): its norms by role (Gemma 3's sandwich norms
+around attention and the MLP too), q/k norms (Qwen3, Gemma 3), window and RoPE table (Gemma 3's
+sliding layers have their own base), with the model's norm style (w or 1 + w), activation (SiLU or
+GELU-tanh) and embedding scale, so every family ModelConfig describes runs in it (a linear with a
+bias aside: Qwen2).
+
 It takes the steps the native attention backend lays out: decode rows (`KernelDecode`, a verified
 draft's rows included), prompt chunks and packed new prompts (`KernelPrompt`), and steps mixing them.
 Steps on SDPA (no prompt kernel below AVX2, another device) keep the eager layers.
@@ -22,6 +28,7 @@ from torch import Tensor
 
 from ..attention.backend import KernelDecode, KernelPrompt
 from ..attention.decode import scale_pointers
+from ..linear import fused_ops
 from ..linear.kernels import NativeQuantLinear
 from ..kv_cache import KVCache
 
@@ -30,27 +37,52 @@ class _Linear(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("bits", ctypes.c_int32), ("precise", ctypes.c_int32)]
 
 
-class _Layer(ctypes.Structure):
+class _Layer(ctypes.Structure):  # native_step.cpp's StepLayer: one layer's description
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("input_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("window", ctypes.c_int64)]
+                ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("rope", ctypes.c_int64)]
 
 
 class _Ends(ctypes.Structure):
     _fields_ = [("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("embed_type", ctypes.c_int64),
-                ("embed_row_bytes", ctypes.c_int64), ("cos", ctypes.c_void_p),
-                ("sin_signed", ctypes.c_void_p), ("table_len", ctypes.c_int64), ("final_norm", ctypes.c_void_p)]
+                ("embed_row_bytes", ctypes.c_int64), ("embed_scale", ctypes.c_float), ("tables", ctypes.c_int32),
+                ("cos", ctypes.c_void_p * 2), ("sin_signed", ctypes.c_void_p * 2), ("table_len", ctypes.c_int64),
+                ("final_norm", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int32), ("D", ctypes.c_int32), ("H", ctypes.c_int32), ("Hkv", ctypes.c_int32),
                 ("d", ctypes.c_int32), ("I", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("norm_style", ctypes.c_int32), ("act", ctypes.c_int32),
                 ("num_slots", ctypes.c_int64), ("max_len", ctypes.c_int64)]
 
 
 def _linear(m) -> _Linear:
     return _Linear(m.packed.data_ptr(), m.bits, int(m.precise))
+
+
+def _ptr(norm) -> int | None:
+    """A norm's weight, or null where the layer has no such norm."""
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _describe(layer, cache: KVCache, i: int) -> _Layer:
+    """Decoder layer i (llama.DecoderLayer) as the loop reads it: its linears, its norms by role (a
+    sandwich layer's attention and MLP outputs normed too), q/k norms, window and RoPE table, and its
+    slice of the cache."""
+    a, m = layer.self_attn, layer.mlp
+    if layer.sandwich:
+        attn_out, mlp_in, mlp_out = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                                     layer.post_feedforward_layernorm)
+    else:
+        attn_out, mlp_in, mlp_out = None, layer.post_attention_layernorm, None
+    return _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
+                  _ptr(layer.input_layernorm), _ptr(attn_out), _ptr(mlp_in), _ptr(mlp_out), _ptr(a.q_norm),
+                  _ptr(a.k_norm), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+                  *scale_pointers(cache.k, *cache.scale_views(i)), a.window, layer.rope_kind)
 
 
 LAYER_ROLES = ("qkv", "o", "gate_up", "down")
@@ -60,12 +92,11 @@ def possible(cfg, dtype: torch.dtype, quantization: str, device: torch.device) -
     """Whether a model in this mode can serve steps through the native loop, its layers' linears
     on the native quantized kernel: then those roles are served on it (precision.measure_mode), since
     a per-role timing cannot see the ~9 ms a batch-1 step saves in dispatch."""
-    from ..linear import fused_ops
     from ..linear import quant_matmul as QM
     from ..attention.decode import DecodeAttention
 
     return (device.type == "cpu" and dtype == torch.bfloat16 and quantization in ("int8", "int4", "kquant")
-            and cfg.is_plain_llama and QM.default_kernel() is not None
+            and not (cfg.attention_bias or cfg.o_proj_bias) and QM.default_kernel() is not None
             and fused_ops.supports(cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)
             and DecodeAttention.supports(dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads))
 
@@ -78,8 +109,6 @@ def _embedding_table(embed) -> tuple[Tensor, int]:
 
 def why_not(model) -> str | None:
     """Why the model's steps cannot take the native loop, or None when they can."""
-    if not model.config.is_plain_llama:  # the loop computes the Llama layer (and its sliding windows) only
-        return f"the {model.config.model_type} layer (its norms, activation or RoPE) is not the loop's"
     if not model.prepared or not model.uses_fused_ops:
         return "the elementwise ops are not fused (float32, or no native library)"
     if _embedding_table(model.model.embed_tokens)[0].dtype not in (torch.bfloat16, torch.uint8):
@@ -94,7 +123,7 @@ def why_not(model) -> str | None:
 
 
 class NativeStep:
-    """`__call__(x, cos, sin_signed, segments, cache)`: every layer of a step, x [..., D] in place."""
+    """`__call__(x, ropes, segments, cache)`: every layer of a step, x [..., D] in place."""
 
     PHASES = ("linears", "attention", "other")
 
@@ -137,25 +166,29 @@ class NativeStep:
 
     def _tables(self, cache: KVCache):
         if self._layers is None or self._layers[0] is not cache:
-            arr = (_Layer * self.n_layers)()
-            for i, layer in enumerate(self.model.model.layers):
-                a, m = layer.self_attn, layer.mlp
-                arr[i] = _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
-                                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                                cache.k[i].data_ptr(), cache.v[i].data_ptr(),
-                                *scale_pointers(cache.k, *cache.scale_views(i)), a.window)
+            layers = self.model.model.layers
+            arr = (_Layer * self.n_layers)(*(_describe(layer, cache, i) for i, layer in enumerate(layers)))
             cfg = self.model.config
-            d = self.head_dim
-            self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
-                                 cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale, cache.num_slots,
-                                 cache.max_len)
-            inner = self.model.model
-            (table, ggml_type), rotary = _embedding_table(inner.embed_tokens), inner.rotary
-            self._ends = _Ends(table.data_ptr(), table.shape[0], ggml_type, table.stride(0) * table.element_size(),
-                               rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(), rotary.cos.shape[0],
-                               inner.norm.weight.data_ptr())
+            self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim,
+                                 cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale,
+                                 fused_ops.NORM_STYLES[cfg.norm_style], fused_ops.ACTIVATIONS[cfg.hidden_act],
+                                 cache.num_slots, cache.max_len)
+            self._ends = self._model_ends()
             self._layers = (cache, arr)
         return self._layers[1]
+
+    def _model_ends(self) -> _Ends:
+        inner = self.model.model
+        (table, ggml_type), rotary = _embedding_table(inner.embed_tokens), inner.rotary
+        tables = [(rotary.cos, rotary.sin_signed)]
+        if self.model.config.rope_local_theta is not None:  # the sliding layers' own (DecoderLayer.rope_kind 1)
+            tables.append((rotary.cos_local, rotary.sin_local))
+        # the factor as the eager embedding multiplies by it: a bfloat16 value (LlamaModel.scale_embeddings)
+        scale = float(torch.tensor(inner.embed_scale, dtype=torch.float32).to(torch.bfloat16))
+        return _Ends(table.data_ptr(), table.shape[0], ggml_type, table.stride(0) * table.element_size(), scale,
+                     len(tables), (ctypes.c_void_p * 2)(*(c.data_ptr() for c, _ in tables)),
+                     (ctypes.c_void_p * 2)(*(s.data_ptr() for _, s in tables)), min(c.shape[0] for c, _ in tables),
+                     inner.norm.weight.data_ptr())
 
     @staticmethod
     def _layout(segments):
@@ -176,15 +209,17 @@ class NativeStep:
         if rc:
             raise ValueError("native step: a kernel does not take this model's shapes")
 
-    def __call__(self, x: Tensor, cos: Tensor, sin_signed: Tensor, segments, cache: KVCache) -> Tensor:
+    def __call__(self, x: Tensor, ropes, segments, cache: KVCache) -> Tensor:
         """x [..., D] bfloat16: the segments' tokens back to back (row-major within each) -> the last
-        layer's output, same shape. cos, sin_signed: [..., 1, d] per token (Rotary.tables)."""
+        layer's output, same shape. ropes: ((cos, sin_signed) [..., 1, d] per token) of each table
+        (Rotary.all_tables)."""
         layers = self._tables(cache)
         d = self.head_dim
         x = x.contiguous()
-        cos, sin_signed = cos.reshape(-1, d).contiguous(), sin_signed.reshape(-1, d).contiguous()
+        cos = torch.stack([c.reshape(-1, d) for c, _ in ropes])  # [tables, N, d]
+        sin_signed = torch.stack([s.reshape(-1, d) for _, s in ropes])
         slots, pos, N, P, write_first = self._layout(segments)
-        if x.numel() != N * self._shape.D or cos.shape[0] != N:
+        if x.numel() != N * self._shape.D or cos.shape[1] != N:
             raise ValueError(f"native step: {N} tokens laid out but {x.numel() // self._shape.D} given")
         self._check(self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
                              sin_signed.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P, write_first,

@@ -30,16 +30,17 @@ def _close(got, want, steps=1):
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_add_rmsnorm_matches_the_residual_add_and_norm(ops, rows):
+@pytest.mark.parametrize("gemma", [False, True], ids=["w", "1+w"])
+def test_add_rmsnorm_matches_the_residual_add_and_norm(ops, rows, gemma):
     g = torch.Generator().manual_seed(rows)
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.randn(576, generator=g) * 0.3 + 1
+    norm = RMSNorm(576, 1e-5, gemma)
+    norm.weight.data = torch.randn(576, generator=g) * 0.3 + (0 if gemma else 1)  # a Gemma norm scales by 1 + w
     norm.to(BF16)
     x, res = (torch.randn(1, rows, 576, generator=g) * 4).to(BF16), torch.randn(1, rows, 576, generator=g).to(BF16)
-    s, y = ops.add_rmsnorm(x, res, norm.weight, norm.eps)
+    s, y = ops.add_rmsnorm(x, res, norm.weight, norm.eps, norm.style)
     assert torch.equal(s, x + res)  # the add is one rounding: exact
     _close(y, norm(x + res))
-    alone, y_alone = ops.add_rmsnorm(x, None, norm.weight, norm.eps)
+    alone, y_alone = ops.add_rmsnorm(x, None, norm.weight, norm.eps, norm.style)
     assert alone is x or torch.equal(alone, x)
     _close(y_alone, norm(x))
 
@@ -57,12 +58,34 @@ def test_rope_matches_rotate_half(ops, rows):
     _close(got, Rotary.apply(qkv[:, :, :12], cos, sin), steps=2)
 
 
+@pytest.mark.parametrize("gemma", [False, True], ids=["w", "1+w"])
+def test_rope_with_qk_norms_matches_the_norms_then_rotate_half(ops, gemma):
+    """Qwen3's and Gemma 3's q/k norms (each head RMS-normed by its own weights) fused before the rotation,
+    at Gemma 3 270M's heads (4 q, 1 k, d = 256)."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=640, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=256,
+                      intermediate_size=64, max_position_embeddings=4096)
+    rot = Rotary(cfg)
+    rot.build("cpu", BF16)
+    g = torch.Generator().manual_seed(4)
+    norms = [RMSNorm(256, 1e-6, gemma) for _ in range(2)]
+    for n in norms:
+        n.weight.data = torch.randn(256, generator=g) * 0.3 + (0 if gemma else 1)
+        n.to(BF16)
+    qkv = (torch.randn(1, 9, 6, 256, generator=g) * 3).to(BF16)  # q (4) | k (1) | v (1) heads
+    cos, sin = rot.tables(torch.randint(0, 4000, (1, 9), generator=g))
+    got = ops.rope(qkv, cos, sin, 5, 4, tuple(norms))
+    q, k = norms[0](qkv[:, :, :4]), norms[1](qkv[:, :, 4:5])
+    _close(got, torch.cat([Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)], 2), steps=3)
+
+
 @pytest.mark.parametrize("rows", [1, 33])
-def test_silu_mul_matches_swiglu(ops, rows):
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_mul_matches_the_gated_activation(ops, rows, act):
     g = torch.Generator().manual_seed(rows)
-    gate_up = (torch.randn(1, rows, 2 * 1536, generator=g) * 6).to(BF16)  # reaches both tails of the sigmoid
+    gate_up = (torch.randn(1, rows, 2 * 1536, generator=g) * 6).to(BF16)  # reaches both tails of the activation
     gate, up = gate_up.chunk(2, dim=-1)
-    _close(ops.silu_mul(gate_up), F.silu(gate) * up, steps=2)
+    want = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    _close(ops.act_mul(gate_up, act), want * up, steps=2)
 
 
 def test_rows_do_not_depend_on_the_batch(ops):
@@ -72,21 +95,31 @@ def test_rows_do_not_depend_on_the_batch(ops):
     gate_up = torch.randn(1, 40, 3072, generator=g).to(BF16)
     threads = torch.get_num_threads()
     try:
-        together = [ops.add_rmsnorm(x, res, w, 1e-5)[1], ops.silu_mul(gate_up)]
+        together = [ops.add_rmsnorm(x, res, w, 1e-5)[1], ops.act_mul(gate_up), ops.act_mul(gate_up, "gelu_tanh")]
         torch.set_num_threads(1)
         alone = [torch.cat([ops.add_rmsnorm(x[:, i:i + 1], res[:, i:i + 1], w, 1e-5)[1] for i in range(40)], 1),
-                 torch.cat([ops.silu_mul(gate_up[:, i:i + 1]) for i in range(40)], 1)]
+                 torch.cat([ops.act_mul(gate_up[:, i:i + 1]) for i in range(40)], 1),
+                 torch.cat([ops.act_mul(gate_up[:, i:i + 1], "gelu_tanh") for i in range(40)], 1)]
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
-def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops):
+FAMILY_OPTIONS = {  # ModelConfig fields of each family's layer (config.py)
+    "llama": {},
+    "qwen3": dict(qk_norm=True),
+    "gemma3": dict(norm_style="gemma", sandwich_norms=True, hidden_act="gelu_tanh", qk_norm=True,
+                   embed_scale=128 ** 0.5, query_scale=24 ** -0.5, layer_windows=(8, 0, 8), rope_local_theta=10000.0),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_OPTIONS))
+def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops, family):
     """Whole decoder on CPU in bfloat16: the fused path against the torch ops, same weights and inputs."""
     from lmserve.model.attention.sdpa import AttentionMetadata
 
     cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
-                      intermediate_size=256, max_position_embeddings=128)
+                      intermediate_size=256, max_position_embeddings=128, **FAMILY_OPTIONS[family])
     model = LlamaForCausalLM(cfg).init_weights(generator=torch.Generator().manual_seed(0)).to(BF16)
     with_ops = LlamaForCausalLM(cfg, fused_ops=ops).to(BF16)
     with_ops.load_state_dict(model.state_dict())

@@ -5,7 +5,12 @@ chunk, and a step mixing all of them, through both forward entry points; and eac
 alone or in the batch. Also with sliding windows on some layers (their prompt tokens then take the
 decode kernel, eager and native alike). With a bfloat16 cache and with an int8 one (the native writes quantize as the
 eager layers' torch writes do, codes and scales bit for bit). Oracle: the eager layers (themselves checked against transformers and the
-explicit attention elsewhere), run from a copy of the same cache."""
+explicit attention elsewhere), run from a copy of the same cache.
+
+The same tests run on the other families' layers (the loop reads a layer description): random-weight
+models at the layer shapes of Qwen3 0.6B (q/k norms), Gemma 3 270M (scaled embeddings, (1 + w) norms,
+four norms a layer, GELU-tanh, q/k norms, sliding layers on their own RoPE base beside a global one)
+and Phi-3 (head size 96, LongRoPE's tables, every layer sliding), a few layers each."""
 
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ from lmserve.model.linear import kernels as K
 from lmserve.model.tuning import precision as P
 from lmserve.model.linear import quant_matmul as QM
 from lmserve.model.checkpoints.gguf_reader import read_gguf
+from lmserve.model.config import LongRopeScaling, ModelConfig
 from lmserve.model.kv_cache import KVCache
-from lmserve.model.llama import Segment
+from lmserve.model.llama import LlamaForCausalLM, Segment
 from lmserve.model.loader import build_model, native_parts
 
 BF16 = torch.bfloat16
@@ -45,26 +51,60 @@ def gguf(smollm2_gguf_path):
 
 
 def served(gguf, kernel_dir, layers: str, head: str, windows: tuple[int, ...] = ()):
+    cfg = dataclasses.replace(gguf.config, layer_windows=windows)
+    return built(cfg, gguf.tensors, kernel_dir, layers, head, q41=gguf.q41, q80=gguf.q80)
+
+
+def built(cfg, tensors, kernel_dir, layers: str, head: str, **blocks):
+    """The model served in bfloat16 with its layers' linears on `layers`, the LM head on `head`; its backend."""
     quant = "int4" if layers.endswith("int4") else "int8"
     plan = P.Plan(P.Mode(BF16, quant), {r: head if r == "head" else layers for r in K.ROLES})
-    cfg = dataclasses.replace(gguf.config, layer_windows=windows)
     parts = native_parts(torch.device("cpu"), kernel_dir, BF16, cfg, True)
-    model = build_model(cfg, gguf.tensors, BF16, "cpu", plan=plan, q41=gguf.q41, q80=gguf.q80,
-                        fused_ops=parts.fused_ops, native_lib=parts.step_lib)
+    model = build_model(cfg, tensors, BF16, "cpu", plan=plan, fused_ops=parts.fused_ops, native_lib=parts.step_lib,
+                        **blocks)
     return model.freeze_attributes(), parts.attention
 
 
 SLIDING = tuple(16 if i % 3 else 0 for i in range(30))  # SmolLM2's 30 layers, two of three with a 16-key window
+SHAPE = dict(vocab_size=4096, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=1024)
+FAMILY_LAYERS = {  # a few layers of each family at its real model's layer shapes
+    "qwen3": ModelConfig(hidden_size=1024, num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
+                         intermediate_size=3072, rope_theta=1e6, model_type="qwen3", qk_norm=True, **SHAPE),
+    "gemma3": ModelConfig(hidden_size=640, num_layers=3, num_heads=4, num_kv_heads=1, head_dim=256,
+                          intermediate_size=2048, rope_theta=1e6, model_type="gemma3", norm_style="gemma",
+                          sandwich_norms=True, hidden_act="gelu_tanh", qk_norm=True, embed_scale=640 ** 0.5,
+                          query_scale=256 ** -0.5, layer_windows=(16, 0, 16), rope_local_theta=1e4, **SHAPE),
+    "phi3": ModelConfig(hidden_size=768, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=96, intermediate_size=2048,
+                        model_type="phi3", layer_windows=(16, 16), **SHAPE,
+                        rope_scaling=LongRopeScaling(tuple(1.0 + 0.05 * i for i in range(48)),
+                                                     tuple(1.5 + 0.4 * i for i in range(48)), 48, 1.19)),
+}
+
+
+def family_weights(cfg: ModelConfig) -> dict:
+    """Random weights by HF name: linears large enough that attention is not uniform, norms near identity."""
+    g = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(cfg).init_weights(std=0.08, generator=g)
+    return {n: w + 0.2 * torch.randn(w.shape, generator=g) if "norm" in n else w
+            for n, w in model.state_dict().items() if n != "lm_head.weight"}
 
 
 @pytest.fixture(scope="module", params=[("native-int8", "native-int8-a8", BF16, ()), ("native-int4", "int8", BF16, ()),
                                         ("native-int4", "int8", torch.int8, ()),
                                         ("native-int8", "native-int8-a8", BF16, SLIDING),
-                                        ("native-int4", "int8", torch.int8, SLIDING)],
-                ids=["int8", "int4", "int4-kv-int8", "int8-sliding", "int4-kv-int8-sliding"])
-def loaded(request, gguf, kernel_dir):
+                                        ("native-int4", "int8", torch.int8, SLIDING),
+                                        ("native-int8", "native-int8-a8", BF16, "qwen3"),
+                                        ("native-int4", "int8", torch.int8, "gemma3"),
+                                        ("native-int8", "int8", BF16, "phi3")],
+                ids=["int8", "int4", "int4-kv-int8", "int8-sliding", "int4-kv-int8-sliding", "qwen3-int8",
+                     "gemma3-int4-kv-int8", "phi3-int8"])
+def loaded(request, kernel_dir):
     layers, head, kv_dtype, windows = request.param
-    model, backend = served(gguf, kernel_dir, layers, head, windows)
+    if isinstance(windows, str):  # another family's layers
+        cfg = FAMILY_LAYERS[windows]
+        model, backend = built(cfg, family_weights(cfg), kernel_dir, layers, head)
+    else:
+        model, backend = served(request.getfixturevalue("gguf"), kernel_dir, layers, head, windows)
     assert model.native_step is not None, native_step.why_not(model)
     g = torch.Generator().manual_seed(0)
     cache = KVCache(model.config, 6, 256, kv_dtype)
@@ -239,3 +279,13 @@ def test_one_thread_and_two_give_the_same_bits(loaded):
         torch.set_num_threads(threads)
     assert torch.equal(out[1][0], out[2][0])
     assert all(torch.equal(a, b) for a, b in zip(out[1][1], out[2][1]))
+
+
+def test_every_family_but_a_biased_one_may_take_the_loop(kernel_dir):
+    """What the mode measurement reads (precision.time_mode): a family's layers may run in the loop, so
+    its roles are served on the native kernel; q/k/v biases (Qwen2) have no place in the layer description."""
+    cpu = torch.device("cpu")
+    for name, cfg in FAMILY_LAYERS.items():
+        assert native_step.possible(cfg, BF16, "int4", cpu), name
+    biased = dataclasses.replace(FAMILY_LAYERS["qwen3"], model_type="qwen2", qk_norm=False, attention_bias=True)
+    assert not native_step.possible(biased, BF16, "int4", cpu)

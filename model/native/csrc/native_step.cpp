@@ -1,6 +1,7 @@
 // Every decoder layer of a serving step in one call: bfloat16 activations on CPU, each layer's four
 // linears on the native quantized kernel (quant_matmul.cpp), attention on the prompt and decode
-// kernels (prompt_attention.cpp, decode_attention.cpp), norms, RoPE and SwiGLU fused (fused_ops.cpp).
+// kernels (prompt_attention.cpp, decode_attention.cpp), norms, RoPE and the gated activation fused
+// (fused_ops.cpp).
 //
 // It composes the same entry points the eager layers call one by one from Python, with the same
 // arguments and in the same order, so its rows are bitwise the eager step's (and batch-invariant
@@ -12,15 +13,20 @@
 //     written and attended in one call instead of one per segment: each token's attention reads only
 //     its own slot's keys and is computed the same in any grouping (prompt_attention.cpp).
 //
+// It computes a layer description, not one family's layer: each StepLayer says which norms the layer
+// has (the attention and MLP outputs normed before their residual adds: Gemma 3's sandwich; each q and
+// k head normed: Qwen3, Gemma 3), its window and which RoPE table it takes; StepShape the model's norm
+// style (w or 1 + w) and activation (SiLU or GELU-tanh); StepEnds the embedding scale.
+//
 // A step's N tokens: P prompt tokens first (continued chunks and new prompts), then N - P decode rows
-// (a verified draft's rows among them). Per layer:
-//   h = rmsnorm(x)                  (layer 0; later layers: x = x + down, h = rmsnorm(x), one pass)
-//   qkv = h Wqkv^T; q|k = rope(qkv)
+// (a verified draft's rows among them). Per layer (the [bracketed] steps where the layer has them):
+//   h = norm(x)                     (layer 0; later layers: x = x + down, h = norm(x), one pass)
+//   qkv = h Wqkv^T; q|k = rope([q/k norm] qkv) by the layer's table
 //   prompt tokens: k/v written to the cache, then each attends over its slot's keys 0..pos (a sliding
 //     layer: keys pos - window + 1 .. pos, each token as a decode row)
 //   decode rows: written and attended by the decode kernel (all written first when rows share a slot)
-//   x = x + attn Wo^T, h = rmsnorm(x)
-//   down = silu_mul(h Wgu^T) Wdown^T
+//   o = attn Wo^T, [o = norm(o)]; x = x + o, h = norm(x)
+//   down = act_mul(h Wgu^T) Wdown^T, [down = norm(down)]
 // and the last layer's x = x + down is left in x.
 
 #include <stdint.h>
@@ -33,10 +39,12 @@
 #include "native_common.h"
 
 extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, uint16_t* sum_out,
-                                   const uint16_t* weight, uint16_t* out, int rows, int D, float eps, int threads);
+                                   const uint16_t* weight, uint16_t* out, int rows, int D, float eps, int norm_style,
+                                   int threads);
 extern "C" int lm_rope_bf16(const uint16_t* qkv, int64_t row_stride, const uint16_t* cos, const uint16_t* sin_signed,
+                            const uint16_t* q_norm, const uint16_t* k_norm, int q_heads, float eps, int norm_style,
                             uint16_t* out, int rows, int heads, int d, int threads);
-extern "C" int lm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int I, int threads);
+extern "C" int lm_act_mul_bf16(const uint16_t* gate_up, uint16_t* out, int rows, int I, int act, int threads);
 extern "C" int lm_qmm(int bits, int precise, const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* w,
                       int64_t N, void* y, int y_bf16, int threads);
 extern "C" int lm_decode_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row,
@@ -57,18 +65,25 @@ struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
 
 struct StepLayer {
     StepLinear qkv, o, gate_up, down;
-    const uint16_t* input_norm;  // [D]
-    const uint16_t* post_norm;   // [D]
+    const uint16_t* input_norm;     // [D] the attention's input
+    const uint16_t* attn_out_norm;  // [D] the attention's output, before its residual add; null: none
+    const uint16_t* mlp_norm;       // [D] the MLP's input
+    const uint16_t* mlp_out_norm;   // [D] the MLP's output, before its residual add; null: none
+    const uint16_t* q_norm;         // [d] each query head's, before RoPE; null: none (then k_norm too)
+    const uint16_t* k_norm;         // [d] each key head's
     void* k_cache;               // this layer's [slots, Hkv, max_len, d]: bfloat16, or int8 codes
     void* v_cache;
     float* k_scales;             // the int8 cache's scales ([slots, max_len, 2, Hkv]; V = K + Hkv); null for bfloat16
     float* v_scales;
     int64_t window;              // 0, or a sliding layer's window: its prompt tokens take the decode kernel too
+    int64_t rope;                // which of the step's RoPE tables: 0 the global one, 1 the sliding layers' own
 };
 
 struct StepShape {
     int32_t layers, D, H, Hkv, d, I;
     float eps, scale;
+    int32_t norm_style;  // every norm's (fused_ops.cpp): 0 w * round(n) (Llama), 1 round(n * (1 + w)) (Gemma)
+    int32_t act;         // the gated MLP's activation: 0 SiLU, 1 GELU-tanh
     int64_t num_slots, max_len;
 };
 
@@ -103,9 +118,10 @@ static inline void write_kv(const StepLayer& L, const StepShape* s, const uint16
 
 extern "C" {
 
-// x: [N, D] bfloat16, the embedded tokens in, the last layer's output out. cos, sin_signed: [N, d]
-// (each token's position). slots, pos: [N]. Tokens 0..P-1 are prompt tokens, the rest decode rows;
-// write_first: decode rows share a slot, so every row's k/v is written before any row attends.
+// x: [N, D] bfloat16, the embedded tokens in, the last layer's output out. cos, sin_signed: [tables,
+// N, d], each token's row of each RoPE table (the global one; then the sliding layers' own where the
+// model has one: StepLayer.rope). slots, pos: [N]. Tokens 0..P-1 are prompt tokens, the rest decode
+// rows; write_first: decode rows share a slot, so every row's k/v is written before any row attends.
 // phase_ns: null, or 3 counters the call adds its nanoseconds to (linears, attention with its cache
 // writes, everything else). Returns 0; 2 when a token's slot or position lies outside the cache
 // (checked first: nothing is written then); else the first nonzero code of a kernel (1: a shape it
@@ -113,8 +129,9 @@ extern "C" {
 int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, const uint16_t* cos,
                    const uint16_t* sin_signed, const int64_t* slots, const int64_t* pos, int N, int P, int write_first,
                    int threads, int64_t* phase_ns) {
-    const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I, B = N - P;
+    const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I, B = N - P, style = s->norm_style;
     const int64_t qkv_n = (int64_t)(H + 2 * Hkv) * d, qk_n = (int64_t)(H + Hkv) * d;
+    const float eps = s->eps;
     if (P < 0 || B < 0) return 1;
     for (int t = 0; t < N; ++t)
         if (slots[t] < 0 || slots[t] >= s->num_slots || pos[t] < 0 || pos[t] >= s->max_len) return 2;
@@ -143,12 +160,14 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
     } while (0)
     for (int l = 0; l < s->layers; ++l) {
         const StepLayer& L = layers[l];
+        const size_t table = (size_t)L.rope * N * d;
         if (l == 0)
-            STEP(2, lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, N, D, s->eps, threads));
+            STEP(2, lm_add_rmsnorm_bf16(x, nullptr, nullptr, L.input_norm, h, N, D, eps, style, threads));
         else
-            STEP(2, lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, N, D, s->eps, threads));
+            STEP(2, lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, N, D, eps, style, threads));
         STEP(0, qmm(L.qkv, h, N, D, qkv_n, qkv, threads));
-        STEP(2, lm_rope_bf16(qkv, qkv_n, cos, sin_signed, qk, N, H + Hkv, d, threads));
+        STEP(2, lm_rope_bf16(qkv, qkv_n, cos + table, sin_signed + table, L.q_norm, L.k_norm, H, eps, style, qk, N,
+                             H + Hkv, d, threads));
         for (int t = 0; t < P; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
         for (int t = P; write_first && t < N; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
         if (P > 0 && L.window > 0)  // each prompt token over its own window, as a decode row (its k/v rewritten as is)
@@ -165,10 +184,14 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
                                         attn + (size_t)P * H * d, B, H, Hkv, d, s->num_slots, s->max_len, s->scale,
                                         L.window, threads));
         STEP(0, qmm(L.o, attn, N, (int64_t)H * d, D, o, threads));
-        STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.post_norm, h, N, D, s->eps, threads));
+        if (L.attn_out_norm)  // in place
+            STEP(2, lm_add_rmsnorm_bf16(o, nullptr, nullptr, L.attn_out_norm, o, N, D, eps, style, threads));
+        STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.mlp_norm, h, N, D, eps, style, threads));
         STEP(0, qmm(L.gate_up, h, N, D, 2 * I, gate_up, threads));
-        STEP(2, lm_silu_mul_bf16(gate_up, act, N, I, threads));
+        STEP(2, lm_act_mul_bf16(gate_up, act, N, I, s->act, threads));
         STEP(0, qmm(L.down, act, N, I, D, down, threads));
+        if (L.mlp_out_norm)
+            STEP(2, lm_add_rmsnorm_bf16(down, nullptr, nullptr, L.mlp_out_norm, down, N, D, eps, style, threads));
     }
 #undef STEP
     for (size_t i = 0; i < (size_t)N * D; i += 16)  // the last residual add, rounded as torch's
@@ -182,11 +205,26 @@ struct StepEnds {  // what a whole step needs beyond the layers
     int64_t vocab;
     int64_t embed_type;          // 0: bfloat16 rows; else the GGML type of the rows (gguf_blocks.h)
     int64_t embed_row_bytes;
-    const uint16_t* cos;         // [table_len, d] RoPE tables by position (Rotary.cos, sin_signed)
-    const uint16_t* sin_signed;
+    float embed_scale;           // the rows' factor, a bfloat16 value (Gemma: sqrt(D) rounded); 1: none
+    int32_t tables;              // RoPE tables: 1, or 2 where the sliding layers have their own base
+    const uint16_t* cos[2];      // [table_len, d] each table by position (Rotary.cos, sin_signed; cos_local, ...)
+    const uint16_t* sin_signed[2];
     int64_t table_len;
     const uint16_t* final_norm;  // [D]
 };
+
+// Token t's embedding row into x [D]: a bfloat16 copy or a GGML row decoded, times the embedding
+// scale rounded as torch's bfloat16 multiply (LlamaModel.scale_embeddings). False: a type it cannot decode.
+static bool embed_row(const StepEnds* e, int64_t id, int D, uint16_t* x) {
+    const uint8_t* row = e->embed + id * e->embed_row_bytes;
+    if (e->embed_type == 0)
+        memcpy(x, row, D * sizeof(uint16_t));
+    else if (!gguf::row_to_bf16((int)e->embed_type, row, D, x))
+        return false;
+    if (e->embed_scale != 1.0f)
+        for (int i = 0; i < D; i += 16) BF16::store(x + i, BF16::load(x + i) * e->embed_scale);
+    return true;
+}
 
 // A whole step but the LM head: the tokens ids [N] embedded, their RoPE rows looked up at rope_pos
 // [N], the layers (lm_step_layers, same slots, pos, P, write_first), then rows out_rows [n_out] of
@@ -198,34 +236,33 @@ struct StepEnds {  // what a whole step needs beyond the layers
 int lm_step_model(const StepLayer* layers, const StepShape* s, const StepEnds* e, const int64_t* ids,
                   const int64_t* rope_pos, const int64_t* slots, const int64_t* pos, int N, int P, int write_first,
                   const int64_t* out_rows, int n_out, uint16_t* out, int threads, int64_t* phase_ns) {
-    const int D = s->D, d = s->d;
-    if (N < 0 || n_out < 0) return 1;
+    const int D = s->D, d = s->d, T = e->tables;
+    if (N < 0 || n_out < 0 || T < 1 || T > 2) return 1;
     for (int t = 0; t < N; ++t)
         if (ids[t] < 0 || ids[t] >= e->vocab || rope_pos[t] < 0 || rope_pos[t] >= e->table_len) return 3;
     for (int j = 0; j < n_out; ++j)
         if (out_rows[j] < 0 || out_rows[j] >= N) return 3;
     const int64_t t0 = phase_ns ? now_ns() : 0;
     static thread_local std::vector<uint16_t> buf;
-    const size_t need = (size_t)N * (D + 2 * d) + (size_t)n_out * D;
+    const size_t need = (size_t)N * (D + 2 * T * d) + (size_t)n_out * D;
     if (buf.size() < need) buf.resize(need);
     uint16_t* x = buf.data();
-    uint16_t* cos = x + (size_t)N * D;
-    uint16_t* sin = cos + (size_t)N * d;
-    uint16_t* picked = sin + (size_t)N * d;
+    uint16_t* cos = x + (size_t)N * D;           // [T, N, d]
+    uint16_t* sin = cos + (size_t)T * N * d;     // [T, N, d]
+    uint16_t* picked = sin + (size_t)T * N * d;  // [n_out, D]
     for (int t = 0; t < N; ++t) {
-        if (e->embed_type == 0)
-            memcpy(x + (size_t)t * D, e->embed + ids[t] * e->embed_row_bytes, D * sizeof(uint16_t));
-        else if (!gguf::row_to_bf16((int)e->embed_type, e->embed + ids[t] * e->embed_row_bytes, D, x + (size_t)t * D))
-            return 1;
-        memcpy(cos + (size_t)t * d, e->cos + rope_pos[t] * d, d * sizeof(uint16_t));
-        memcpy(sin + (size_t)t * d, e->sin_signed + rope_pos[t] * d, d * sizeof(uint16_t));
+        if (!embed_row(e, ids[t], D, x + (size_t)t * D)) return 1;
+        for (int k = 0; k < T; ++k) {
+            memcpy(cos + ((size_t)k * N + t) * d, e->cos[k] + rope_pos[t] * d, d * sizeof(uint16_t));
+            memcpy(sin + ((size_t)k * N + t) * d, e->sin_signed[k] + rope_pos[t] * d, d * sizeof(uint16_t));
+        }
     }
     if (phase_ns) phase_ns[2] += now_ns() - t0;
     int rc = lm_step_layers(layers, s, x, cos, sin, slots, pos, N, P, write_first, threads, phase_ns);
     if (rc) return rc;
     const int64_t t1 = phase_ns ? now_ns() : 0;
     for (int j = 0; j < n_out; ++j) memcpy(picked + (size_t)j * D, x + out_rows[j] * D, D * sizeof(uint16_t));
-    rc = lm_add_rmsnorm_bf16(picked, nullptr, nullptr, e->final_norm, out, n_out, D, s->eps, threads);
+    rc = lm_add_rmsnorm_bf16(picked, nullptr, nullptr, e->final_norm, out, n_out, D, s->eps, s->norm_style, threads);
     if (phase_ns) phase_ns[2] += now_ns() - t1;
     return rc;
 }
