@@ -53,12 +53,13 @@ extern "C" int lm_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* residual, 
 // cos, sin_signed: rows x d (sin_signed = [-sin | sin]); out: rows x heads x d packed.
 // out = round(x * cos) + rotate_half(x) * sin_signed, rounded once more (torch's mul, addcmul).
 // q_norm, k_norm: null, or [d] weights each head is RMS-normed by first (heads 0 .. q_heads - 1 by
-// q_norm, the rest by k_norm) in norm_style, rounded as its own op is, before the rotation reads it.
+// q_norm, the rest by k_norm) in norm_style, rounded as its own op is, before the rotation reads it
+// (d up to MAX_D then: the normed head is held on the stack).
 extern "C" int lm_rope_bf16(const uint16_t* qkv, int64_t row_stride, const uint16_t* cos, const uint16_t* sin_signed,
                             const uint16_t* q_norm, const uint16_t* k_norm, int q_heads, float eps, int norm_style,
                             uint16_t* out, int rows, int heads, int d, int threads) {
     const int MAX_D = 512;
-    if (d % 32 != 0 || d > MAX_D) return 1;
+    if (d % 32 != 0 || (q_norm && d > MAX_D)) return 1;
     const int half = d / 2;
     for_rows(rows, (int64_t)heads * d, threads, [=](int r) {
         const uint16_t* c = cos + (size_t)r * d;
