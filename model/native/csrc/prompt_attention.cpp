@@ -41,12 +41,7 @@
 #endif
 
 static const int MAX_PAIRS = 128;  // head_dim <= 256
-// query rows scored together (they share each K vector load); AVX2 has 16 vector registers, not 32
-#if PA_BF16_DOT || defined(__AVX512F__)
-static const int GROUP_ROWS = PA_BF16_DOT ? 8 : 4;
-#else
-static const int GROUP_ROWS = 2;
-#endif
+static const int GROUP_ROWS = 8;   // query rows scored together on the dot product (they share each K vector load)
 static const int PV_ROWS = 4;      // query rows weighing values together (they share each V vector load)
 static const int BLOCK_ROWS = 48;  // query rows per task at most: tokens per block = rows / heads per kv head
 static const int SMALL_BLOCK_ROWS = 24;  // ... when larger blocks would leave the threads too few tasks to share
@@ -147,62 +142,44 @@ static inline void pack_values(const T* V, int d, int j0, int valid, v16u* out) 
     }
 }
 
-// A float32 cache's values of keys j0..j0+15: out[i * C + c] = key j0 + i's head dims 16c..16c+15
-// (zeros at or past `valid`).
+// A float32 cache's values of key pairs (j0 + 2i, j0 + 2i + 1), i < 8, as widen_pairs lays out a
+// bfloat16 cache's: out[(i * C + c) * 2] = key j0 + 2i + 1's head dims 16c..16c+15, out[... + 1] key
+// j0 + 2i's (zeros at or past `valid`).
 static inline void pack_values(const float* V, int d, int j0, int valid, v16u* out) {
     const int C = d / 16;
-    for (int i = 0; i < 16; ++i)
-        for (int c = 0; c < C; ++c) out[i * C + c] = j0 + i < valid ? words_of(V + (size_t)(j0 + i) * d + 16 * c) : v16u{};
+    for (int i = 0; i < 8; ++i)
+        for (int c = 0; c < C; ++c)
+            for (int o = 0; o < 2; ++o) {
+                const int j = j0 + 2 * i + 1 - o;  // a pair's odd key first
+                out[(i * C + c) * 2 + o] = j < valid ? words_of(V + (size_t)j * d + 16 * c) : v16u{};
+            }
 }
 
 typedef uint32_t pair_t __attribute__((may_alias));  // two bfloat16 of a query row, read as one word
-
-// A bfloat16 pair's odd (high) and even (low) element, widened exactly.
-static inline v16f odd_of(v16u x) { return (v16f)(x & 0xFFFF0000u); }
-static inline v16f even_of(v16u x) { return (v16f)(x << 16); }
-static inline float odd_of(uint32_t x) { return bf16_to_f32((uint16_t)(x >> 16)); }
-static inline float even_of(uint32_t x) { return bf16_to_f32((uint16_t)x); }
+typedef uint32_t v8u __attribute__((vector_size(32)));
 
 #if PA_BF16_DOT
+// ---- bfloat16 pairs on the CPU's dot product (a bfloat16 or int8 cache with AVX-512 BF16) ----------
 static inline __m512bh as_bh(v16u x) { return (__m512bh)(__m512i)x; }
 static inline __m512bh broadcast_pair(uint32_t x) { return (__m512bh)_mm512_set1_epi32((int)x); }
-#endif
-
-// acc + per lane the products of a's bfloat16 pair with the broadcast pair b: the odd elements'
-// product added first, then the even's, each sum rounded in float32. That is VDPBF16PS as Intel's
-// reference specifies it (its products are exact, as the multiply-adds' are), so the two paths agree
-// to float32 rounding at least; the instruction flushes denormals, and a CPU may round its pair sum
-// otherwise. Each path is invariant on its own: a machine runs one for every prompt token.
-static inline v16f dot_pair(v16f acc, v16u a, uint32_t b) {
-#if PA_BF16_DOT
-    return (v16f)_mm512_dpbf16_ps((__m512)acc, as_bh(a), broadcast_pair(b));
-#else
-    return fma16(even_of(a), v16f{} + even_of(b), fma16(odd_of(a), v16f{} + odd_of(b), acc));
-#endif
-}
-
-// acc + a packed word's 16 lanes times a query word: a bfloat16 pair (dot_pair), or one float.
-static inline v16f dot_word(v16f acc, v16u k, pair_t q) { return dot_pair(acc, k, q); }
-static inline v16f dot_word(v16f acc, v16u k, float q) { return fma16((v16f)k, v16f{} + q, acc); }
 
 // Raw scores of NR query rows against the 16 packed keys: out[r] lane l = q_r . k_l in float32, the
-// even and the odd words in two chains added at the end. W: a query word (pair_t or float).
-template <int NR, class W>
-static inline void score_rows(const W* const* q, const v16u* Kp, int words, v16f* out) {
-    v16f even[NR], odd[NR];
-    for (int r = 0; r < NR; ++r) even[r] = odd[r] = v16f{};
-    for (int p = 0; p < words; p += 2) {
-        const v16u k0 = Kp[p], k1 = Kp[p + 1];
+// even and the odd pairs in two chains added at the end.
+template <int NR>
+static inline void score_rows(const pair_t* const* q, const v16u* Kp, int pairs, v16f* out) {
+    __m512 even[NR], odd[NR];
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p += 2) {
+        const __m512bh k0 = as_bh(Kp[p]), k1 = as_bh(Kp[p + 1]);
         for (int r = 0; r < NR; ++r) {
-            even[r] = dot_word(even[r], k0, q[r][p]);
-            odd[r] = dot_word(odd[r], k1, q[r][p + 1]);
+            even[r] = _mm512_dpbf16_ps(even[r], k0, broadcast_pair(q[r][p]));
+            odd[r] = _mm512_dpbf16_ps(odd[r], k1, broadcast_pair(q[r][p + 1]));
         }
     }
-    for (int r = 0; r < NR; ++r) out[r] = even[r] + odd[r];
+    for (int r = 0; r < NR; ++r) out[r] = (v16f)_mm512_add_ps(even[r], odd[r]);
 }
 
-template <class W>
-static void score_group(const W* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
+static void score_group(const pair_t* const* q, int n, const v16u* Kp, int pairs, v16f* out) {
     switch (n) {
         case 8: score_rows<8>(q, Kp, pairs, out); break;
         case 7: score_rows<7>(q, Kp, pairs, out); break;
@@ -214,8 +191,6 @@ static void score_group(const W* const* q, int n, const v16u* Kp, int pairs, v16
         default: score_rows<1>(q, Kp, pairs, out); break;
     }
 }
-
-typedef uint32_t v8u __attribute__((vector_size(32)));
 
 // The 16 probabilities of one key block rounded to bfloat16, as 8 key pairs (first key low).
 static inline v8u prob_pairs(const float* p) {
@@ -233,43 +208,100 @@ static inline v8u prob_pairs(const float* p) {
 template <int NR>
 static inline void weigh_rows(float* const* acc, const v8u* pp, const v16u* Vp, int C) {
     for (int c = 0; c < C; ++c) {
-        v16f o[NR];
-        for (int r = 0; r < NR; ++r) o[r] = F32::load(acc[r] + 16 * c);
+        __m512 o[NR];
+        for (int r = 0; r < NR; ++r) o[r] = _mm512_loadu_ps(acc[r] + 16 * c);
         for (int i = 0; i < 8; ++i) {
-            const v16u v = Vp[i * C + c];
-            for (int r = 0; r < NR; ++r) o[r] = dot_pair(o[r], v, pp[r][i]);
+            const __m512bh v = as_bh(Vp[i * C + c]);
+            for (int r = 0; r < NR; ++r) o[r] = _mm512_dpbf16_ps(o[r], v, broadcast_pair(pp[r][i]));
         }
-        for (int r = 0; r < NR; ++r) F32::store(acc[r] + 16 * c, o[r]);
+        for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc[r] + 16 * c, o[r]);
     }
 }
+#endif
 
-// acc[r] (d floats) += NR rows' probabilities p[r][0..15] x the 16 keys' packed float32 values, key by key.
+// ---- float lanes: a float32 cache, and bfloat16 or int8 ones without the BF16 dot product -----------
+// VDPBF16PS, as Intel's reference specifies it, adds a pair's odd product, then its even one, each sum
+// rounded in float32, the products exact. Here the pairs are widened to floats once (keys and values
+// per key block, a query row per call) and the same two multiply-adds run on float lanes, in that order,
+// so both paths agree to float32 rounding at least (the instruction flushes denormals, and a CPU may
+// round its pair sum otherwise); each is invariant on its own, and a machine runs one for every token.
+
+struct Lanes {  // 16 float lanes: one AVX-512 register or two AVX2 ones
+#if defined(__AVX512F__)
+    __m512 v;
+    static Lanes zero() { return {_mm512_setzero_ps()}; }
+    static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static Lanes all(float x) { return {_mm512_set1_ps(x)}; }
+    Lanes plus(Lanes a, Lanes b) const { return {_mm512_fmadd_ps(a.v, b.v, v)}; }  // this + a * b, rounded once
+    Lanes operator+(Lanes o) const { return {_mm512_add_ps(v, o.v)}; }
+    void store(float* p) const { _mm512_storeu_ps(p, v); }
+#else
+    __m256 lo, hi;
+    static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+    static Lanes all(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+    Lanes plus(Lanes a, Lanes b) const { return {_mm256_fmadd_ps(a.lo, b.lo, lo), _mm256_fmadd_ps(a.hi, b.hi, hi)}; }
+    Lanes operator+(Lanes o) const { return {_mm256_add_ps(lo, o.lo), _mm256_add_ps(hi, o.hi)}; }
+    void store(float* p) const { _mm256_storeu_ps(p, lo), _mm256_storeu_ps(p + 8, hi); }
+#endif
+};
+
+// Raw scores of NR query rows against 16 keys as float words, K[w * 16 + l] = word w of key l, and each
+// row's words q[r][w]: one chain takes words 4i and 4i + 1, the other 4i + 2 and 4i + 3 (for widened
+// bfloat16 pairs: a pair's odd element then its even one, the even and the odd pairs' chains of the
+// dot-product path), added at the end: out[r] lane l = q_r . k_l. words: a multiple of 4.
 template <int NR>
-static inline void weigh_rows(float* const* acc, const float* const* p, const v16u* Vp, int C) {
-    for (int c = 0; c < C; ++c) {
-        v16f o[NR];
-        for (int r = 0; r < NR; ++r) o[r] = F32::load(acc[r] + 16 * c);
-        for (int i = 0; i < 16; ++i) {
-            const v16f v = (v16f)Vp[i * C + c];
-            for (int r = 0; r < NR; ++r) o[r] = fma16(v, v16f{} + p[r][i], o[r]);
+static inline void score_lanes(const float* const* q, const float* K, int words, v16f* out) {
+    Lanes a[NR], b[NR];
+    for (int r = 0; r < NR; ++r) a[r] = b[r] = Lanes::zero();
+    for (int w = 0; w < words; w += 4) {
+        const Lanes k0 = Lanes::load(K + 16 * w), k1 = Lanes::load(K + 16 * (w + 1));
+        const Lanes k2 = Lanes::load(K + 16 * (w + 2)), k3 = Lanes::load(K + 16 * (w + 3));
+        for (int r = 0; r < NR; ++r) {
+            a[r] = a[r].plus(k0, Lanes::all(q[r][w])).plus(k1, Lanes::all(q[r][w + 1]));
+            b[r] = b[r].plus(k2, Lanes::all(q[r][w + 2])).plus(k3, Lanes::all(q[r][w + 3]));
         }
-        for (int r = 0; r < NR; ++r) F32::store(acc[r] + 16 * c, o[r]);
+    }
+    for (int r = 0; r < NR; ++r) (a[r] + b[r]).store((float*)&out[r]);
+}
+
+static const int LANE_ROWS = 2;  // query rows scored together on float lanes (AVX2 has 16 registers)
+
+static void score_group_lanes(const float* const* q, int n, const float* K, int words, v16f* out) {
+    if (n == 2) score_lanes<2>(q, K, words, out);
+    else score_lanes<1>(q, K, words, out);
+}
+
+// acc[r] (d floats) += NR rows' probabilities p[r][0..15] x the 16 keys' values as floats, by pairs:
+// V[((i * C + c) * 2 + o) * 16 + l] = head dim 16c + l of key 2i + 1 (o = 0), then of key 2i (o = 1),
+// as widen_pairs lays out packed pairs; key 2i + 1 is added before key 2i (the pair order above).
+template <int NR>
+static inline void weigh_lanes(float* const* acc, const float* const* p, const float* V, int C) {
+    for (int c = 0; c < C; ++c) {
+        Lanes o[NR];
+        for (int r = 0; r < NR; ++r) o[r] = Lanes::load(acc[r] + 16 * c);
+        for (int i = 0; i < 8; ++i) {
+            const float* at = V + (i * C + c) * 32;
+            const Lanes odd = Lanes::load(at), even = Lanes::load(at + 16);
+            for (int r = 0; r < NR; ++r) o[r] = o[r].plus(odd, Lanes::all(p[r][2 * i + 1])).plus(even, Lanes::all(p[r][2 * i]));
+        }
+        for (int r = 0; r < NR; ++r) o[r].store(acc[r] + 16 * c);
     }
 }
 
-// A query or output element (float32 with a float32 cache, else bfloat16) and a query word.
+// Packed bfloat16 pairs (pack_keys' or pack_values' words) widened into float words: out[2w] = word w's
+// odd (high) element, out[2w + 1] its even (low) one, 16 lanes each.
+static inline void widen_pairs(const v16u* in, int words, float* out) {
+    for (int w = 0; w < words; ++w) {
+        const v16u odd = in[w] & 0xFFFF0000u, even = in[w] << 16;
+        memcpy(out + 32 * w, &odd, sizeof odd);
+        memcpy(out + 32 * w + 16, &even, sizeof even);
+    }
+}
+
+// A query or output element: float32 with a float32 cache, else bfloat16.
 template <class T>
 using Elem = std::conditional_t<sizeof(T) == 4, float, uint16_t>;
-template <class T>
-struct WordOf {
-    typedef uint32_t type __attribute__((may_alias));  // as pair_t (an alias template would drop the attribute)
-};
-template <>
-struct WordOf<float> {
-    typedef float type;
-};
-template <class T>
-using Word = typename WordOf<T>::type;
 
 struct Block {
     int t0, n;       // tokens t0 .. t0 + n - 1
@@ -279,6 +311,7 @@ struct Block {
 struct Scratch {
     std::vector<float> scores, acc;
     std::vector<v16u> kp, vp;
+    std::vector<float> qf, kf, vf;  // float lanes: query rows, a key block and its values widened
     std::vector<float> ks, vs;  // an int8 cache's scales of keys 0..valid-1, zeros to a multiple of 16
 };
 
@@ -334,7 +367,8 @@ template <class T>
 static void attend_block(const Block& blk, int h, const Elem<T>* q, int64_t q_row, const CacheView<T>& cache,
                          Elem<T>* out, int H, int Hkv, int d, int64_t max_len, float scale, Scratch& w) {
     constexpr bool f32 = sizeof(T) == 4;
-    const int G = H / Hkv, R = blk.n * G, words = words_per_row<T>(d), C = d / 16;
+    constexpr bool lanes = f32 || !PA_BF16_DOT;  // float lanes (score_lanes, weigh_lanes), else the dot product
+    const int G = H / Hkv, R = blk.n * G, pairs = d / 2, C = d / 16;
     const int valid = (int)(blk.p0 + blk.n);  // keys the block's last token sees
     const int blocks = (valid + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
@@ -344,28 +378,58 @@ static void attend_block(const Block& blk, int h, const Elem<T>* q, int64_t q_ro
     load_block_scales(cache, blk.slot, h, Hkv, max_len, valid, w);
     w.scores.resize((size_t)R * stride);
     w.acc.assign((size_t)R * d, 0.0f);
-    w.kp.resize(words);
+    w.kp.resize(f32 ? d : pairs);
     w.vp.resize((size_t)16 * C);
+    if (lanes && !f32) {
+        w.qf.resize((size_t)R * d);
+        w.kf.resize((size_t)16 * d);
+        w.vf.resize((size_t)256 * C);
+    }
 
-    const Word<T>* rows[BLOCK_ROWS];
+    const float* qrows[BLOCK_ROWS];  // float lanes: each row's words (a bfloat16 row widened, odd element first)
+    const pair_t* prows[BLOCK_ROWS];  // the dot product: each row's bfloat16 pairs
     int len[BLOCK_ROWS];
     for (int i = 0; i < blk.n; ++i)
         for (int g = 0; g < G; ++g) {
-            rows[i * G + g] = (const Word<T>*)(q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d);
-            len[i * G + g] = (int)(blk.p0 + i + 1);
+            const int r = i * G + g;
+            const Elem<T>* row = q + (size_t)(blk.t0 + i) * q_row + (size_t)(h * G + g) * d;
+            len[r] = (int)(blk.p0 + i + 1);
+            if constexpr (f32) {
+                qrows[r] = row;
+            } else if (lanes) {
+                float* wide = w.qf.data() + (size_t)r * d;
+                for (int p = 0; p < pairs; ++p) wide[2 * p] = bf16_to_f32(row[2 * p + 1]), wide[2 * p + 1] = bf16_to_f32(row[2 * p]);
+                qrows[r] = wide;
+            } else {
+                prows[r] = (const pair_t*)row;
+            }
         }
 
     for (int b = 0; b < blocks; ++b) {  // scores
         const int j0 = b * 16;
         pack_keys(K, d, j0, valid, w.kp.data());
-        for (int r0 = 0; r0 < R; r0 += GROUP_ROWS) {
-            const int n = std::min(GROUP_ROWS, R - r0);
+        const float* Kf = (const float*)w.kp.data();  // a float32 cache's words are its floats
+        if (lanes && !f32) {
+            widen_pairs(w.kp.data(), pairs, w.kf.data());
+            Kf = w.kf.data();
+        }
+        for (int r0 = 0; r0 < R;) {
             v16f s[GROUP_ROWS];
-            score_group(rows + r0, n, w.kp.data(), words, s);
+            int n;
+            if (lanes) {
+                n = std::min(LANE_ROWS, R - r0);
+                score_group_lanes(qrows + r0, n, Kf, d, s);
+            } else {
+                n = std::min(GROUP_ROWS, R - r0);
+#if PA_BF16_DOT
+                score_group(prows + r0, n, w.kp.data(), pairs, s);
+#endif
+            }
             for (int r = 0; r < n; ++r) {
                 const v16f x = scaled_scores<T>(s[r], w.ks.data(), j0, scale);
                 memcpy(w.scores.data() + (size_t)(r0 + r) * stride + j0, &x, sizeof x);
             }
+            r0 += n;
         }
     }
 
@@ -375,23 +439,42 @@ static void attend_block(const Block& blk, int h, const Elem<T>* q, int64_t q_ro
     for (int b = 0; b < blocks; ++b) {  // probabilities x V
         const int j0 = b * 16;
         pack_values(V, d, j0, valid, w.vp.data());
+        const float* Vf = (const float*)w.vp.data();
+        if (lanes && !f32) {
+            widen_pairs(w.vp.data(), 8 * C, w.vf.data());
+            Vf = w.vf.data();
+        }
         float* acc[PV_ROWS];
-        v8u pp[PV_ROWS];  // bfloat16 probability pairs (a bfloat16 or int8 cache)
-        const float* pf[PV_ROWS];  // float32 probabilities (a float32 cache)
+        const float* pf[PV_ROWS];  // float lanes: the probabilities (rounded to bfloat16 for a bfloat16 or int8 cache)
+        float rounded[PV_ROWS][16];
+        v8u pp[PV_ROWS];  // the dot product: bfloat16 probability pairs
         float tmp[16];
         int n = 0;
         auto weigh = [&](auto rows_now) {
             constexpr int NR = decltype(rows_now)::value;
-            if constexpr (f32) weigh_rows<NR>(acc, pf, w.vp.data(), C);
-            else weigh_rows<NR>(acc, pp, w.vp.data(), C);
+            if constexpr (lanes) {
+                weigh_lanes<NR>(acc, pf, Vf, C);
+            } else {
+#if PA_BF16_DOT
+                weigh_rows<NR>(acc, pp, w.vp.data(), C);
+#endif
+            }
         };
         for (int r = 0; r < R; ++r) {
             if (j0 >= len[r]) continue;  // a block this row does not see adds exactly nothing
             acc[n] = w.acc.data() + (size_t)r * d;
             const float* probs = w.scores.data() + (size_t)r * stride + j0;
-            if constexpr (f32) pf[n++] = probs;
-            else pp[n++] = prob_pairs(weighted_probs<T>(probs, w.vs.data(), j0, tmp));
-            if (n == PV_ROWS) {
+            if constexpr (f32) {
+                pf[n] = probs;
+            } else if constexpr (lanes) {
+                F32::store(rounded[n], round_bf16(F32::load(weighted_probs<T>(probs, w.vs.data(), j0, tmp))));
+                pf[n] = rounded[n];
+            } else {
+#if PA_BF16_DOT
+                pp[n] = prob_pairs(weighted_probs<T>(probs, w.vs.data(), j0, tmp));
+#endif
+            }
+            if (++n == PV_ROWS) {
                 weigh(std::integral_constant<int, PV_ROWS>{});
                 n = 0;
             }
