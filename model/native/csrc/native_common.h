@@ -173,25 +173,6 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-// a * b + c lane by lane, rounded once (the compiler is not asked to fuse a * b + c itself)
-static inline v16f fma16(v16f a, v16f b, v16f c) {
-#if defined(__AVX512F__)
-    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    struct Halves { __m256 lo, hi; } x, y, z, r;
-    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y), memcpy(&z, &c, sizeof z);
-    r.lo = _mm256_fmadd_ps(x.lo, y.lo, z.lo);
-    r.hi = _mm256_fmadd_ps(x.hi, y.hi, z.hi);
-    v16f out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-#else
-    v16f out;
-    for (int l = 0; l < 16; ++l) out[l] = __builtin_fmaf(a[l], b[l], c[l]);
-    return out;
-#endif
-}
-
 struct F32 {
     typedef float T;
     static inline v16f load(const float* p) { v16f r; memcpy(&r, p, sizeof r); return r; }
