@@ -35,7 +35,8 @@ def _cpu_flags() -> set[str]:
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def test_the_instruction_set_dependent_tests_pass_held_to_avx2(tmp_path):
