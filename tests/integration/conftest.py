@@ -89,6 +89,21 @@ def server(trained_server):
 
 
 @pytest.fixture(scope="module")
+def client(server):
+    """An openai SDK client on the module's `server`'s HTTP API (a module may override it, as the Anthropic one does)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    """The id `client` finds first in /v1/models."""
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
 def stub(server):
     """A TextGeneration stub on the module's `server` (a module may override `server`)."""
     ch = server.channel()

@@ -15,17 +15,6 @@ import pytest
 from lmserve.v1 import lmserve_pb2 as pb
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_n_choices_are_independent_samples_counted_together(client, model_id):
     kw = dict(model=model_id, prompt="The", max_tokens=12, temperature=1.5, seed=11)
     one = client.completions.create(**kw)

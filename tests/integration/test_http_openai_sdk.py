@@ -23,12 +23,6 @@ def model_id(server) -> str:
     return card.id
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def grpc_generate(stub, prompt: str, **params) -> pb.GenerateResponse:
     return stub.Generate(pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params)), timeout=60)
 

@@ -11,17 +11,6 @@ import pytest
 QUESTION = "The lighthouse keeper"
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_a_response_is_the_chat_completions_answer(client, model_id):
     want = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": QUESTION}],
                                           max_tokens=12, temperature=0)
