@@ -88,3 +88,25 @@ def test_a_continued_response_starts_from_its_stored_conversation():
     with pytest.raises(EdgeError) as err:
         responses({**RESPONSES, "previous_response_id": "resp_b"}, store=store)
     assert err.value.param == "previous_response_id" and "resp_b" in str(err.value)
+
+
+def test_a_mid_conversation_system_message_joins_the_user_turn_beside_it():
+    """Claude Code sends `system` messages inside `messages`; chat templates take a system message only
+    first, so each joins the user turn it follows, or else the next one, or ends as a user turn."""
+    def turns(msgs):
+        return [(t.role, t.content) for t in messages({**MESSAGES, "system": "S", "messages": msgs}).input.messages]
+
+    text = [{"type": "text", "text": "agents: a, b"}]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "system", "content": text}]) == \
+        [("system", "S"), ("user", "hi\n\nagents: a, b")]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                  {"role": "system", "content": "n1"}, {"role": "system", "content": "n2"},
+                  {"role": "user", "content": "go"}]) == \
+        [("system", "S"), ("user", "hi"), ("assistant", "yes"), ("user", "n1\n\nn2\n\ngo")]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                  {"role": "system", "content": "late"}])[-1] == ("user", "late")
+    assert refused(lambda: messages({**MESSAGES, "messages": [{"role": "system", "content": "first"}]}))[0] == \
+        "messages[0].role"  # the first message is the conversation's, not a note: `system` takes that
+    assert refused(lambda: messages({**MESSAGES, "messages": [{"role": "user", "content": "hi"},
+                                                              {"role": "system", "content": 3}]}))[0] == \
+        "messages[1].content"
