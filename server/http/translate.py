@@ -218,6 +218,17 @@ class History:
         self.turns.append(ChatTurn(role, content, calls))
         self._calls.update(c.id for c in calls)
 
+    def system(self, text: str) -> None:
+        """A system (or developer) message: the conversation's system turn while nothing else was said,
+        joined to the one there; a note (`note`) after that."""
+        if not text:
+            return
+        if not self.turns or (len(self.turns) == 1 and self.turns[0].role == "system"):
+            head = self.turns[0].content + "\n\n" if self.turns else ""
+            self.turns[:1] = [ChatTurn("system", head + text)]
+        else:
+            self.note(text)
+
     def note(self, text: str) -> None:
         """A system message inside the conversation (after its start). Chat templates take a system
         message first or not at all (Gemma's raises on any other order), so the note joins the user
