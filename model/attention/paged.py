@@ -34,24 +34,25 @@ No split of the keys, no reduction across programs.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-try:  # an optional dependency: the dev extra installs it; CUDA builds of torch ship it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
+# triton: an optional dependency (the dev extra installs it; CUDA builds of torch ship it), imported on
+# the kernel's first call (_kernel_for), not with this module: a CPU server never pays for it
+triton = None
+tl = None
+_MAX = _SUM = None
 
 MIN_DOT = 16  # the smallest M, N, K tl.dot takes on a GPU
 
 
 def triton_available() -> bool:
-    return triton is not None
+    """Whether triton is installed (the kernel can run)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def tile_rows(heads: int, kv_heads: int) -> tuple[int, int]:
@@ -97,7 +98,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     """The module's contract (see above) through the Triton kernel. `tiles`: the query tiles, each of
     consecutive tokens of one row (None: one per token). q's rows may be strided; the pools, the block
     table, rows and positions are read as they are (contiguous on their last dimension)."""
-    if triton is None:
+    if not triton_available():
         raise RuntimeError("paged attention's kernel needs triton (pip install triton); "
                            "paged_attention_reference serves without it")
     T, H, d = q.shape
@@ -112,6 +113,10 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
+    # the kernel reads these through raw offsets: one element apart (an expanded slot is not)
+    rows, positions = rows.contiguous(), positions.contiguous()
+    if block_table.stride(1) != 1 or k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
+        raise ValueError("paged attention reads the block table's rows and the pools' head rows contiguously")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     n_tiles = tiles.first.shape[0]
     kernel = _kernel_for(q.device)
@@ -187,7 +192,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, tile
     n = tl.arange(0, BLOCK_N)
     for start in range(lo, last + 1, BLOCK_N):
         key = start + n  # [BLOCK_N] absolute key positions
-        page = tl.load(table_ptr + seq * stride_table + start // PAGE)
+        page = tl.load(table_ptr + seq * stride_table + start // PAGE).to(tl.int64)  # pools past 2**31 elements
         slot = key % PAGE
         key_ok = key <= last
         kv_mask = key_ok[:, None] & d_ok[None, :]
@@ -210,13 +215,21 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, tile
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# tl.max / tl.sum's own combine functions, through tl.reduce: the builtin runs in Triton's interpreter
-# whether or not TRITON_INTERPRET was set when triton was imported (tl.max and tl.sum are jit functions
-# of their own, callable there only in that case), and compiles to the same reduction on a GPU
-_MAX = tl.standard._elementwise_max if tl is not None else None
-_SUM = tl.standard._sum_combine if tl is not None else None
-
 _KERNELS: dict[str, object] = {}
+
+
+def _import_triton() -> None:
+    """triton and triton.language as this module's globals (the kernel's body reads them there), and
+    tl.max / tl.sum's own combine functions for tl.reduce: the builtin runs in Triton's interpreter
+    whether or not TRITON_INTERPRET was set when triton was imported (tl.max and tl.sum are jit
+    functions of their own, callable there only in that case), and compiles to the same reduction on a GPU."""
+    global triton, tl, _MAX, _SUM
+    if tl is None:
+        import triton as _triton
+        import triton.language as _tl
+
+        triton, tl = _triton, _tl
+        _MAX, _SUM = _tl.standard._elementwise_max, _tl.standard._sum_combine
 
 
 def _kernel_for(device: torch.device):
@@ -224,6 +237,7 @@ def _kernel_for(device: torch.device):
     CPU (whatever TRITON_INTERPRET says: the same Python function, run by numpy)."""
     kind = "cpu" if device.type == "cpu" else "gpu"
     if kind not in _KERNELS:
+        _import_triton()
         if kind == "cpu":
             from triton.runtime.interpreter import InterpretedFunction
 

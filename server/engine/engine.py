@@ -24,12 +24,14 @@ import torch
 
 from lmserve.model.cache_dir import read_cached, write_cached
 from lmserve.model.config import LongRopeScaling
+from lmserve.model.attention.backend import PagedBackend
 from lmserve.model.kv_cache import KVCache
+from lmserve.model.paged_kv_cache import PagedKVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
 from lmserve.model.tuning.precision import measurement_path
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
-from .kv_choice import choose_kv_dtype
+from .kv_choice import KvChoice, choose_kv_dtype
 from .kv_manager import page_weight
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
@@ -182,7 +184,12 @@ class Engine:
         self.loaded = loaded
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.kv_choice = choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        # the attention backend steps are built with: the loaded model's, or the paged one where asked for
+        self.attention = loaded.attention
+        if s.attention == "paged" and not isinstance(self.attention, PagedBackend):
+            self.attention = PagedBackend(loaded.device, cfg, loaded.batch_invariant)
+        self.paged = isinstance(self.attention, PagedBackend)  # a paged KV cache (model/paged_kv_cache.py)
+        self.kv_choice = self._kv_choice(s, loaded)
         if loaded.plan is not None:
             loaded.plan.reference = None  # the probe's float32 logits, which the KV check may have used
         self.cache, kv_pages = self._kv_cache(s, loaded)
@@ -199,7 +206,7 @@ class Engine:
                       and core_use_readable() else None)
         # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
         self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
-        self.runner = ModelRunner(loaded.model, c, loaded.device, loaded.attention, self._decode_graphs(s, loaded),
+        self.runner = ModelRunner(loaded.model, c, loaded.device, self.attention, self._decode_graphs(s, loaded),
                                   rope_offset=self._rope_regime(loaded))
         if self.step_pacer is not None:
             self._seed_step_costs()
@@ -209,7 +216,8 @@ class Engine:
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
                                    step_pacer=self.step_pacer, speculation=self._speculation(s, loaded),
-                                   prefix_tag=self._rope_regime(loaded), layer_windows=self._kv_windows)
+                                   prefix_tag=self._rope_regime(loaded), layer_windows=self._kv_windows,
+                                   map_pages=c.map if self.paged else None)
         self.processor = OutputProcessor(loaded.tokenizer)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
@@ -223,6 +231,15 @@ class Engine:
         self._step_started: float | None = None
         self._accepting = True
 
+    def _kv_choice(self, s: EngineSettings, loaded: LoadedModel) -> KvChoice:
+        """The KV cache's dtype: kv_choice.py's choice, or the model's for the paged kernel (which reads it)."""
+        if not self.paged:
+            return choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        if s.kv_cache_dtype == "int8":
+            raise ValueError("--kv-cache-dtype int8 is served by the native CPU attention kernels only, not by the "
+                             "paged attention: start with --kv-cache-dtype model (or auto)")
+        return KvChoice(loaded.dtype, "the paged attention kernel reads the model's dtype")
+
     def _kv_cache(self, s: EngineSettings, loaded: LoadedModel) -> tuple[KVCache, int]:
         """The KV cache in the chosen dtype, and its memory in pages. On CPU slots are virtual (memory is
         committed per page written): max_batch for running requests and as many again for prefix-cache
@@ -234,6 +251,12 @@ class Engine:
         pages are then counted per group of layers of one window, `kv_page_bytes` each. A dense cache
         keeps every position of every layer: one page spans every layer, as where no layer slides."""
         self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
+        if self.paged:  # pages from a pool: slots are block-table rows, max_batch and as many for prefix entries
+            slots = s.max_batch * (2 if s.prefix_cache else 1)
+            c = PagedKVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype,
+                                         loaded.device)
+            self.kv_cache_bytes, self._kv_windows, self.kv_page_bytes = c.nbytes, (), c.bytes_per_page
+            return c, c.num_pages
         slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
         c = KVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
         if not c.virtual:  # allocated up front: the budget is what the slots took
@@ -255,7 +278,8 @@ class Engine:
         from .cuda_graphs import DecodeGraphs
 
         try:
-            return DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots))
+            return DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots),
+                                attention=self.attention if hasattr(self.attention, "graph_decode") else None)
         except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
             raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                "start with --cuda-graphs false to decode eagerly") from exc
@@ -379,6 +403,8 @@ class Engine:
         accelerator (the key names the CPU only) or without a cache directory."""
         if self.loaded.device.type != "cpu":
             return None
+        if self.paged:  # another attention than the loaded model's: its own measurements
+            what = {**what, "attention": self.attention.name}
         return measurement_path(self.loaded, "steps", {**what, "kv": self.kv_choice.name})
 
     @torch.inference_mode()

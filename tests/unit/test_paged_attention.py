@@ -150,7 +150,7 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(window):
         outs, first = [], 12
         for m in cuts:
             sub = Case(batch.q[mine][first - 12: first - 12 + m], batch.k_pool, batch.v_pool, batch.table,
-                       torch.full((m,), 1), torch.arange(first, first + m), [m], [])
+                       torch.tensor([1]).expand(m), torch.arange(first, first + m), [m], [])  # an expanded row, as a chunk's
             outs.append(run(sub, window))
             first += m
         return torch.cat(outs)

@@ -1,0 +1,123 @@
+"""The engine on the paged attention (`attention="paged"`): the paged KV cache and the paged kernel, on CPU
+(the kernel run by Triton's interpreter), on the tiny random model in float32.
+
+Oracles: the same requests through the engine's default attention (SDPA over the dense/virtual cache),
+and the full-recompute greedy reference. Greedy tokens must be equal alone, batched, chunked, after a
+prefix hit and through preemption; the `running` helper then checks that every slot and page the KV
+manager charged came back, and these tests check that the pool's pages did too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from test_engine_helpers import (  # noqa: F401 - fixtures are used by name
+    collect, greedy, greedy_reference, one_torch_thread, random_prompt, results_of, running, tiny_loaded)
+from lmserve.model.attention.backend import PagedBackend
+from lmserve.model.attention.paged import paged_attention, triton_available
+from lmserve.model.paged_kv_cache import PagedKVCache
+from lmserve.model.text.tokenizer import Tokenizer
+from lmserve.server.engine.request import FinishReason, Request
+from lmserve.server.engine.settings import EngineSettings
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install -e .[dev]): "
+                                                               "the paged kernel cannot run")
+# small enough to start fast: no step-cost seeding (max_step_ms 0), no speculation, a small pool
+PAGED = dict(attention="paged", max_step_ms=0, speculation="off", kv_cache_gb=0.002, max_model_len=128)
+SDPA = dict(max_step_ms=0, speculation="off", max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def random_tiny(trained_model_dir):
+    """test_engine_helpers' random tiny model over the trained tokenizer, without loading the trained model
+    itself (its native kernels are not needed here)."""
+    return tiny_loaded(Tokenizer.from_dir(trained_model_dir), seed=0)
+
+
+def prompts_for(loaded, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng, n, loaded.config.vocab_size) for n in lengths]
+
+
+async def tokens(loaded, prompts: list[list[int]], new: int, concurrent: bool, **settings) -> tuple[list[list[int]], object]:
+    with running(loaded, **settings) as engine:
+        reqs = [Request(p, greedy(new, ignore_eos=True)) for p in prompts]
+        if concurrent:
+            results = await results_of(engine, reqs)
+        else:
+            results = [(await collect(engine, r))[0] for r in reqs]
+        stats = engine.stats()
+        if settings.get("attention") == "paged":
+            assert isinstance(engine.cache, PagedKVCache) and isinstance(engine.runner.attention, PagedBackend)
+            assert engine.runner.attention.kernel is paged_attention
+            engine.drop_prefix_cache()
+            assert engine.cache.pages_free == engine.cache.num_pages  # every page mapped came back
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    return [r.token_ids for r in results], stats
+
+
+@needs_triton
+async def test_paged_greedy_tokens_equal_sdpa_alone_batched_and_chunked(random_tiny):
+    prompts = prompts_for(random_tiny, [5, 17, 16, 33, 9, 15], seed=1)  # around the 16-token page
+    want, _ = await tokens(random_tiny, prompts, 10, False, **SDPA)
+    assert want[1] == greedy_reference(random_tiny.model, prompts[1], 10)[0]
+    alone, _ = await tokens(random_tiny, prompts, 10, False, **PAGED)
+    batched, _ = await tokens(random_tiny, prompts, 10, True, **PAGED)
+    chunked, _ = await tokens(random_tiny, prompts, 10, True, token_budget=8, **PAGED)  # prompts in chunks of <= 8
+    assert alone == want
+    assert batched == want
+    assert chunked == want
+
+
+@needs_triton
+async def test_paged_prefix_hit_shares_pages_and_gives_the_cold_tokens(random_tiny):
+    rng = random.Random(3)
+    vocab = random_tiny.config.vocab_size
+    shared = random_prompt(rng, 37, vocab)  # two full pages shared, the third copied
+    first, second = shared + random_prompt(rng, 5, vocab), shared + random_prompt(rng, 6, vocab)
+    with running(random_tiny, **PAGED) as engine:
+        await collect(engine, Request(first, greedy(4, ignore_eos=True)))
+        entry = engine.scheduler.kv.prefix_cache.entries()[0]
+        shared_pages = engine.cache.mapped(entry.slot)[:2]
+        seen = {}
+        inner = engine.runner.step
+
+        def step(batch, previous=None):  # the hit's slot maps the entry's pages once its copy ran
+            out = inner(batch, previous)
+            for c in batch.prefill:
+                seen.setdefault("pages", engine.cache.mapped(c.seq.slot)[:2])
+            return out
+
+        engine.runner.step = step
+        hot, _ = await collect(engine, Request(second, greedy(8, ignore_eos=True)))
+        hit = engine.stats().prefix_hit_tokens_total
+    assert hit == 37
+    assert seen["pages"] == shared_pages
+    cold, _ = await tokens(random_tiny, [second], 8, False, **{**SDPA, "prefix_cache": False})
+    assert hot.token_ids == cold[0] == greedy_reference(random_tiny.model, second, 8)[0]
+
+
+@needs_triton
+async def test_paged_preemption_under_a_small_pool_loses_no_token(random_tiny):
+    """Six requests growing past a pool of 10 pages: the newest are preempted and recomputed, the tokens
+    still equal the oracle's, and every page comes back."""
+    page_bytes = 16 * PagedKVCache.bytes_per_token(random_tiny.config, torch.float32)
+    prompts = prompts_for(random_tiny, [20, 30, 25, 18, 33, 22], seed=4)
+    settings = {**PAGED, "kv_cache_gb": 10 * page_bytes / 2**30, "max_model_len": 80}
+    with running(random_tiny, **settings) as engine:
+        outs = await asyncio.gather(*(collect(engine, Request(p, greedy(24, ignore_eos=True))) for p in prompts))
+        assert engine.stats().preemptions_total > 0
+        engine.drop_prefix_cache()
+        assert engine.cache.pages_free == engine.cache.num_pages == 10
+    for (res, _), p in zip(outs, prompts):
+        assert res.token_ids == greedy_reference(random_tiny.model, p, 24)[0]
+
+
+def test_the_attention_setting_is_validated():
+    assert EngineSettings(attention="paged").attention == "paged"
+    with pytest.raises(ValueError, match="attention must be one of auto, paged"):
+        EngineSettings(attention="flash")
