@@ -119,6 +119,7 @@ def test_first_max_of_strided_rows_and_as_the_sampler_calls_it():
     wide = torch.randn(6, 49200)
     check(RM.first_max, wide[:, :49152])  # rows 49,200 apart
     check(RM.first_max, wide[:, ::2])  # elements apart: torch's max serves it
+    check(RM.first_max, wide[2:3])  # one row: torch's max too
     with torch.inference_mode():  # the model's logits are inference tensors
         logits = torch.randn(5, 49152)
     check(RM.first_max, logits)
