@@ -134,7 +134,12 @@ class PagedKVCache:
             return
         ids = self._pages[slot][first:last]
         row = torch.tensor(ids + [0] * (last - first - len(ids)), dtype=torch.int32)
-        self.block_table[slot, first:last].copy_(row, non_blocking=False)
+        if self.block_table.is_cuda:  # from pinned memory, in stream order, without waiting for the device:
+            # pages are mapped while the previous step still runs (overlapped steps); the caching host
+            # allocator keeps the pinned row until its copy has run
+            self.block_table[slot, first:last].copy_(row.pin_memory(), non_blocking=True)
+        else:
+            self.block_table[slot, first:last].copy_(row)
 
     def map(self, slot: int, positions: int) -> None:
         """Pages for positions [0, positions) of slot: those not mapped yet are taken from the pool."""
