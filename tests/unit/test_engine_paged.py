@@ -152,3 +152,20 @@ def test_graph_decode_equals_the_eager_decode_with_padded_rows(random_tiny):
     assert torch.equal(graph.argmax(-1), eager.argmax(-1))
     want = [greedy_reference(model, p, 2)[0] for p in prompts]
     assert [[int(a), int(b)] for a, b in zip(last, eager.argmax(-1))] == want
+
+
+@needs_triton
+async def test_paged_verified_drafts_give_the_tokens_of_decoding_one_at_a_time(random_tiny):
+    """Speculation's verifying rows (one slot at consecutive positions in one decode call, every row's K/V
+    written before any attends) through the paged kernel: the tokens of plain decoding."""
+    rng = random.Random(8)
+    prompt = random_prompt(rng, 20, random_tiny.config.vocab_size)
+    want, _ = await tokens(random_tiny, [prompt], 12, False, **SDPA)
+    with running(random_tiny, **{**PAGED, "speculation": "ngram"}) as engine:
+        # a predicted output (drafted as is) right for 6 tokens, wrong at the 7th: accepted and rejected drafts
+        vocab = random_tiny.config.vocab_size
+        predicted = tuple(want[0][:6] + [(want[0][6] + 1) % vocab] + want[0][7:])
+        got, _ = await collect(engine, Request(prompt, greedy(12, ignore_eos=True, prediction=predicted)))
+        drafted, accepted = engine.stats().drafted_tokens_total, engine.stats().accepted_tokens_total
+    assert 0 < accepted < drafted
+    assert got.token_ids == want[0]
