@@ -119,6 +119,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         raise ValueError("paged attention reads the block table's rows and the pools' head rows contiguously")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     n_tiles = tiles.first.shape[0]
+    f32 = q.dtype == torch.float32 or q.device.type == "cpu"  # 16-bit dots on a GPU's tensor cores only
     kernel = _kernel_for(q.device)
     kernel[(n_tiles, Hkv)](
         q, k_pool, v_pool, out, block_table, rows, positions, tiles.first, tiles.count,
@@ -127,7 +128,8 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         scale * 1.4426950408889634, window,
         H // Hkv, d, BLOCK_M=block_m, GROUP=group, BLOCK_N=page_tokens,
         BLOCK_D=max(MIN_DOT, triton_next_pow2(d)), PAGE=page_tokens,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 in full (no TF32 rounding)
+        PRECISION="ieee" if f32 else "tf32",  # float32 in full (no TF32 rounding); ignored for 16-bit inputs
+        F32=f32,
     )
     return out
 
@@ -161,7 +163,7 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, tile
                   stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_ot, stride_oh, stride_table, qk_scale, window,
                   G, D, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr):
     """One program: one tile (up to BLOCK_M tokens of one row) x one KV head and its G query heads.
     Rows of the program's matrices: r = token-in-tile * GROUP + head-in-group."""
     tile = tl.program_id(0)
@@ -179,6 +181,8 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, tile
     d_ok = dd < D
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [R, BLOCK_D]
+    if F32:  # products in float32 (Triton's interpreter multiplies 16-bit floats as their bits)
+        q = q.to(tl.float32)
     pos = tl.load(pos_ptr + token, mask=row_ok, other=-1)  # [R]
     seq = tl.load(rows_ptr + first)
     last = tl.load(pos_ptr + first + count - 1)  # tokens of a tile are consecutive: the last is the highest
@@ -200,6 +204,9 @@ def _paged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, tile
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + page * stride_vp + slot[:, None] * stride_vs + kvh * stride_vh + dd[None, :],
                     mask=kv_mask, other=0.0)
+        if F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * qk_scale  # [R, BLOCK_N]
         see = (key[None, :] <= pos[:, None]) & row_ok[:, None]
         see = see & ((key[None, :] > pos[:, None] - window) | (window <= 0))

@@ -157,3 +157,17 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(window):
 
     for cuts in ([7], [1, 6], [3, 3, 1], [1] * 7):
         assert torch.equal(alone(cuts), together[mine]), cuts
+
+
+@needs_triton
+def test_kernel_in_bfloat16_equals_the_reference():
+    """A bfloat16 pool and queries (products in float32 here, as the interpreter cannot multiply 16-bit floats):
+    within a bfloat16 rounding of the float32 reference over the same values."""
+    case = make_case([3, 13, 9], [1, 6, 2], 4, 2, seed=13)
+    bf = Case(case.q.bfloat16(), case.k_pool.bfloat16(), case.v_pool.bfloat16(), case.table, case.rows,
+              case.positions, case.q_lens, [])
+    got = run(bf).float()
+    want = paged_attention_reference(bf.q.float(), bf.k_pool.float(), bf.v_pool.float(), case.table, case.rows,
+                                     case.positions)
+    assert got.dtype == torch.float32 and run(bf).dtype == torch.bfloat16
+    assert_close(got, want, rtol=1e-2, atol=1e-2)
