@@ -438,7 +438,7 @@ def markdown_summary(report: dict) -> str:
 
 def step_summary(report: dict) -> str:
     """The in-process waves' steps beside the served edges' rates, and the weight-stream bound at c=1."""
-    eng = measured(report.get("engine"))
+    eng = {c: r for c, r in measured(report.get("engine")).items() if "steps" in r}  # older reports: no steps
     http = measured(report.get("http", {}).get("rows"))
     grpc = measured(report.get("grpc", {}).get("rows"))
     if not eng:
