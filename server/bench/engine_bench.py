@@ -39,13 +39,15 @@ def add_arguments(p) -> None:
 
 class Deadline:
     """Wall-clock seconds a part of the run may take (None: unlimited). A wave of concurrency c is run only
-    if the last wave's time scaled to c (tokens grow with c) fits in what is left."""
+    if the last wave's time scaled to c (tokens grow with c) fits in what is left; a section's first wave
+    whenever the whole run (the root deadline) has time left."""
 
     def __init__(self, seconds: float | None, parent: "Deadline | None" = None):
         end = None if seconds is None else time.monotonic() + seconds
         if parent is not None and parent.end is not None:
             end = parent.end if end is None else min(end, parent.end)
         self.end = end
+        self.root = parent.root if parent is not None else self
 
     def left(self) -> float | None:
         return None if self.end is None else self.end - time.monotonic()
@@ -60,6 +62,8 @@ class Deadline:
         left = self.left()
         if left is None:
             return None
+        if last is None:  # a section's first wave runs while the whole run has time: each gives one number
+            left = self.root.left()
         if left <= 0:
             return "the time limit was reached"
         if last is not None:
@@ -303,17 +307,17 @@ def bench_grpc(args, device, edges: tuple[str, ...] = ("grpc",), deadline: Deadl
         targets = {"grpc": (server.grpc_target, "lmserve"), "http": (server.http_url, "openai")}
         for edge in edges:
             wave(*targets[edge][:1], 2, 2, 8, api=targets[edge][1])  # warm-up
-        last = None
+        last: dict[str, tuple[int, float]] = {}
         for c in args.concurrency:
             for edge in edges:
-                why = deadline.skip(c, last)
+                why = deadline.skip(c, last.get(edge))
                 if why:
                     out[edge]["rows"].append({"concurrency": c, "skipped": why})
                     print(f"{edge:13s} c={c:3d}: skipped ({why})", flush=True)
                     continue
                 before = step_metrics(server.metrics_url)
                 run, agg = wave(targets[edge][0], c, c, args.max_new_tokens, api=targets[edge][1])
-                last = (c, run.duration)
+                last[edge] = (c, run.duration)
                 row = {"concurrency": c, "seconds": run.duration, "output_tokens_per_s": agg.output_token_throughput,
                        "failed": agg.failed,
                        "ttft_p50_ms": agg.ttft.p50 * 1e3, "ttft_p99_ms": agg.ttft.p99 * 1e3,

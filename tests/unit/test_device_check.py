@@ -104,6 +104,9 @@ def test_a_wave_predicted_past_the_time_limit_is_skipped():
     assert "predicted 120 s" in d.skip(64, (32, 40.0))
     assert d.share(0.5).left() == pytest.approx(50.0, abs=1.0)
     assert "reached" in Deadline(-1.0).skip(1, None)
+    part = Deadline(100.0).share(0.0)  # a section whose share is spent (a slow start, say)
+    assert part.skip(1, None) is None  # still gives its first number while the run has time
+    assert "reached" in part.skip(8, (1, 0.1))
 
 
 def test_targets_read_from_a_report():
