@@ -250,7 +250,8 @@ def _kernel_for(device: torch.device):
 
             _KERNELS[kind] = InterpretedFunction(_paged_kernel)
         else:
-            _KERNELS[kind] = triton.jit(_paged_kernel)
+            # one compiled kernel whatever the window (Triton would specialize a window of 1 as a constant)
+            _KERNELS[kind] = triton.jit(_paged_kernel, do_not_specialize=["window"])
     return _KERNELS[kind]
 
 
