@@ -183,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     summary["torch"] = torch.__version__
     if device.type == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(device)
+        summary["cuda"] = torch.version.cuda
+        import shutil
+
+        if shutil.which("nvidia-smi"):  # clocks and driver: what makes two GPUs of one name differ
+            query = "name,memory.total,driver_version,clocks.max.sm,clocks.max.memory,power.limit"
+            try:
+                done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                                      capture_output=True, text=True, timeout=30)
+                summary["nvidia_smi"] = dict(zip(query.split(","), (v.strip() for v in done.stdout.split(","))))
+            except (OSError, subprocess.SubprocessError) as exc:
+                summary["nvidia_smi"] = f"not read: {exc}"
     slug = machine(args.device)["slug"]
     shape = shape_of(args.shape)
     report_path = out_dir / f"{slug}-{shape.name}.json"

@@ -582,6 +582,7 @@ def run(args) -> dict | None:
 
         if importlib.util.find_spec("transformers") is None:
             report["transformers"] = {"skipped": "transformers is not installed here"}
+            print("transformers  skipped: it is not installed here (no generate baseline)", flush=True)
         else:
             hf_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # the reference's precision
             _section(report, "transformers", lambda: bench_hf(path, args.concurrency, args.max_new_tokens, device,
