@@ -195,7 +195,10 @@ def test_kernel_compiles_for_a_hopper_gpu_without_one(dtype):
     f32 = dtype == "fp32"
     const = dict(BLOCK_M=block_m, GROUP=group, BLOCK_N=16, BLOCK_D=64, PAGE=16, PRECISION="ieee" if f32 else "tf32", F32=f32)
     sig.update(dict.fromkeys(const, "constexpr"))
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    try:  # the ahead-of-time API of triton 3.9 (what the dev extra's lower bound may predate)
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    except TypeError as exc:
+        pytest.skip(f"triton {triton.__version__}'s ASTSource differs from 3.9's: {exc}")
     try:
         out = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     except RuntimeError as exc:  # pragma: no cover - a wheel without the NVIDIA backend's tools
