@@ -169,3 +169,18 @@ async def test_paged_verified_drafts_give_the_tokens_of_decoding_one_at_a_time(r
         drafted, accepted = engine.stats().drafted_tokens_total, engine.stats().accepted_tokens_total
     assert 0 < accepted < drafted
     assert got.token_ids == want[0]
+
+
+async def test_without_triton_the_paged_engine_serves_on_the_torch_reference(random_tiny, monkeypatch):
+    """Where triton is missing, --attention paged still serves (slowly) through the plain-torch reference of
+    the kernel's contract: the SDPA engine's tokens, batched and chunked."""
+    from lmserve.model.attention import backend as B
+    from lmserve.model.attention.paged import paged_attention_reference
+
+    monkeypatch.setattr(B, "triton_available", lambda: False)
+    prompts = prompts_for(random_tiny, [7, 20, 16], seed=9)
+    want, _ = await tokens(random_tiny, prompts, 6, True, **SDPA)
+    with running(random_tiny, token_budget=8, **PAGED) as engine:
+        assert engine.runner.attention.kernel is paged_attention_reference
+        got = [r.token_ids for r in await results_of(engine, [Request(p, greedy(6, ignore_eos=True)) for p in prompts])]
+    assert got == want
