@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .paged import Tiles, paged_attention, paged_attention_reference, tile_rows, triton_available
+from .paged import Tiles, host_to_device, paged_attention, paged_attention_reference, tile_rows, triton_available
 from .sdpa import AttentionMetadata, packed_positions
 from ..config import ModelConfig
 from ..kv_cache import KVCache
@@ -232,8 +232,8 @@ class PagedBackend(SdpaBackend):
     def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
         """One token per row (rows may share a slot at consecutive positions: a verified draft; every row's
         K/V is written before the call, and each row attends alone as a decode row would)."""
-        slots_t = torch.tensor(slots, device=self.device)
-        starts_t = torch.tensor(starts, device=self.device)
+        slots_t = host_to_device(slots, torch.long, self.device)
+        starts_t = host_to_device(starts, torch.long, self.device)
         return PagedStep(self.kernel, slots_t, starts_t, Tiles.single(len(slots), self.device)), starts_t[:, None]
 
     def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:

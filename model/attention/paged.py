@@ -83,14 +83,22 @@ class Tiles:
                 first.append(t + s)
                 count.append(min(block_m, n - s))
             t += n
-        return Tiles(torch.tensor(first, dtype=torch.int32, device=device),
-                     torch.tensor(count, dtype=torch.int32, device=device))
+        return Tiles(host_to_device(first, torch.int32, device), host_to_device(count, torch.int32, device))
 
     @staticmethod
     def single(tokens: int, device: torch.device | str) -> "Tiles":
         """One tile per token (decode rows): built by tensor ops alone (CUDA graphs)."""
         return Tiles(torch.arange(tokens, dtype=torch.int32, device=device),
                      torch.ones(tokens, dtype=torch.int32, device=device))
+
+
+def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A host list as a tensor on `device`; to a GPU from pinned memory without blocking (a step's inputs
+    must not wait for the step before it)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, rows: Tensor, positions: Tensor,
