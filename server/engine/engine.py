@@ -40,7 +40,7 @@ from .errors import RequestValidationError
 from .request import FinishReason, Request, SamplingParams, ValidRequest
 from .runner import ModelRunner
 from .scheduler import InFlight, PrefillChunk, ScheduledBatch, Scheduler
-from .threads import CoreShare, readable as core_use_readable
+from .threads import CoreShare, Neighbours, readable as core_use_readable
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation, word_classes
@@ -49,9 +49,10 @@ from .ngram import Speculation, word_classes
 # even: a step verifying k drafts that costs c decode steps and keeps a*k of them yields 1 + a*k
 # tokens for c, so it pays only above a = (c - 1) / k (k=4: c <= 2.0; k=8: c <= 3.0)
 AUTO_SPECULATION_MAX_BREAK_EVEN = 0.25
-# a cost measured over that limit is measured again this many times, this many seconds apart, before
-# speculation stays off (the fastest measurement counts): the start of a server is often the busiest
-# moment of its machine (other replicas or peers starting), and the choice holds for its whole life
+# a cost measured over that limit while other processes kept the cores busy (threads.Neighbours) is
+# measured again this many times, this many seconds apart, before speculation stays off (the fastest
+# measurement counts): the start of a server is often the busiest moment of its machine (other replicas
+# or peers starting), and the choice holds for its whole life. A cost measured on a quiet machine stands.
 AUTO_SPECULATION_REMEASURE = 3
 AUTO_SPECULATION_REMEASURE_PAUSE = 0.5
 from .step_cost import StepPacer, batch_features
@@ -189,7 +190,9 @@ class Engine:
         if s.attention == "paged" and not isinstance(self.attention, PagedBackend):
             self.attention = PagedBackend(loaded.device, cfg, loaded.batch_invariant)
         self.paged = isinstance(self.attention, PagedBackend)  # a paged KV cache (model/paged_kv_cache.py)
+        t0 = time.perf_counter()
         self.kv_choice = self._kv_choice(s, loaded)
+        self.phases = {"KV choice": time.perf_counter() - t0}  # seconds of the engine's start-up phases
         if loaded.plan is not None:
             loaded.plan.reference = None  # the probe's float32 logits, which the KV check may have used
         self.cache, kv_pages = self._kv_cache(s, loaded)
@@ -208,14 +211,19 @@ class Engine:
         self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
         self.runner = ModelRunner(loaded.model, c, loaded.device, self.attention, self._decode_graphs(s, loaded),
                                   rope_offset=self._rope_regime(loaded))
+        t0 = time.perf_counter()
         if self.step_pacer is not None:
             self._seed_step_costs()
+        self.phases["step costs"] = time.perf_counter() - t0
         self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
         # long_prompt, a quarter of the context: the prompts that would make short neighbours read many empty keys
+        t0 = time.perf_counter()
+        speculation = self._speculation(s, loaded)
+        self.phases["speculation"] = time.perf_counter() - t0
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_pacer=self.step_pacer, speculation=self._speculation(s, loaded),
+                                   step_pacer=self.step_pacer, speculation=speculation,
                                    prefix_tag=self._rope_regime(loaded), layer_windows=self._kv_windows,
                                    map_pages=c.map if self.paged else None)
         self.processor = OutputProcessor(loaded.tokenizer)
@@ -306,14 +314,19 @@ class Engine:
             self.verify_cost = (read_cached(path, "verify cost", lambda d: float(d["verify_cost"]))
                                 if path is not None else None)
             if self.verify_cost is None:  # not measured by an earlier start on this machine, model, mode
-                self.verify_cost = self._verify_cost(spec.max_draft)
-                for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
-                    if not dear(self.verify_cost):            # starts alone measured 1.7-1.9x: look again later
-                        break
-                    time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
-                    self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
-                if path is not None:
+                with Neighbours() as first:
+                    self.verify_cost = self._verify_cost(spec.max_draft)
+                with Neighbours() as neighbours:
+                    for _ in range(AUTO_SPECULATION_REMEASURE if not first.quiet else 0):
+                        if not dear(self.verify_cost):  # a start beside a busy neighbour measured 3.09x where
+                            break                       # starts alone measured 1.7-1.9x: look again later
+                        time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
+                        self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
+                if path is not None and first.quiet and neighbours.quiet:
                     write_cached(path, {"verify_cost": self.verify_cost}, "speculation's verify cost")
+                elif path is not None:  # measured beside busy neighbours: this start's choice, not the next one's
+                    log.info("speculation's verify cost not cached: other processes used %.1f cores while it was "
+                             "timed; the next start times it again", max(first.cores or 0.0, neighbours.cores or 0.0))
             if dear(self.verify_cost):
                 log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
                          self.verify_cost)
