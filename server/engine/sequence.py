@@ -45,6 +45,7 @@ class Sequence:
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
     constraint: "ConstraintState | None" = None  # constrained decoding's matcher, made at the first sampled step
+    lora: tuple[int, int] | None = None  # (slot, uid) of its adapter while admitted (adapters.AdapterPool.acquire)
 
     @property
     def request_id(self) -> str:
