@@ -68,7 +68,10 @@ class AdapterPool:
         adapter = read_peft(path, self.cfg, self.max_rank)
         known = KnownAdapter(name, Path(path), next(_uids), adapter.rank, adapter)
         with self._lock:
+            former = self.known.get(name)
             self.known[name] = known
+            if former is not None:
+                self._forget(former.uid)
         return known
 
     def unregister(self, name: str) -> None:
@@ -76,8 +79,12 @@ class AdapterPool:
             known = self.known.pop(name, None)
             if known is None:
                 raise AdapterNotFoundError(name)
-            if known.uid in self._resident and not self._pins.get(known.uid):
-                self._free.append(self._resident.pop(known.uid))
+            self._forget(known.uid)
+
+    def _forget(self, uid: int) -> None:
+        """A registration that is gone: its slot is free now, or when its last running request finishes."""
+        if uid in self._resident and not self._pins.get(uid):
+            self._free.append(self._resident.pop(uid))
 
     def resolve_path(self, path: str) -> Path:
         """A runtime load's path, inside --lora-dir (relative to it, or absolute within it); AdapterError
