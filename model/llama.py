@@ -387,11 +387,13 @@ class LlamaForCausalLM(nn.Module):
         with its own metadata. Logits [n, V] at flat indices `logits_index` into the N tokens
         (batch i's tokens, row-major, after batch i-1's).
 
-        lora: the step's rows by adapter (linear/lora.LoraStep), None when no row has one. A step with
-        adapter rows runs the layers in torch (the native step adds no adapter products); the base
-        rows' outputs are bitwise the native step's there (native/step.py)."""
+        lora: the step's rows by adapter (linear/lora.LoraStep), None when no row has one. The native step
+        adds each row's adapter product itself (native_step.cpp's lora_add); elsewhere the torch layers
+        add it (LoraSlots.add) after each fused linear."""
         if lora is None:
             return self._forward_segments(segments, cache, logits_index)
+        if self.native_step is not None and self.native_step.applies(segments, cache) and self.lora.max_rank <= 256:
+            return self._forward_segments(segments, cache, logits_index, lora)  # the native step adds them
         self.lora.step = lora
         try:
             return self._forward_segments(segments, cache, logits_index, native=False)
@@ -399,13 +401,13 @@ class LlamaForCausalLM(nn.Module):
             self.lora.step = None
 
     def _forward_segments(self, segments: list[Segment], cache: KVCache, logits_index: Tensor,
-                          native: bool = True) -> Tensor:
+                          lora=None, native: bool = True) -> Tensor:
         shapes = [tuple(s.input_ids.shape) for s in segments]
         sizes = [B * L for B, L in shapes]
         ids = torch.cat([s.input_ids.reshape(-1) for s in segments])[None]  # [1, N]
         positions = torch.cat([s.positions.reshape(-1) for s in segments])[None]  # [1, N]
         if native and self.native_step is not None and self.native_step.applies(segments, cache):  # embedding to final norm
-            return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index))
+            return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index, lora=lora))
         x = self.model.embed(ids)  # [1, N, D]
         ropes = self.model.rotary.all_tables(positions)
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim

@@ -190,6 +190,7 @@ class LoraStep:
     valid: Tensor
     rows: Tensor
     used: frozenset[int]  # the slots in the step
+    row_slots: Tensor  # [N] int64: each row's slot, -1 for the base (the native step reads this)
 
     @staticmethod
     def of(row_slots: list[int], device=None) -> "LoraStep | None":
@@ -209,7 +210,7 @@ class LoraStep:
                 gather.extend(part + [part[0]] * (CHUNK - len(part)))
                 slots.append(s)
         t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return LoraStep(t(gather), t(slots), t(valid), t(rows), frozenset(by_slot))
+        return LoraStep(t(gather), t(slots), t(valid), t(rows), frozenset(by_slot), t(row_slots))
 
 
 class LoraSlots:
