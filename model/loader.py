@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +43,11 @@ class LoadedModel:
     attention: SdpaBackend | None = None  # the attention backend (attention/backend.py); None: SDPA
     batch_invariant: bool = True  # served only on kernels whose rows do not depend on the batch
     cache_dir: Path | None = None  # where measurements of this machine are cached (precision.py, kv_choice.py)
+    # seconds of each start-up phase (read, precision plan, build, compile; the engine adds its own), logged once ready
+    phases: dict[str, float] = field(default_factory=dict)
+    # start-up measurements of this loaded model kept in memory (by name), where a busy machine kept them
+    # off the disk cache: every engine built on it still makes the same choice
+    measured: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.attention is None:
@@ -298,24 +304,36 @@ def load_model(spec: str | Path, dtype: torch.dtype | str | None = None, device:
         from .linear import quant_matmul
 
         quant_matmul.use_cache_dir(cache_dir)  # the native quantized kernel, when measured or planned
+    phases, t = {}, time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - t
+        t = now
     with read_checkpoint(path) as ckpt:
         cfg, tokenizer = ckpt.config, ckpt.tokenizer
         modes = CheckpointModes(cfg, ckpt.sources)
+        phase("read")
         plan = resolve_plan(modes, tokenizer, path, device, dtype, quantization, batch_invariant, cache_dir)
         release_freed_memory()  # what measuring held
+        phase("precision plan")
         parts = native_parts(device, cache_dir, plan.mode.dtype, cfg, batch_invariant)
+        phase("native kernels")
         # --compile true: the compiled layers serve every step, not the native step
         model = build_model(cfg, ckpt.sources, plan.mode.dtype, device, plan=plan, fused_ops=parts.fused_ops,
                             native_lib=None if compile == "true" else parts.step_lib)
     if device.type == "cpu":
         parts.log(model)
     release_freed_memory()
+    phase("build")
     key = json.dumps([str(path.resolve()), plan.mode.name, plan.kernels, torch.__version__, torch.get_num_threads()])
     model.freeze_attributes()  # the module tree is final now; before compiling, whose guards see the attributes
     compiled = compile_model(model, plan.mode.dtype, device, compile, cache_dir, key)
+    phase("compile decision")
     if compiled.compiled or compiled.timings:
         log.info("decoder layers %s: %s (%.1fs)%s", "compiled" if compiled.compiled else "eager", compiled.reason,
                  compiled.seconds, f"; eager vs compiled ms per step's layers {compiled.timings}" if compiled.timings else "")
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path, dtype=plan.mode.dtype,
                        device=device, plan=plan, compiled=compiled, attention=parts.attention,
-                       batch_invariant=batch_invariant, cache_dir=cache_dir)
+                       batch_invariant=batch_invariant, cache_dir=cache_dir, phases=phases)

@@ -49,6 +49,25 @@ def ready_line(host: str, port: int, *, tls: bool, http_port: int | None, metric
     return head + model + tail
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat against /proc/uptime), or None."""
+    import os
+
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def startup_line(phases: dict[str, float], age: float | None) -> str:
+    """Where a start's seconds went: each phase (loader.load_model's and the engine's), and the time since
+    the process started (imports, binding and the phases together), when known."""
+    text = "start-up: " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phases.items())
+    return text + (f"; {age:.1f}s since the process started" if age is not None else "")
+
+
 def grpc_options(s: ServerSettings) -> list[tuple[str, int]]:
     opts = [
         ("grpc.max_receive_message_length", s.max_receive_message_bytes),
@@ -193,8 +212,10 @@ class Server:
             kv_gib=self.engine.kv_cache_bytes / 2**30, kv_dtype=self.engine.kv_choice.name, seconds=time.monotonic() - t0))
 
     def _log_choices(self) -> None:
-        """What was chosen at start and why, one INFO line each (`lmserve info` shows them too)."""
+        """What was chosen at start and why, one INFO line each (`lmserve info` shows them too), and where
+        the start's seconds went."""
         lm, engine = self.engine.loaded, self.engine
+        log.info("%s", startup_line({**lm.phases, **getattr(engine, "phases", {})}, process_age()))
         log.info("kernels: %s", lm.kernels)
         log.info("precision: %s %s", lm.mode, lm.choice)
         log.info("KV cache: %.1f GiB in %s (%s)", engine.kv_cache_bytes / 2**30, engine.kv_choice.name,

@@ -163,6 +163,9 @@ HELP = {
     "adaptive_threads": "on CPU, run engine steps on one thread while other processes keep this machine's cores "
                         "busy (seen in the kernel's count of this process's preemptions), and on all --threads again "
                         "once the cores are free; the tokens are the same either way: true or false",
+    "attention": "auto or paged: the attention and KV cache layout. auto: the device's (on CUDA the paged kernel "
+                 "over a page pool where triton is installed, else SDPA over a dense cache; on CPU the native kernels); "
+                 "paged: the paged cache and kernel on any device (on CPU run by Triton's interpreter: for tests, slow)",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",

@@ -269,7 +269,7 @@ class InputConverter:
         compiler = self.engine.constraints
         for i, tool in enumerate(use.tools):
             try:
-                compiler.compile(Constraint.json_schema(generation_schema(tool.schema)))
+                compiler.compile(Constraint.json_schema(generation_schema(tool.schema, use.choice in ("auto", "none"))))
             except RequestValidationError as exc:
                 raise RequestValidationError([(f"tools[{i}].function.parameters", d) for _, d in exc.violations]) from None
         if not use.calls_allowed:

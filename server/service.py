@@ -128,9 +128,10 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> None:
         rid = request.request_id or new_request_id()
         async with contextlib.aclosing(self._chunks(request, context, rid)) as chunks:
-            async for chunk in chunks:
-                msg = pb.GenerateStreamResponse(request_id=rid, text=chunk.text, token_ids=chunk.token_ids,
-                                                logprobs=await self._logprobs(chunk.logprobs))
+            async for chunk in chunks:  # one message per chunk: a reader behind gets its pending tokens merged
+                msg = pb.GenerateStreamResponse(request_id=rid, text=chunk.text, token_ids=chunk.token_ids)
+                if chunk.logprobs:  # converted on a worker thread; most streams ask for none
+                    msg.logprobs.extend(await self._logprobs(chunk.logprobs))
                 if chunk.finished:
                     msg.MergeFrom(pb.GenerateStreamResponse(**self._final_fields(chunk)))
                 await self._write(context, msg, rid)

@@ -12,6 +12,11 @@ kernel runs. Three backends:
   layer (attention/prompt.py); SDPA for what they do not take.
 - `CudaGraphsBackend`: SDPA, plus decode steps of static shape over the whole cache so that they
   can be captured as CUDA graphs (server/engine/cuda_graphs.py).
+- `PagedBackend`: a paged KV cache (model/paged_kv_cache.py) and the paged varlen kernel
+  (attention/paged.py): one kernel call per layer for each forward segment (decode rows, a continued
+  chunk, the packed new prompts), every row's result its own; decode steps captured as CUDA graphs
+  read only the pages each sequence holds. The CUDA default where triton is installed; on CPU only
+  when asked for (the engine's `attention` setting), run by Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .paged import Tiles, host_to_device, paged_attention, paged_attention_reference, tile_rows, triton_available
 from .sdpa import AttentionMetadata, packed_positions
 from ..config import ModelConfig
 from ..kv_cache import KVCache
@@ -177,13 +183,82 @@ class CudaGraphsBackend(SdpaBackend):
     def static_decode(slots: Tensor, positions: Tensor, num_slots: int, max_len: int) -> StepAttention:
         return AttentionMetadata.static_decode(slots, positions, num_slots, max_len)
 
+    def graph_decode(self, slots: Tensor, positions: Tensor, cache: KVCache) -> StepAttention:
+        """The decode step attention a CUDA graph captures (cuda_graphs.DecodeGraphs): tensor ops only."""
+        return self.static_decode(slots, positions, cache.num_slots, cache.max_len)
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """One forward segment over a paged cache: its tokens' K/V written through the block table, then
+    one kernel call (attention/paged.py) for all of them. Every token is real (the paged layouts have
+    no padding): token t of the segment, row-major, is at slots[t], positions[t]."""
+
+    kernel: object  # paged.paged_attention or paged.paged_attention_reference
+    slots: Tensor  # [T]
+    positions: Tensor  # [T]
+    tiles: Tiles
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache, layer: int, window: int = 0,
+               scale: float | None = None) -> Tensor:
+        B, L, H, d = q.shape
+        T, Hkv = B * L, k.shape[2]
+        cache.write(layer, self.slots, self.positions, k.reshape(T, Hkv, d), v.reshape(T, Hkv, d))
+        out = self.kernel(q.reshape(T, H, d), cache.k[layer], cache.v[layer], cache.block_table, self.slots,
+                          self.positions, self.tiles, window=window, scale=scale)  # [T, H, d]
+        return out.view(B, L, H * d)
+
+
+class PagedBackend(SdpaBackend):
+    """The paged kernel over a paged KV cache (model/paged_kv_cache.PagedKVCache), one call per layer and
+    forward segment. Batch-invariant by construction, whatever `batch_invariant` says. `kernel`: None
+    picks the Triton kernel where triton is installed, else the torch reference (slow: CPU tests only)."""
+
+    name = "paged"
+
+    def __init__(self, device: torch.device | str, cfg: ModelConfig, batch_invariant: bool = True, kernel=None):
+        super().__init__(device, batch_invariant)
+        self.kernel = kernel or (paged_attention if triton_available() else paged_attention_reference)
+        self.block_m = tile_rows(cfg.num_heads, cfg.num_kv_heads)[0]  # tokens per query tile
+
+    def describe(self) -> str:
+        how = "triton" if self.kernel is paged_attention else "torch reference"
+        return f"paged varlen attention ({how}), decode steps captured as CUDA graphs" if self.device.type == "cuda" \
+            else f"paged varlen attention ({how})"
+
+    def _step(self, slots: Tensor, positions: Tensor, runs: list[int]) -> PagedStep:
+        return PagedStep(self.kernel, slots, positions, Tiles.of_runs(runs, self.block_m, self.device))
+
+    def decode(self, slots: list[int], starts: list[int]) -> tuple[StepAttention, Tensor]:
+        """One token per row (rows may share a slot at consecutive positions: a verified draft; every row's
+        K/V is written before the call, and each row attends alone as a decode row would)."""
+        slots_t = host_to_device(slots, torch.long, self.device)
+        starts_t = host_to_device(starts, torch.long, self.device)
+        return PagedStep(self.kernel, slots_t, starts_t, Tiles.single(len(slots), self.device)), starts_t[:, None]
+
+    def chunk(self, slot: Tensor, start: Tensor, length: int) -> tuple[StepAttention, Tensor]:
+        pos = start + torch.arange(length, device=self.device)  # [L]
+        return self._step(slot.expand(length), pos, [length]), pos[None]
+
+    def packed(self, slots: Tensor, lengths: Tensor) -> tuple[StepAttention, Tensor]:
+        seg, pos = packed_positions(lengths)  # [T], [T]
+        return self._step(slots[seg], pos, lengths.tolist()), pos[None]
+
+    def graph_decode(self, slots: Tensor, positions: Tensor, cache) -> StepAttention:
+        """A decode step for a CUDA graph: tensor ops only; the kernel walks each row's pages up to its
+        own position (the block table is read in place: pages mapped later are seen by later replays)."""
+        return PagedStep(self.kernel, slots, positions, Tiles.single(slots.shape[0], slots.device))
+
 
 def choose_backend(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, batch_invariant: bool,
                    lib=None) -> SdpaBackend:
     """The backend for this device, dtype and head shape. `lib`: the native library (native.build) on
-    CPU, None when it could not be built. On CUDA the engine captures decode steps as graphs unless
-    told not to (CudaGraphsBackend.static_decode); prefill and eager decode steps take SDPA."""
+    CPU, None when it could not be built. On CUDA: the paged kernel over a paged cache where triton is
+    installed (PagedBackend), else SDPA over a dense cache (CudaGraphsBackend); either way the engine
+    captures decode steps as graphs unless told not to (`graph_decode`)."""
     if device.type == "cuda":
+        if triton_available():
+            return PagedBackend(device, cfg, batch_invariant)
         return CudaGraphsBackend(device, batch_invariant)
     if device.type != "cpu" or lib is None:
         return SdpaBackend(device, batch_invariant)

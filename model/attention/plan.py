@@ -56,8 +56,17 @@ class AttentionCall:
 
 def slot_runs(slots: list[int], kv_lens: list[int], call_cost: int = CALL_COST_KEYS) -> list[list[int]]:
     """Batch indices grouped into runs of slot-sorted sequences, minimising
-    sum over runs of (call_cost + slots spanned * longest kv_len in the run). O(n^2), n <= batch."""
+    sum over runs of (call_cost + slots spanned * longest kv_len in the run). O(n^2), n <= batch.
+    With no cost per call (batch-invariant serving) every sequence alone is optimal, and it is what
+    the search returns (of equal costs it keeps the shortest last run): then no search, O(n log n)."""
     order = sorted(range(len(slots)), key=slots.__getitem__)
+    if call_cost == 0:
+        return [[b] for b in order]
+    return searched_runs(order, slots, kv_lens, call_cost)
+
+
+def searched_runs(order: list[int], slots: list[int], kv_lens: list[int], call_cost: int) -> list[list[int]]:
+    """slot_runs' search over the cuts of `order` (the batch indices in slot order)."""
     n = len(order)
     best = [0] * (n + 1)
     cut = [0] * (n + 1)
@@ -80,8 +89,13 @@ def cache_calls(slots: list[int], kv_lens: list[int], L: int, device: torch.devi
     """Calls for sequences reading the cache (kv_lens[b] = keys of sequence b after this step);
     call_cost defaults to the device's (call_cost_for)."""
     base = min(slots)
-    calls = []
     cost = call_cost_for(torch.device(device)) if call_cost is None else call_cost
+    if cost == 0:  # every sequence alone (slot_runs): the same calls, built without the general loop's checks
+        tokens = slice(0, L)
+        return tuple(AttentionCall(batch=slice(b, b + 1), tokens=tokens, lo=slots[b], hi=slots[b] + 1, length=kv_lens[b],
+                                   mask_rows=slice(slots[b] - base, slots[b] - base + 1),
+                                   first_query=max(0, kv_lens[b] - L)) for b in sorted(range(len(slots)), key=slots.__getitem__))
+    calls = []
     for run in slot_runs(slots, kv_lens, cost):
         lo, hi = slots[run[0]], slots[run[-1]] + 1
         contiguous = run == list(range(run[0], run[0] + len(run)))

@@ -390,28 +390,62 @@ def time_layers(layers: list[nn.Module], rows: int, dtype: torch.dtype, repeats:
     return time_candidates({"x": layers}, (rows,), dtype, repeats)["x"][rows]
 
 
+CLEAR_LEAD = 1.25  # a ranking is settled early when the fastest candidate leads by this factor beyond the noise
+TIMING_COUNTS = {"passes": 0, "early_stops": 0}  # passes timed through a candidate's layers (start-up reports)
+
+
+def _warm_up_layers(layers: list[nn.Module]) -> list[nn.Module]:
+    """One layer of each weight shape and kernel class: the first call of a shape creates its primitive
+    and scratch and first-touches its output; the other layers' weights were written when built."""
+    seen: dict[tuple, nn.Module] = {}
+    for m in layers:
+        seen.setdefault((type(m), m.in_features, getattr(m, "out_features", None)), m)
+    return list(seen.values())
+
+
+def ranking_settled(samples: dict[str, dict[int, list[float]]], lead: float = CLEAR_LEAD) -> bool:
+    """Whether more repeats could not change which candidate is fastest (pick's speed score): the
+    noise is the largest spread (slowest / fastest pass) any candidate showed at any bucket, and the
+    fastest by its best passes must lead every other by `lead` times that noise. A neighbour can only
+    slow a pass down, so a candidate's best pass bounds its time from above: a lead wider than every
+    spread seen is not one that another pass could close."""
+    if len(samples) < 2:
+        return False
+    noise = max(max(s) / max(min(s), 1e-12) for per in samples.values() for s in per.values())
+    best = {k: {b: min(s) for b, s in per.items()} for k, per in samples.items()}
+    at = {b: min(t[b] for t in best.values()) for b in next(iter(best.values()))}
+    scores = sorted(speed_score(t, at) for t in best.values())
+    return scores[1] > scores[0] * noise * lead
+
+
 def time_candidates(sets: dict[str, list[nn.Module]], buckets, dtype: torch.dtype,
-                    repeats: int = 5) -> dict[str, dict[int, float]]:
+                    repeats: int = 5, min_repeats: int | None = None) -> dict[str, dict[int, float]]:
     """Seconds per pass of each bucket's rows through every layer of each candidate set.
 
     The candidates take turns within every repeat and each keeps its fastest pass: on a shared
     machine a slow pass measures the neighbours, and taking turns exposes every candidate to the
-    same neighbours."""
+    same neighbours. min_repeats (< repeats): after that many repeats, stop once the fastest
+    candidate's lead is beyond the noise (ranking_settled); the times are then kept for ranking
+    kernels of one role, not for comparing modes (a single candidate always takes every repeat)."""
     ins = {n: torch.randn(max(buckets), n).to(dtype) for ls in sets.values() for n in {m.in_features for m in ls}}
-    best = {k: {b: float("inf") for b in buckets} for k in sets}
+    samples = {k: {b: [] for b in buckets} for k in sets}
     with torch.inference_mode():
         for layers in sets.values():
             for b in buckets:
-                for m in layers:
+                for m in _warm_up_layers(layers):
                     m(ins[m.in_features][:b])  # warm-up: primitive creation, first-touch of the output
-        for _ in range(repeats):
+        for r in range(repeats):
             for name, layers in sets.items():
                 for b in buckets:
                     t0 = time.perf_counter()
                     for m in layers:
                         m(ins[m.in_features][:b])
-                    best[name][b] = min(best[name][b], time.perf_counter() - t0)
-    return best
+                    samples[name][b].append(time.perf_counter() - t0)
+                    TIMING_COUNTS["passes"] += 1
+            if min_repeats is not None and r + 1 >= min_repeats and r + 1 < repeats and ranking_settled(samples):
+                TIMING_COUNTS["early_stops"] += 1
+                break
+    return {k: {b: min(s) for b, s in per.items()} for k, per in samples.items()}
 
 
 @dataclass
@@ -458,7 +492,7 @@ def measure_role(kernels: list[str], sources: list[WeightSource], dtype: torch.d
     verify=False: the fastest is returned unchecked (invariant None), for verify_role to check later
     if its mode can win at all; the linears built for timing are dropped on return."""
     sets = _build_candidates(kernels, sources, dtype)
-    times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3)
+    times = time_candidates(sets, buckets, dtype, repeats=2 if len(sets) == 1 else 3, min_repeats=2)
     measured = [RoleMeasurement(k, times[k], None) for k in sets]
     if not batch_invariant or not verify:
         return measured, pick(measured, batch_invariant=False)
@@ -502,4 +536,4 @@ def pick(measured: list[RoleMeasurement], batch_invariant: bool) -> RoleMeasurem
 __all__ = ["ROLES", "DECODE_BUCKETS", "ServingLinear", "DenseLinear", "OneDNNLinear", "OneDNNLinearM2", "OneDNNLinearChunked", "Int8Linear", "Int4Linear",
            "NativeQuantLinear",
            "WeightSource", "build", "candidates", "onednn_supports", "rows_invariant", "time_layers", "time_candidates",
-           "measure_role", "verify_role", "pick", "speed_score", "BUCKET_WEIGHTS", "RoleMeasurement", "native_qmm"]
+           "measure_role", "verify_role", "ranking_settled", "TIMING_COUNTS", "pick", "speed_score", "BUCKET_WEIGHTS", "RoleMeasurement", "native_qmm"]

@@ -532,7 +532,7 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
     the mode serving them is timed again beside it (side_by_side) before its quality is checked. A
     mode ranked behind the one served is never checked (its unchecked kernels say batch_invariant
     None in the report)."""
-    t0 = time.perf_counter()
+    t0, counts = time.perf_counter(), dict(K.TIMING_COUNTS)
     timed = builder.timing_sources(TIMED_BYTES)
     measured, roles, partial = _measure_all(builder, modes, batch_invariant, device, timed)
     if not measured:
@@ -606,6 +606,10 @@ def choose(builder: ModeBuilder, tokenizer, modes: list[Mode], batch_invariant: 
                              f"({', '.join(m.name for m in ranked)}); pass --batch-invariant false to serve it anyway")
     dt = time.perf_counter() - t0
     report["seconds"] = round(dt, 2)
+    # the work the choice took: timing passes through a role's timed layers (kernels.time_candidates), role
+    # timings that stopped early on a settled ranking, modes timed whole and in part
+    report["work"] = {**{k: K.TIMING_COUNTS[k] - counts[k] for k in counts}, "modes_timed_whole": len(measured),
+                      "modes_timed_in_part": len(partial)}
     if partial:
         report["timed_in_part"] = {p.name: e for p, e in partial.items()}
     reason = choice_reason({md: measured[md]["step_ms"] for md in ranked}, chosen, skipped, exact,

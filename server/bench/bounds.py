@@ -62,7 +62,7 @@ def matmul_bounds(model: LlamaForCausalLM, prompt_tokens: dict[int, int], max_ne
     prefill_per_token = time_linears(body, chunk, dtype, device) / chunk
     flops_per_token = layer_flops_per_token(model)
     single = time_linears(body + head, 1, dtype, device)
-    out: dict = {"weight_stream_gb_per_s": weight_bytes / single / 1e9,
+    out: dict = {"weight_bytes": weight_bytes, "weight_stream_gb_per_s": weight_bytes / single / 1e9,
                  "prefill_gflop_per_s": flops_per_token / prefill_per_token / 1e9, "by_concurrency": {}}
     for c, prompt in prompt_tokens.items():
         step = time_linears(body, c, dtype, device) + time_linears(head, c, dtype, device)
@@ -71,6 +71,29 @@ def matmul_bounds(model: LlamaForCausalLM, prompt_tokens: dict[int, int], max_ne
                                          "wave_matmul_seconds": seconds,
                                          "output_tokens_per_s_bound": c * max_new / seconds}
     return out
+
+
+@torch.inference_mode()
+def read_gb_per_s(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """The rate a reduction reads a buffer of `nbytes` (default: 2 GiB on an accelerator, many times its
+    cache; 256 MiB on a CPU) on `device`, in GB/s: the fastest of `repeats` after a warm-up. What a step
+    that streams the weights once can reach at most, measured beside the run it bounds."""
+    nbytes = nbytes or (2 << 30 if device.type != "cpu" else 256 << 20)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    once()
+    best = min(once() for _ in range(repeats))
+    del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # an engine started next sizes its KV memory from what is free
+    return nbytes / best / 1e9
 
 
 def _all_linears(model: LlamaForCausalLM) -> list[nn.Module]:

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import mmap
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -32,6 +38,9 @@ FLAGS = {"model": "smollm2", "models_dir": None, "concurrency": [1, 8, 64], "max
 
 def add_arguments(p) -> None:
     p.add_argument("--waves", type=int, default=2, help="measured requests per concurrency slot through an edge")
+    p.add_argument("--base", type=Path, default=None,
+                   help="another checkout (git worktree add /tmp/base <rev>) measured beside this one: each round "
+                        "runs this benchmark once from each checkout, in turns; the report holds both and the ratios")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the stand-in server (bench_edges)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--http-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -242,11 +251,94 @@ def edge_ratios(report: dict) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- beside another checkout
+
+# where each import package of the distribution lives in a checkout (pyproject's package-dir)
+PACKAGE_DIRS = {"client": "client", "model": "model", "server": "server", "v1": "proto/lmserve/v1"}
+
+
+def _import_root(checkout: Path, into: Path) -> Path:
+    """A folder whose `lmserve` package is the checkout's code (its folders linked under their import
+    names), for PYTHONPATH: the checkout runs in this interpreter and venv, without a venv of its own."""
+    pkg = into / "lmserve"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text((checkout / "proto" / "lmserve" / "__init__.py").read_text())
+    for name, folder in PACKAGE_DIRS.items():
+        (pkg / name).symlink_to(checkout.resolve() / folder, target_is_directory=True)
+    return into
+
+
+def _one_pass(args, env: dict) -> dict:
+    """One run of this benchmark (one round, every concurrency and part) in a process of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pass.json"
+        cmd = [sys.executable, "-m", "lmserve.client.cli", "bench", "host-ceiling", "--rounds", "1", "--out", str(out),
+               "--model", args.model, "--concurrency", *map(str, args.concurrency), "--threads", str(args.threads),
+               "--max-new-tokens", str(args.max_new_tokens), "--waves", str(args.waves),
+               *(["--models-dir", args.models_dir] if args.models_dir else []), "--skip", *args.skip]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"a pass failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+        report = json.loads(out.read_text())
+    return {part: report[part] for part in ("engine", "grpc", "http") if part in report}
+
+
+def _ratios(base: list[dict], this: list[dict]) -> dict:
+    """Per part and concurrency: each side's median tok/s (and server CPU per token through an edge), and
+    this / base of the rounds paired (each round ran both), their median and spread."""
+    out = {}
+    for part in (p for p in ("engine", "grpc", "http") if p in this[0]):
+        rows = []
+        for i, c in enumerate(r["concurrency"] for r in this[0][part]):
+            b = [p[part][i] for p in base]
+            t = [p[part][i] for p in this]
+            paired = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(t, b) if x["tok_per_s"] and y["tok_per_s"]]
+            row = {"concurrency": c, "base_tok_per_s": statistics.median(x["tok_per_s"] for x in b),
+                   "this_tok_per_s": statistics.median(x["tok_per_s"] for x in t),
+                   "this_over_base": statistics.median(paired), "this_over_base_rounds": paired}
+            if "server_cpu_ms_per_token" in t[0]:
+                row["base_server_cpu_ms_per_token"] = statistics.median(x["server_cpu_ms_per_token"] for x in b)
+                row["this_server_cpu_ms_per_token"] = statistics.median(x["server_cpu_ms_per_token"] for x in t)
+            if "host_ms_per_step" in t[0]:
+                row["base_host_ms_per_step"] = {k: statistics.median(x["host_ms_per_step"][k] for x in b)
+                                                for k in b[0]["host_ms_per_step"]}
+                row["this_host_ms_per_step"] = {k: statistics.median(x["host_ms_per_step"][k] for x in t)
+                                                for k in t[0]["host_ms_per_step"]}
+            rows.append(row)
+            print(f"{part} c={c}: base {row['base_tok_per_s']:,.0f} tok/s, this {row['this_tok_per_s']:,.0f} tok/s, "
+                  f"this/base {row['this_over_base']:.2f}x (rounds " + ", ".join(f"{r:.2f}" for r in paired) + ")",
+                  flush=True)
+        out[part] = rows
+    return out
+
+
+def beside_base(args) -> dict:
+    """This checkout and args.base, one pass each per round, taking turns (machine.taking_turns)."""
+    from .machine import taking_turns
+
+    base_commit = subprocess.run(["git", "-C", str(args.base), "rev-parse", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip() or None
+    passes: dict[str, list[dict]] = {"base": [], "this": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = _import_root(args.base, Path(tmp))
+        envs = {"this": dict(os.environ),
+                "base": {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}}
+        for r in range(args.rounds):
+            for side in taking_turns(("base", "this"), r):
+                load = os.getloadavg()[0]
+                passes[side].append({**_one_pass(args, envs[side]), "load_average": load})
+                print(f"round {r + 1}: {side} done (load average {load:.1f} at its start)", flush=True)
+    return {"model_stand_in_for": args.model, "base": {"checkout": str(args.base), "commit": base_commit},
+            "passes": passes, "this_vs_base": _ratios(passes["base"], passes["this"])}
+
+
 def run(args) -> dict | None:
     torch.set_num_threads(args.threads)
     if args.serve:
         serve_stand_in(args)
         return None
+    if args.base is not None:
+        return beside_base(args)
     report = {"model_stand_in_for": args.model}
     if "engine" not in args.skip:
         loaded = stand_in_loaded(args.model, args.models_dir, max(args.concurrency))

@@ -132,6 +132,37 @@ def _tokenizer_fields(tokenizer_gguf: Path) -> tuple[dict, int]:
     return fields, len(fields["tokenizer.ggml.tokens"])
 
 
+def _add_fields(writer, fields: dict) -> None:
+    for key, value in fields.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, float(value))
+
+
+def write_tokenizer_gguf(tokenizer_gguf: Path, path: Path) -> Path:
+    """A GGUF holding only the tokenizer.* fields of `tokenizer_gguf` (no tensors): ~2 MB for SmolLM2's,
+    where the model file is ~100 MB. Every writer here takes it as `tokenizer_gguf`, so a machine that cannot
+    pull SmolLM2 (an offline GPU host) writes the shapes from this file alone."""
+    import gguf
+
+    fields, _ = _tokenizer_fields(tokenizer_gguf)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tokenizer only")
+    _add_fields(writer, fields)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
 def write_gguf(shape: Shape, fmt: str, path: Path, tokenizer_gguf: Path, seed: int = 0) -> Path:
     """A `fmt` GGUF of `shape` with random blocks, written one tensor at a time."""
     import gguf
@@ -152,17 +183,7 @@ def write_gguf(shape: Shape, fmt: str, path: Path, tokenizer_gguf: Path, seed: i
     writer.add_vocab_size(vocab)
     writer.add_file_type({"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt])
-    for key, value in fields.items():
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, float(value))
+    _add_fields(writer, fields)
     types = tensor_types(shape, fmt)
     dims = {"token_embd.weight": (vocab, shape.hidden), "output.weight": (vocab, shape.hidden)}
     dims |= {f"blk.{i}.{n}.weight": rc for i in range(shape.layers) for n, rc in shape.linears().items()}
@@ -266,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(".cache/shapes"), help="directory to write into (default .cache/shapes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models-dir", type=Path, default=None, help="where SmolLM2 (the tokenizer's source) is pulled")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a GGUF whose tokenizer the checkpoint takes (write_tokenizer_gguf's; default: SmolLM2, pulled)")
     args = p.parse_args(argv)
-    tokenizer_gguf = pull("smollm2", args.models_dir or default_models_dir(), progress=False)
+    tokenizer_gguf = args.tokenizer or pull("smollm2", args.models_dir or default_models_dir(), progress=False)
     print(write(args.shape, args.format, args.out, tokenizer_gguf, args.seed))
     return 0
 

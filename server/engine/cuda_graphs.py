@@ -1,9 +1,14 @@
 """Decode steps replayed from CUDA graphs.
 
 A decode step of a small model on a GPU is a few hundred tiny kernels, and launching them from
-Python costs far more than running them. Each batch-size bucket's step (model forward over the
-whole KV cache, `CudaGraphsBackend.static_decode`) is captured once at start-up and replayed with
-new token ids, positions and slots copied into its static input buffers: one launch per step.
+Python costs far more than running them. Each batch-size bucket's step (the model forward with the
+backend's `graph_decode` attention) is captured once at start-up and replayed with new token ids,
+positions and slots copied into its static input buffers: one launch per step.
+
+Two layouts: over a dense cache (CudaGraphsBackend) the captured step reads every slot's whole
+max_len, masked by each slot's length; over a paged cache (PagedBackend) it reads, for each row,
+the pages of the block table up to its own position: the block table is a static input edited in
+place as pages are mapped, so a replay reads only the pages held.
 
 A batch of n is run in the smallest bucket >= n; the extra rows repeat row 0 (same token, slot and
 position), so they write the same K/V to the same place and their logits are dropped. Graphs share
@@ -28,8 +33,10 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int, warmups: int = 2):
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int, warmups: int = 2, attention=None):
         self.model, self.cache = model, cache
+        # the backend whose graph_decode the graphs capture (CudaGraphsBackend or PagedBackend)
+        self.attention = attention if attention is not None else CudaGraphsBackend(cache.k.device)
         self.buckets = buckets_up_to(max_batch)
         self.max_batch = self.buckets[-1]
         device = cache.k.device
@@ -51,12 +58,12 @@ class DecodeGraphs:
                     self._outputs[b] = self._forward(b)
                 self._graphs[b] = graph
             torch.cuda.synchronize(device)
-            cache.k.zero_()  # capture wrote K/V of token 0 at slot 0, position 0
+            cache.k.zero_()  # capture wrote K/V of token 0 at slot 0, position 0 (a paged cache: its scratch page)
             cache.v.zero_()
 
     def _forward(self, b: int) -> Tensor:
         ids, positions, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
-        meta = CudaGraphsBackend.static_decode(slots, positions, self.cache.num_slots, self.cache.max_len)
+        meta = self.attention.graph_decode(slots, positions, self.cache)
         return self.model(ids[:, None], positions[:, None], meta, self.cache)[:, 0]  # [b, V]
 
     def run(self, ids: Tensor, positions: list[int], slots: list[int]) -> Tensor:

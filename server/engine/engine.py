@@ -24,13 +24,15 @@ import torch
 
 from lmserve.model.cache_dir import read_cached, write_cached
 from lmserve.model.config import LongRopeScaling
+from lmserve.model.attention.backend import PagedBackend
 from lmserve.model.kv_cache import KVCache
+from lmserve.model.paged_kv_cache import PagedKVCache
 from lmserve.model.loader import LoadedModel, release_thread_pool
 from lmserve.model.tuning.precision import measurement_path
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
 from .adapters import AdapterNotFoundError, AdapterPool
-from .kv_choice import choose_kv_dtype
+from .kv_choice import KvChoice, choose_kv_dtype
 from .kv_manager import page_weight
 from .outputs import GenerationChunk
 from .prefix_cache import PrefixCache
@@ -39,7 +41,7 @@ from .errors import RequestValidationError
 from .request import FinishReason, Request, SamplingParams, ValidRequest
 from .runner import ModelRunner
 from .scheduler import InFlight, PrefillChunk, ScheduledBatch, Scheduler
-from .threads import CoreShare, readable as core_use_readable
+from .threads import CoreShare, Neighbours, readable as core_use_readable
 from .sequence import Sequence, SeqStatus
 from .settings import EngineSettings
 from .ngram import Speculation, word_classes
@@ -48,9 +50,10 @@ from .ngram import Speculation, word_classes
 # even: a step verifying k drafts that costs c decode steps and keeps a*k of them yields 1 + a*k
 # tokens for c, so it pays only above a = (c - 1) / k (k=4: c <= 2.0; k=8: c <= 3.0)
 AUTO_SPECULATION_MAX_BREAK_EVEN = 0.25
-# a cost measured over that limit is measured again this many times, this many seconds apart, before
-# speculation stays off (the fastest measurement counts): the start of a server is often the busiest
-# moment of its machine (other replicas or peers starting), and the choice holds for its whole life
+# a cost measured over that limit while other processes kept the cores busy (threads.Neighbours) is
+# measured again this many times, this many seconds apart, before speculation stays off (the fastest
+# measurement counts): the start of a server is often the busiest moment of its machine (other replicas
+# or peers starting), and the choice holds for its whole life. A cost measured on a quiet machine stands.
 AUTO_SPECULATION_REMEASURE = 3
 AUTO_SPECULATION_REMEASURE_PAUSE = 0.5
 from .step_cost import StepPacer, batch_features
@@ -187,7 +190,14 @@ class Engine:
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         self.adapters = self._adapters(s, loaded)  # LoRA adapters (adapters.py), None when none are served
-        self.kv_choice = choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        # the attention backend steps are built with: the loaded model's, or the paged one where asked for
+        self.attention = loaded.attention
+        if s.attention == "paged" and not isinstance(self.attention, PagedBackend):
+            self.attention = PagedBackend(loaded.device, cfg, loaded.batch_invariant)
+        self.paged = isinstance(self.attention, PagedBackend)  # a paged KV cache (model/paged_kv_cache.py)
+        t0 = time.perf_counter()
+        self.kv_choice = self._kv_choice(s, loaded)
+        self.phases = {"KV choice": time.perf_counter() - t0}  # seconds of the engine's start-up phases
         if loaded.plan is not None:
             loaded.plan.reference = None  # the probe's float32 logits, which the KV check may have used
         self.cache, kv_pages = self._kv_cache(s, loaded)
@@ -204,18 +214,23 @@ class Engine:
                       and core_use_readable() else None)
         # constrained decoding: compiled where requests are validated (the edge's worker threads), cached
         self.constraints = ConstraintCompiler(loaded.tokenizer, cfg.vocab_size)
-        self.runner = ModelRunner(loaded.model, c, loaded.device, loaded.attention, self._decode_graphs(s, loaded),
+        self.runner = ModelRunner(loaded.model, c, loaded.device, self.attention, self._decode_graphs(s, loaded),
                                   rope_offset=self._rope_regime(loaded))
+        t0 = time.perf_counter()
         if self.step_pacer is not None:
             self._seed_step_costs()
+        self.phases["step costs"] = time.perf_counter() - t0
         self.verify_cost: float | None = None  # measured by auto speculation: a verifying step / a decode step
         # long_prompt, a quarter of the context: the prompts that would make short neighbours read many empty keys
+        t0 = time.perf_counter()
+        speculation = self._speculation(s, loaded)
+        self.phases["speculation"] = time.perf_counter() - t0
         self.scheduler = Scheduler(c.num_slots, s.max_queue, s.token_budget, long_prompt=max(2, self.max_model_len // 4),
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
-                                   step_pacer=self.step_pacer, speculation=self._speculation(s, loaded),
+                                   step_pacer=self.step_pacer, speculation=speculation,
                                    prefix_tag=self._prefix_tag(loaded), layer_windows=self._kv_windows,
-                                   adapters=self.adapters)
+                                   map_pages=c.map if self.paged else None, adapters=self.adapters)
         self.processor = OutputProcessor(loaded.tokenizer)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
@@ -260,6 +275,15 @@ class Engine:
             return base if seq.lora is None else hash((base, "lora", seq.lora[1]))
         return tag
 
+    def _kv_choice(self, s: EngineSettings, loaded: LoadedModel) -> KvChoice:
+        """The KV cache's dtype: kv_choice.py's choice, or the model's for the paged kernel (which reads it)."""
+        if not self.paged:
+            return choose_kv_dtype(s.kv_cache_dtype, loaded)  # the model's dtype or int8 (kv_choice.py)
+        if s.kv_cache_dtype == "int8":
+            raise ValueError("--kv-cache-dtype int8 is served by the native CPU attention kernels only, not by the "
+                             "paged attention: start with --kv-cache-dtype model (or auto)")
+        return KvChoice(loaded.dtype, "the paged attention kernel reads the model's dtype")
+
     def _kv_cache(self, s: EngineSettings, loaded: LoadedModel) -> tuple[KVCache, int]:
         """The KV cache in the chosen dtype, and its memory in pages. On CPU slots are virtual (memory is
         committed per page written): max_batch for running requests and as many again for prefix-cache
@@ -271,6 +295,12 @@ class Engine:
         pages are then counted per group of layers of one window, `kv_page_bytes` each. A dense cache
         keeps every position of every layer: one page spans every layer, as where no layer slides."""
         self.kv_cache_bytes = budget = s.kv_cache_bytes or default_kv_cache_bytes(loaded.device)
+        if self.paged:  # pages from a pool: slots are block-table rows, max_batch and as many for prefix entries
+            slots = s.max_batch * (2 if s.prefix_cache else 1)
+            c = PagedKVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype,
+                                         loaded.device)
+            self.kv_cache_bytes, self._kv_windows, self.kv_page_bytes = c.nbytes, (), c.bytes_per_page
+            return c, c.num_pages
         slots = s.max_batch * (2 if s.prefix_cache and loaded.device.type == "cpu" else 1)
         c = KVCache.from_budget(loaded.config, budget, self.max_model_len, slots, self.kv_choice.dtype, loaded.device)
         if not c.virtual:  # allocated up front: the budget is what the slots took
@@ -293,7 +323,8 @@ class Engine:
         from .cuda_graphs import DecodeGraphs
 
         try:
-            return DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots))
+            return DecodeGraphs(loaded.model, self.cache, min(s.max_batch, self.cache.num_slots),
+                                attention=self.attention if hasattr(self.attention, "graph_decode") else None)
         except Exception as exc:  # noqa: BLE001 - said plainly, with the way around it
             raise RuntimeError(f"capturing CUDA graphs for decode failed ({exc}); "
                                "start with --cuda-graphs false to decode eagerly") from exc
@@ -320,14 +351,19 @@ class Engine:
             self.verify_cost = (read_cached(path, "verify cost", lambda d: float(d["verify_cost"]))
                                 if path is not None else None)
             if self.verify_cost is None:  # not measured by an earlier start on this machine, model, mode
-                self.verify_cost = self._verify_cost(spec.max_draft)
-                for _ in range(AUTO_SPECULATION_REMEASURE):  # a start beside a busy neighbour measured 3.09x where
-                    if not dear(self.verify_cost):            # starts alone measured 1.7-1.9x: look again later
-                        break
-                    time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
-                    self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
-                if path is not None:
+                with Neighbours() as first:
+                    self.verify_cost = self._verify_cost(spec.max_draft)
+                with Neighbours() as neighbours:
+                    for _ in range(AUTO_SPECULATION_REMEASURE if not first.quiet else 0):
+                        if not dear(self.verify_cost):  # a start beside a busy neighbour measured 3.09x where
+                            break                       # starts alone measured 1.7-1.9x: look again later
+                        time.sleep(AUTO_SPECULATION_REMEASURE_PAUSE)
+                        self.verify_cost = min(self.verify_cost, self._verify_cost(spec.max_draft))
+                if path is not None and first.quiet and neighbours.quiet:
                     write_cached(path, {"verify_cost": self.verify_cost}, "speculation's verify cost")
+                elif path is not None:  # measured beside busy neighbours: this start's choice, not the next one's
+                    log.info("speculation's verify cost not cached: other processes used %.1f cores while it was "
+                             "timed; the next start times it again", max(first.cores or 0.0, neighbours.cores or 0.0))
             if dear(self.verify_cost):
                 log.info("speculation off: verifying %d drafts costs %.2fx a decode step here", spec.max_draft,
                          self.verify_cost)
@@ -417,6 +453,8 @@ class Engine:
         accelerator (the key names the CPU only) or without a cache directory."""
         if self.loaded.device.type != "cpu":
             return None
+        if self.paged:  # another attention than the loaded model's: its own measurements
+            what = {**what, "attention": self.attention.name}
         return measurement_path(self.loaded, "steps", {**what, "kv": self.kv_choice.name})
 
     @torch.inference_mode()

@@ -24,6 +24,7 @@ reads the checkpoint again for them (~3 s of a SmolLM2 start on 2 cores). The ch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ MAX_MEAN_KL = Q.MAX_MEAN_KL / 4
 MAX_PPL_RATIO = 1 + (Q.MAX_PPL_RATIO - 1) / 4
 QUALITY_TOKENS = Q.FIRST_TOKENS  # the precision probe's first sample: its float32 reference serves both
 SPEED_FLOOR = 0.8  # int8 is passed over only when its decode kernel runs below this fraction of the model dtype's speed
+log = logging.getLogger("lmserve.engine")
 CHECK_VERSION = 3  # bumped when what measure_int8 / decode_speedup measure changes: cached checks are then redone
 
 
@@ -108,13 +110,26 @@ def measure_int8(loaded, tokens: int = QUALITY_TOKENS) -> CacheQuality:
 def measured(loaded) -> tuple[CacheQuality, float]:
     """(measure_int8, decode_speedup) of this loaded model: read from the disk cache where this machine
     already checked this checkpoint in this mode, else measured (~3 s for SmolLM2-135M on 2 cores, the
-    float32 reference included) and written there."""
+    float32 reference included) and written there, unless other processes kept the cores busy while
+    the kernel was timed (threads.Neighbours): the next start then times it again, and this loaded
+    model keeps the numbers in memory so that every engine on it holds the same cache."""
+    from .threads import Neighbours
+
+    if "kv" in loaded.measured:
+        return loaded.measured["kv"]
     path = cache_path(loaded)
     found = read_cached(path, "int8 KV check", _parse) if path is not None else None
     if found is None:
-        found = (measure_int8(loaded), decode_speedup(loaded))
-        if path is not None:
+        quality = measure_int8(loaded)
+        with Neighbours() as neighbours:
+            found = (quality, decode_speedup(loaded))
+        if path is not None and neighbours.quiet:
             _write(path, found)
+        else:
+            loaded.measured["kv"] = found
+            if path is not None:
+                log.info("int8 KV check not cached: other processes used %.1f cores while it was timed; the "
+                         "next start times it again", neighbours.cores)
     return found
 
 

@@ -103,16 +103,21 @@ class KvManager:
     upto[, start, layers])`: hands a slot's positions back (the KV cache's `release`). `prefix_tag(seq)`:
     the prefix-cache tag of a sequence's K/V (prefix_cache.py; default 0 for all). `layer_windows`: the
     model's window per layer (ModelConfig.layer_windows) where the cache hands sliding layers' pages
-    back; () counts every layer at full length."""
+    back; () counts every layer at full length. `map_pages(slot, positions)`: a cache that maps pages on
+    demand (model/paged_kv_cache.py) maps those of positions [0, positions) of the slot, called whenever a
+    sequence's charge grows, so the pages mapped are the pages charged (None: the cache commits memory as
+    it is written)."""
 
     def __init__(self, num_slots: int, kv_pages: int | None = None, page_tokens: int = 1,
                  prefix_cache: PrefixCache | None = None, release: Callable[..., None] | None = None,
-                 prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = ()):
+                 prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = (),
+                 map_pages: Callable[[int, int], None] | None = None):
         self.slots = SlotAllocator(num_slots)
         self.kv_pages = kv_pages
         self.page_tokens = page_tokens
         self.prefix_cache = prefix_cache
         self._release = release or (lambda slot, upto, start=0, layers=None: None)
+        self._map = map_pages
         self.prefix_tag = prefix_tag or (lambda seq: 0)
         self.classes = window_classes(layer_windows)
         self._sliding = [i for i, c in enumerate(self.classes) if c.window]
@@ -161,14 +166,19 @@ class KvManager:
         self._held[seq] = _Holding(self.pages(positions), [self._dropped(self.classes[i].window, first_query)
                                                            for i in self._sliding])
         self._charge(self.held(seq))
+        if self._map is not None:
+            self._map(seq.slot, self._held[seq].pages * self.page_tokens)
 
     def _holding(self, seq: Sequence) -> _Holding:
         return self._held.setdefault(seq, _Holding(0, [0] * len(self._sliding)))
 
     def _grow(self, seq: Sequence, pages: int) -> None:
         """`pages` more position pages for a running sequence."""
-        self._holding(seq).pages += pages
+        h = self._holding(seq)
+        h.pages += pages
         self._charge(pages * self.page_weight)
+        if self._map is not None:
+            self._map(seq.slot, h.pages * self.page_tokens)
 
     def _charge(self, pages: int) -> None:
         self.pages_used += pages

@@ -65,23 +65,26 @@ class OutputProcessor:
         batch, out = step.batch, step.run.out if step.run is not None else None
         now = scheduler.clock()
         results, row = [], 0
+        token_ids, ok, logprobs = (out.token_ids, out.ok, out.logprobs) if out is not None else ((), (), ())
+        finished = SeqStatus.FINISHED
         for seq, draft in zip(batch.sampled(), batch.sampled_drafts()):
-            rows = range(row, row + 1 + len(draft))
-            row += len(rows)
-            if seq.status is SeqStatus.FINISHED:
+            first = row
+            row += 1 + len(draft)
+            if seq.status is finished:
                 continue  # cancelled while the step ran, or (overlapped steps) done at the step before
-            if not out.ok[rows[0]]:
+            if not ok[first]:
                 scheduler.finish(seq, FinishReason.ERROR)
                 results.append(StepOutput(seq, None, FinishReason.ERROR))
                 continue
-            keep = kept(out.token_ids, out.ok, rows[0], draft)  # drafts accepted
+            keep = 0
             if draft:
+                keep = kept(token_ids, ok, first, draft)  # drafts accepted
                 scheduler.verified(seq, len(draft), keep)
             chunk = reason = None
-            for r in rows[: keep + 1]:
-                scheduler.append(seq, out.token_ids[r], now)
+            for r in range(first, first + keep + 1):
+                scheduler.append(seq, token_ids[r], now)
                 try:
-                    piece, reason = self.on_token(seq, out.token_ids[r], out.logprobs[r])
+                    piece, reason = self.on_token(seq, token_ids[r], logprobs[r])
                 except Exception:  # noqa: BLE001 - detokenizing one request must not stop the others
                     log.exception("output processing failed for %s", seq.request_id)
                     chunk, reason = None, FinishReason.ERROR

@@ -103,6 +103,31 @@ def row_draw(row: Tensor, t: float, lse: float, u: float) -> int:
     return int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64), right=True).clamp(max=row.shape[0] - 1))
 
 
+# The block width of first_max's pass on CPU: 256 floats, 1 KB per block maximum read back.
+MAX_BLOCK = 256
+
+
+def first_max(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits [N, V] -> (maxima [N], the first index holding each [N] int64): logits.max(dim=-1)'s values and
+    indices (a NaN anywhere in a row: NaN and the first NaN's index). On CPU without the native pass,
+    torch.max(dim=-1) walks a row element by element (~2.9 ms for 64 rows of SmolLM2's 49,152 ids on one
+    Zen 3 core); here the vectorised amax takes each block's maximum, the first block holding the row's
+    maximum is found among those, and only that block is read again (~0.4 ms; a single row keeps torch's
+    max, ~50 us against ~75). A later block's window that would run past the row ends at its end instead,
+    its first ids from the block before it, which holds nothing as large."""
+    N, V = logits.shape
+    if logits.device.type != "cpu" or N < 2 or V < 2 * MAX_BLOCK or logits.stride(-1) != 1:  # one row: torch's
+        return logits.max(dim=-1)
+    full = V // MAX_BLOCK * MAX_BLOCK
+    block_max = logits[:, :full].unflatten(1, (-1, MAX_BLOCK)).amax(-1)  # [N, V // B]
+    if full < V:
+        block_max = torch.cat([block_max, logits[:, full:].amax(-1, keepdim=True)], 1)  # [N, nb]
+    block = block_max.argmax(-1)  # [N] the first block holding the maximum (NaN: the first holding one)
+    start = (block * MAX_BLOCK).clamp_(max=V - MAX_BLOCK)  # [N]
+    window = logits.gather(1, start[:, None] + torch.arange(MAX_BLOCK))  # [N, B]
+    return block_max.gather(1, block[:, None])[:, 0], start + window.argmax(-1)
+
+
 def row_max(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits [N, V] -> (maxima [N], indices [N] int64), as logits.max(dim=-1) gives them (the maxima
     in float32 when the native pass runs)."""
@@ -141,7 +166,7 @@ def row_scan(logits: Tensor, asks: dict[int, tuple[float, int, bool]]) -> tuple[
     the maxima, and no stats: the asking rows make their own passes."""
     native = native_lib.bound(_NativeRows)  # the model loader's library on CPU; never built here
     if native is None or not native.applies(logits):
-        return *logits.max(dim=-1), {}
+        return *first_max(logits), {}
     asks = {i: a for i, a in asks.items() if a[1] <= logits.shape[1]}
     if not asks:
         out_max, out_index, _, _, _ = native.scan(logits)
@@ -155,4 +180,4 @@ def row_scan(logits: Tensor, asks: dict[int, tuple[float, int, bool]]) -> tuple[
                                 for i in asks}
 
 
-__all__ = ["row_draw", "row_max", "row_scan", "row_stats", "rows_max"]
+__all__ = ["first_max", "row_draw", "row_max", "row_scan", "row_stats", "rows_max"]

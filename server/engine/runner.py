@@ -51,14 +51,15 @@ class ModelRunner:
         (overlapped steps); decode rows whose input is such a token read it from its `tokens` on the
         device. On CUDA nothing here waits for the device when every row is plain greedy."""
         # one logits row per sampled sequence; k + 1 for one verifying k drafts (each row greedy)
-        pairs = [(seq, draft, j) for seq, draft in zip(batch.sampled(), batch.sampled_drafts())
-                 for j in range(1 + len(draft))]
-        sampled = [seq for seq, _, _ in pairs]
+        sampled, drafts = batch.sampled(), None
+        if batch.drafts:
+            pairs = [(seq, draft, j) for seq, draft in zip(sampled, batch.sampled_drafts()) for j in range(1 + len(draft))]
+            sampled = [seq for seq, _, _ in pairs]
+            # each row's draft and its place in it: a constrained verifying row is masked as of that place
+            drafts = [(draft, j) for _, draft, j in pairs]
         self._model_seconds = 0.0
         logits = self.step(batch, previous.out if previous is not None else None)
         t0 = time.perf_counter()
-        # each row's draft and its place in it: a constrained verifying row is masked as of that place
-        drafts = [(draft, j) for _, draft, j in pairs] if batch.drafts else None
         out = self.sampler(logits, sampled, drafts) if sampled else None
         return RunOutput(out, self._model_seconds, time.perf_counter() - t0)
 
@@ -103,11 +104,15 @@ class ModelRunner:
                 last[c] = offset - 1
         if batch.decode:
             segments.append(self._decode(batch, previous))
-        decode_rows = list(range(offset, offset + (segments[-1].input_ids.shape[0] if batch.decode else 0)))
-        index = [last[c] for c in batch.prefill if c.completes_prompt] + decode_rows
+        decode_rows = segments[-1].input_ids.shape[0] if batch.decode else 0
+        if batch.prefill:
+            index = self._tensor([last[c] for c in batch.prefill if c.completes_prompt]
+                                 + list(range(offset, offset + decode_rows)))
+        else:  # a decode-only step: every row, made where it is read
+            index = torch.arange(decode_rows, device=self.device)
         lora = self._lora_rows(batch) if self.model.lora is not None else None
         t0 = time.perf_counter()
-        logits = self.model.forward_segments(segments, self.cache, self._tensor(index), lora)  # [n, V]
+        logits = self.model.forward_segments(segments, self.cache, index, lora)  # [n, V]
         self._model_seconds += time.perf_counter() - t0
         return logits
 

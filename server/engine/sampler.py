@@ -379,6 +379,15 @@ class Sampler:
     def __init__(self, lazy_masks: bool = True):
         self.lazy_masks = lazy_masks
 
+    @staticmethod
+    def _greedy(logits: Tensor) -> SampleOutput:
+        """A step whose every row is plain greedy (no constraint, bias, penalty or logprobs): one max over
+        the batch on the logits' device is the whole answer, no per-row work; on CUDA not waited for."""
+        row_max, tokens, _ = row_scan(logits, {})  # [N], [N]
+        if logits.device.type == "cuda":
+            return SampleOutput.deferred(tokens, row_max)
+        return SampleOutput(tokens, [None] * tokens.shape[0], host=(tokens.tolist(), torch.isfinite(row_max).tolist()))
+
     def __call__(self, logits: Tensor, seqs: list, drafts: list | None = None) -> SampleOutput:
         """logits [N, V] (any float dtype), one row per sequence -> one token per row.
 
@@ -387,8 +396,16 @@ class Sampler:
         k drafts has k + 1 consecutive rows (greedy); `drafts` gives each row (its draft, its place j
         in it), which a constrained row needs: its mask is the constraint's after the draft's first j
         tokens."""
-        constrained = [i for i, seq in enumerate(seqs) if seq.request.compiled is not None]
-        biased = [i for i, seq in enumerate(seqs) if seq.request.params.logit_bias]
+        constrained, biased, plain = [], [], True
+        for i, seq in enumerate(seqs):  # one look at each row's request
+            p = seq.request.params
+            if seq.request.compiled is not None:
+                constrained.append(i)
+            if p.logit_bias:
+                biased.append(i)
+            plain = plain and _plain_greedy(p)
+        if plain and not constrained and not biased:
+            return self._greedy(logits)
         unmasked = {i: logits[i].to(torch.float32, copy=True)  # [V] before the mask and the bias
                     for i in {*constrained, *biased} if seqs[i].request.params.logprobs is not None}
         if biased:
@@ -415,9 +432,6 @@ class Sampler:
             index = torch.tensor(masked, device=logits.device)
             with torch.inference_mode():  # the maxima of the masked rows replace theirs (inference tensors)
                 row_max[index], tokens[index] = maxima
-        if (logits.device.type == "cuda" and not constrained and not biased
-                and all(_plain_greedy(seq.request.params) for seq in seqs)):
-            return SampleOutput.deferred(tokens, row_max)  # the max is the whole answer: no wait for it here
         ok = [math.isfinite(m) for m in row_max.tolist()]  # a constrained row with nothing allowed is not finite
         token_list = tokens.tolist()
         lps: list = [None] * len(seqs)

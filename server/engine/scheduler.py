@@ -141,7 +141,7 @@ class Scheduler:
     None: always the lowest.
 
     `max_batch`: requests admitted at once (default num_slots; slots beyond it hold prefix-cache
-    entries). `kv_pages`, `kv_page_tokens`, `prefix_cache`, `release`, `prefix_tag`, `layer_windows`: the
+    entries). `kv_pages`, `kv_page_tokens`, `prefix_cache`, `release`, `prefix_tag`, `layer_windows`, `map_pages`: the
     KV manager's (kv_manager.KvManager, `self.kv`).
     `step_pacer`: sizes each step's prefill from measured step costs (step_cost.py) within
     [min_prefill_chunk, token_budget - decode rows]; None: always the upper bound.
@@ -157,10 +157,11 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
                  step_pacer: StepPacer | None = None, speculation: Speculation | None = None,
                  prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = (),
-                 adapters: "AdapterPool | None" = None):
+                 map_pages: Callable[[int, int], None] | None = None, adapters: "AdapterPool | None" = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
-        self.kv = KvManager(num_slots, kv_pages, kv_page_tokens, prefix_cache, release, prefix_tag, layer_windows)
+        self.kv = KvManager(num_slots, kv_pages, kv_page_tokens, prefix_cache, release, prefix_tag, layer_windows,
+                            map_pages)
         self.max_queue = max_queue
         self.token_budget = token_budget
         self.min_prefill_chunk = min_prefill_chunk

@@ -46,14 +46,13 @@ class Sequence:
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
     constraint: "ConstraintState | None" = None  # constrained decoding's matcher, made at the first sampled step
     lora: tuple[int, int] | None = None  # (slot, uid) of its adapter while admitted (adapters.AdapterPool.acquire)
+    # the prompt's length and the request's id, read by every step's scheduling and output processing
+    prompt_len: int = field(init=False)
+    request_id: str = field(init=False)
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
+    def __post_init__(self):
+        self.prompt_len = len(self.request.prompt_ids)
+        self.request_id = self.request.request_id
 
     @property
     def total_len(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "model", "int8")  # --kv-cache-dtype (kv_choice.py)
+ATTENTIONS = ("auto", "paged")  # --attention
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class EngineSettings:
     draft_tokens: int = 8  # most tokens drafted per sequence and step
     draft_max_batch: int = 4  # draft only while at most this many sequences decode
     adaptive_threads: bool = True  # CPU: steps on one thread while other processes keep the cores busy (threads.py)
+    # auto: the device's backend (model/attention/backend.choose_backend: paged on CUDA where triton is
+    # installed); paged: the paged cache and kernel on any device (on CPU through Triton's interpreter: tests)
+    attention: str = "auto"
     lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start, each NAME=PATH (a PEFT directory)
     lora_dir: str | None = None  # adapters may be loaded and unloaded at runtime from inside this directory
     max_loras: int = 4  # adapters resident at once (each in a slot of max_lora_rank)
@@ -46,6 +50,8 @@ class EngineSettings:
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.speculation not in ("auto", "ngram", "off"):
             raise ValueError(f"speculation must be auto, ngram or off, got {self.speculation!r}")
         for name in ("max_batch", "token_budget", "max_new_tokens_cap", "default_max_new_tokens", "draft_tokens",

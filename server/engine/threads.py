@@ -81,6 +81,46 @@ def readable() -> bool:
         return False
 
 
+# a start-up timing taken while other processes used more than this many cores on average (beyond the
+# cores the measurement leaves free) is not kept on disk: it serves this start, and the next start
+# measures again (a decision near its threshold flipped under load and was then cached for good)
+BUSY_CORES = 0.5
+
+
+class Neighbours:
+    """What other processes took of this machine's cores while a measurement ran: `with Neighbours() as n:`
+    around it, then `n.cores` (average cores used by others) and `n.quiet`. Where busy time per core
+    cannot be read, cores is None and the measurement counts as quiet (as before this check)."""
+
+    def __init__(self, usage: Callable[[], tuple[float, float]] = machine_usage, clock: Callable[[], float] = time.monotonic):
+        self._usage, self._clock = usage, clock
+        self.cores: float | None = None
+        self._mark = None
+
+    def __enter__(self) -> "Neighbours":
+        try:
+            self._mark = (self._clock(), *self._usage())
+        except (OSError, ValueError):
+            self._mark = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mark is None:
+            return
+        try:
+            busy, own = self._usage()
+        except (OSError, ValueError):
+            return
+        wall0, busy0, own0 = self._mark
+        self.cores = max(0.0, (busy - busy0) - (own - own0)) / max(self._clock() - wall0, 1e-6)
+        free = max(0, len(usable_cores()) - torch.get_num_threads())
+        self.cores = max(0.0, self.cores - free)  # cores the measurement left idle may be used freely
+
+    @property
+    def quiet(self) -> bool:
+        return self.cores is None or self.cores <= BUSY_CORES
+
+
 class CoreShare:
     """`before()` / `after()` around each step on the thread that runs the steps; `threads` is the
     count the next step runs on."""

@@ -2,6 +2,10 @@
 translation (translate.py), and an answer (reply.Reply) -> a message, its stream of events, or an error
 in Anthropic's envelope. The edge (app.py) runs it as it runs every dialect.
 
+A `system` message inside `messages` (after the first; Anthropic's mid-conversation system messages, which
+Claude Code sends) joins the user turn next to it (translate.History.note): chat templates take a
+system message only first.
+
 Content blocks: `text`, `tool_use` (an assistant's calls), `tool_result` (the user's answers to them,
 each naming a call made earlier) and `thinking`/`redacted_thinking` (accepted in history, not shown to a
 model that does not think); `cache_control` is accepted anywhere and has no effect (the prefix cache
@@ -64,6 +68,7 @@ def translate(body: dict, fields: FieldPolicy, counting: bool = False) -> Genera
     _system(body.get("system"), history)
     r.seen.add("system")
     _messages(r.get("messages", list, required=True), history)
+    history.close()
     if counting:  # a count_tokens body copied from a messages body: its sampling fields count nothing
         r.seen.update(_SAMPLING)
     fields.unknown(sorted(body.keys() - r.seen - NO_EFFECT - UNSUPPORTED), PATH + ("/count_tokens" if counting else ""))
@@ -140,9 +145,15 @@ def _messages(raw: list, history: History) -> None:
         if not isinstance(m, dict):
             raise BodyError(where, f"must be an object, got {json_type(m)}")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise BodyError(f"{where}.role", f"must be 'user' or 'assistant', got {str(role)[:32]!r}")
         content = m.get("content")
+        if role == "system" and i > 0:  # a mid-conversation system message (Claude Code sends them)
+            if not isinstance(content, (str, list)):
+                raise BodyError(f"{where}.content", f"must be a string or an array of text blocks, got {json_type(content)}")
+            history.note(content if isinstance(content, str) else "\n\n".join(_texts(content, f"{where}.content")))
+            continue
+        if role not in ("user", "assistant"):
+            raise BodyError(f"{where}.role", "must be 'user' or 'assistant' (or 'system' after the first message), "
+                                             f"got {str(role)[:32]!r}")
         if isinstance(content, str):
             history.say(role, content)
         elif isinstance(content, list):

@@ -61,13 +61,12 @@ class ResponsesDialect:
             constraint=_text_format(r.get("text", dict)))
         if params.top_p == 0.0:  # only the most likely token, as on Chat Completions
             params = replace(params, temperature=0.0, top_p=None)
-        tools = _tools(r.get("tools", list) or [], body.get("tool_choice"), r.get("parallel_tool_calls", bool))
+        tools, namespaces = _tools(r.get("tools", list) or [], body.get("tool_choice"), r.get("parallel_tool_calls", bool),
+                                   fields)
         r.seen.add("tool_choice")
         instructions = r.get("instructions", str)
         previous = r.get("previous_response_id", str)
-        history = History()
-        if instructions:
-            history.say("system", instructions)
+        history = History()  # the conversation as stored: `instructions` are this response's alone
         if previous is not None:
             stored = self.store.get(previous)
             if stored is None:
@@ -75,6 +74,12 @@ class ResponsesDialect:
                                                    "stored)", param="previous_response_id")
             history.resume(stored.turns)
         _input(body.get("input"), history, required=previous is None)
+        history.close()
+        turns = list(history.turns)
+        if instructions and turns and turns[0].role == "system":
+            turns[0] = ChatTurn("system", f"{instructions}\n\n{turns[0].content}")
+        elif instructions:
+            turns.insert(0, ChatTurn("system", instructions))
         r.seen.add("input")
         stream = bool(r.get("stream", bool))
         store = or_default(r.get("store", bool), True)
@@ -86,12 +91,12 @@ class ResponsesDialect:
                 "temperature": params.temperature, "top_p": or_default(params.top_p, 1.0),
                 "max_output_tokens": params.max_new_tokens or None,
                 "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-                "user": body.get("user"), "skip": 1 if instructions else 0}
-        return Generation(model, GenerateInput(messages=history.turns, params=params, tools=tools), NAMES, stream, echo)
+                "user": body.get("user"), "history": tuple(history.turns), "namespaces": namespaces}
+        return Generation(model, GenerateInput(messages=turns, params=params, tools=tools), NAMES, stream, echo)
 
     # ---- answers --------------------------------------------------------------------------
     def answer(self, gen: Generation, rid: str, reply: Reply, prompt_tokens: int) -> bytes:
-        body = self._finished(gen, reply, _output(reply, f"msg_{rid}"))
+        body = self._finished(gen, reply, _output(reply, f"msg_{rid}", gen.echo["namespaces"]))
         return _dumps(body).encode()
 
     def events(self, gen: Generation, rid: str, prompt_tokens: int) -> "ResponseEvents":
@@ -107,7 +112,7 @@ class ResponsesDialect:
         if gen.echo["store"]:
             said = ChatTurn("assistant", reply.content,
                             tuple(ToolCall(c.id, c.name, c.arguments) for c in reply.tool_calls if c.complete))
-            self.store.put(body["id"], Stored(body, tuple(gen.input.messages[gen.echo["skip"]:]) + (said,)))
+            self.store.put(body["id"], Stored(body, gen.echo["history"] + (said,)))
         return body
 
     def stored(self, response_id: str) -> dict:
@@ -145,14 +150,18 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id, "name": name,
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed", namespaces: dict | None = None) -> dict:
+    """A function_call item; a function of a namespace tool is named as the client named it, with its namespace."""
+    item = {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
+    if namespaces and name in namespaces:
+        item["namespace"], item["name"] = namespaces[name]
+    return item
 
 
-def _output(reply: Reply, message_id: str) -> list[dict]:
+def _output(reply: Reply, message_id: str, namespaces: dict | None = None) -> list[dict]:
     """The output items: the text as a message (also when there is neither text nor a call), then the calls."""
-    calls = [_call_item(c.id, c.name, c.arguments) for c in reply.tool_calls]
+    calls = [_call_item(c.id, c.name, c.arguments, namespaces=namespaces) for c in reply.tool_calls]
     return ([_message_item(message_id, reply.content)] if reply.content or not calls else []) + calls
 
 
@@ -197,7 +206,7 @@ class ResponseEvents:
             out = (self._event("response.output_text.done", **at, text=item["text"], logprobs=[])
                    + self._event("response.content_part.done", **at, part=_text_part(item["text"])))
         else:
-            done = _call_item(item["call_id"], item["name"], item["text"])
+            done = _call_item(item["call_id"], item["name"], item["text"], namespaces=self.gen.echo["namespaces"])
             out = self._event("response.function_call_arguments.done", output_index=i, item_id=done["id"],
                               name=item["name"], arguments=item["text"])
         self.output.append(done)
@@ -215,7 +224,7 @@ class ResponseEvents:
             out = self._close()
             self.open = {"kind": "call", "call_id": d.id, "name": d.name, "text": ""}
             return out + self._event("response.output_item.added", output_index=self._index(),
-                                     item=_call_item(d.id, d.name, "", "in_progress"))
+                                     item=_call_item(d.id, d.name, "", "in_progress", self.gen.echo["namespaces"]))
         self.open["text"] += d.arguments
         return self._event("response.function_call_arguments.delta", output_index=self._index(),
                            item_id="fc_" + self.open["call_id"].removeprefix("call_"), delta=d.arguments)
@@ -246,21 +255,45 @@ def _text_format(text: dict | None):
     raise BodyError("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got {str(fmt.get('type'))[:40]!r}")
 
 
-def _tools(raw: list, choice, parallel: bool | None):
-    found = ToolSet(len(raw), "tools")
-    for i, t in enumerate(raw):
-        where = f"tools[{i}]"
+def _tools(raw: list, choice, parallel: bool | None, fields: FieldPolicy) -> tuple:
+    """(ToolUse, namespaces): function tools, and those of namespace tools offered to the model as
+    `<namespace>__<name>` (namespaces maps that name back). Tools the server would have to run itself (web
+    search, file search, code interpreter, MCP, ...) are not offered, as an unknown field is not read: a 400
+    under --strict-openai-fields, logged otherwise."""
+    found, namespaces = ToolSet(len(raw), "tools"), {}
+
+    def function(t, where: str, namespace: str | None = None) -> None:
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else json_type(t)
-            raise BodyError(f"{where}.type", f"must be 'function' (the only kind of tool served), got {str(kind)[:40]!r}")
+            raise BodyError(f"{where}.type", f"must be 'function', got {str(kind)[:40]!r}")
         r = Reader(t, f"{where}.")
         r.get("strict", bool)  # calls always follow the schema here
-        found.add(t.get("name"), r.get("description", str), r.get("parameters", dict), f"{where}.name")
+        name = t.get("name")
+        if namespace is not None and isinstance(name, str):
+            namespaces[f"{namespace}__{name}"] = (namespace, name)
+            name = f"{namespace}__{name}"
+        found.add(name, r.get("description", str), r.get("parameters", dict), f"{where}.name")
+
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace":
+            r = Reader(t, f"{where}.")
+            namespace = r.get("name", str, required=True)
+            for j, inner in enumerate(r.get("tools", list, required=True)):
+                function(inner, f"{where}.tools[{j}]", namespace)
+        elif isinstance(kind, str) and kind != "function":
+            fields.unknown([f"{where} (a {kind[:40]} tool, which this server does not run)"], PATH)
+        else:
+            function(t, where)
     parallel = or_default(parallel, True)
     if choice is None or choice in ("none", "auto", "required"):
-        return found.use(choice or "auto", parallel=parallel)
+        return found.use(choice or "auto", parallel=parallel), namespaces
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return found.use("function", choice.get("name"), parallel, "tool_choice.name")
+        name = choice.get("name")
+        if isinstance(choice.get("namespace"), str):
+            name = f"{choice['namespace']}__{name}"
+        return found.use("function", name, parallel, "tool_choice.name"), namespaces
     raise BodyError("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
 
 
@@ -298,11 +331,16 @@ def _input(raw, history: History, required: bool) -> None:
             flush()
             if role == "assistant":
                 said = text
+            elif _ROLES[role] == "system":  # the system turn at the start; a note to a user turn later
+                history.system(text)
             else:
                 history.say(_ROLES[role], text)
         elif kind == "function_call":
             arguments = r.get("arguments", str, required=True)
-            calls.append(ToolCall(r.get("call_id", str, required=True), r.get("name", str, required=True), arguments))
+            name = r.get("name", str, required=True)
+            if r.get("namespace", str):  # a function of a namespace tool, as offered to the model
+                name = f"{item['namespace']}__{name}"
+            calls.append(ToolCall(r.get("call_id", str, required=True), name, arguments))
         elif kind == "function_call_output":
             call_id = r.get("call_id", str, required=True)
             output = item.get("output")

@@ -204,6 +204,7 @@ class History:
     def __init__(self):
         self.turns: list[ChatTurn] = []
         self._calls: set[str] = set()
+        self._note = ""  # system text inside the conversation, waiting for a user turn (`note`)
 
     def resume(self, turns) -> None:
         """Turns of a conversation checked before (a stored response's)."""
@@ -212,8 +213,39 @@ class History:
             self._calls.update(c.id for c in t.tool_calls)
 
     def say(self, role: str, content: str, calls: tuple[ToolCall, ...] = ()) -> None:
+        if self._note and role == "user":  # a system note waiting for the next user turn
+            content, self._note = f"{self._note}\n\n{content}" if content else self._note, ""
         self.turns.append(ChatTurn(role, content, calls))
         self._calls.update(c.id for c in calls)
+
+    def system(self, text: str) -> None:
+        """A system (or developer) message: the conversation's system turn while nothing else was said,
+        joined to the one there; a note (`note`) after that."""
+        if not text:
+            return
+        if not self.turns or (len(self.turns) == 1 and self.turns[0].role == "system"):
+            head = self.turns[0].content + "\n\n" if self.turns else ""
+            self.turns[:1] = [ChatTurn("system", head + text)]
+        else:
+            self.note(text)
+
+    def note(self, text: str) -> None:
+        """A system message inside the conversation (after its start). Chat templates take a system
+        message first or not at all (Gemma's raises on any other order), so the note joins the user
+        turn it follows, or else the next one; one that ends the conversation is a user turn of its own."""
+        if not text:
+            return
+        last = self.turns[-1] if self.turns else None
+        if last is not None and last.role == "user" and not self._note:
+            self.turns[-1] = ChatTurn("user", f"{last.content}\n\n{text}" if last.content else text, last.tool_calls)
+        else:
+            self._note = f"{self._note}\n\n{text}" if self._note else text
+
+    def close(self) -> None:
+        """The conversation is complete: a note no user turn followed becomes one."""
+        if self._note:
+            note, self._note = self._note, ""
+            self.say("user", note)
 
     def result(self, call_id: str, content: str, where: str) -> None:
         """The result of an earlier call; `where` names the field holding `call_id`."""

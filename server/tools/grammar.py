@@ -32,12 +32,17 @@ def _lit(text: str) -> str:
     return json.dumps(text)
 
 
-def generation_schema(schema: dict) -> dict:
+def generation_schema(schema: dict, lenient: bool = False) -> dict:
     """The schema a call's arguments are generated under: the request's, written the way lmserve writes
     JSON (one line, ", " and ": "), with objects that declare their properties (none, for a function
     without arguments) and leave additionalProperties unset held to those properties. Every output is still valid under the schema as
-    given; a small model no longer adds keys of its own until its token limit."""
-    return {**_closed(schema), "x-guidance": JSON_OPTIONS}
+    given; a small model no longer adds keys of its own until its token limit.
+
+    `lenient` (tools offered under `auto`, where no call is promised): keywords the grammar cannot hold a
+    call to (`propertyNames`, ...) are left out rather than refused, so an agent client's tool list serves
+    whole; a call then follows the rest of its schema. Where calls are promised valid (`required`, a named
+    function) such a schema is refused, naming the keyword."""
+    return {**_closed(schema), "x-guidance": {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS}
 
 
 def _closed(schema):
@@ -69,7 +74,7 @@ def tool_grammar(use: ToolUse, answer: dict | None = None) -> str:
     rules = []
     for i, tool in enumerate(functions):
         rules.append(f"fn_{i}: {_lit(json.dumps(tool.name) + ARGUMENTS_KEY)} args_{i}")
-        rules.append(f"args_{i}: %json {json.dumps(generation_schema(tool.schema))}")
+        rules.append(f"args_{i}: %json {json.dumps(generation_schema(tool.schema, use.choice == 'auto'))}")
     names = " | ".join(f"fn_{i}" for i in range(len(functions)))
     rules.append(f"call: {_lit(HEAD)} ({names}) {_lit(TAIL)}")
     rules.append("calls: call" if use.one_call else f"calls: call ({_lit(BETWEEN + TRIGGER)} call)*")

@@ -33,3 +33,26 @@ def test_host_ceiling_reports_every_phase(smollm2_gguf_path, tmp_path):
     assert [r["concurrency"] for r in report["http_vs_grpc"]] == [1, 4]
     assert all(r["http_over_grpc_tok_per_s"] > 0 for r in report["http_vs_grpc"])
     assert report["benchmark"] == "host-ceiling" and report["machine"]["slug"]
+
+
+def test_beside_a_base_checkout_both_take_turns_and_the_ratios_are_theirs(smollm2_gguf_path, tmp_path):
+    """--base: one pass from each checkout per round (here this checkout against itself), the report holding
+    every pass and, per part and concurrency, the medians and this / base of each round's pair."""
+    from lmserve.client.bench.harness import ROOT
+
+    out = tmp_path / "beside.json"
+    proc = subprocess.run([sys.executable, "-m", "lmserve.client.cli", "bench", "host-ceiling", "--model", str(smollm2_gguf_path),
+                           "--base", str(ROOT), "--concurrency", "2", "--max-new-tokens", "8", "--rounds", "2",
+                           "--skip", "grpc", "http", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["base"]["checkout"] == str(ROOT) and len(report["base"]["commit"]) == 40
+    assert [len(report["passes"][side]) for side in ("base", "this")] == [2, 2]
+    assert all(list(p) == ["engine", "load_average"] and p["engine"][0]["tokens"] == 16
+               for side in ("base", "this") for p in report["passes"][side])
+    (row,) = report["this_vs_base"]["engine"]
+    pairs = [t["engine"][0]["tok_per_s"] / b["engine"][0]["tok_per_s"]
+             for t, b in zip(report["passes"]["this"], report["passes"]["base"])]
+    assert row["concurrency"] == 2 and row["this_over_base_rounds"] == pairs
+    assert row["this_over_base"] == sum(pairs) / 2  # the median of two
+    assert "grpc" not in report["this_vs_base"]

@@ -72,7 +72,7 @@ BAD = [
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input[0].content[0].type", "only text parts"),
     (dict(input=[{"type": "function_call", "name": "add", "arguments": "{}"}]), "input[0].call_id", "is required"),
-    (dict(tools=[{"type": "web_search"}]), "tools[0].type", "must be 'function'"),
+    (dict(tools=[{"name": "add", "parameters": {}}]), "tools[0].type", "must be 'function'"),
     (dict(text={"format": {"type": "yaml"}}), "text.format.type", "must be"),
     (dict(max_output_tokens=0), "max_output_tokens", "at least 1"),
     (dict(input=None), "input", "is required"),

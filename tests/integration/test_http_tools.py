@@ -24,7 +24,8 @@ BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]),
      "tools[0].function.parameters", "invalid JSON schema"),
     (dict(tools=[TOOLS[0], {"type": "function", "function": {"name": "g", "parameters": {
-        "type": "array", "uniqueItems": True}}}]), "tools[1].function.parameters", "uniqueItems"),
+        "type": "array", "uniqueItems": True}}}], tool_choice="required"), "tools[1].function.parameters",
+     "uniqueItems"),  # under auto such a keyword is left out (no call is promised valid there)
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name",
      "not a function in tools"),
     (dict(tool_choice="required"), "tool_choice", "needs tools"),

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from lmserve.model.attention.sdpa import AttentionMetadata, attend_calls
 from oracles import explicit_attention
-from lmserve.model.attention.plan import cache_calls, slot_runs
+from lmserve.model.attention.plan import AttentionCall as AttentionCallRef, cache_calls, searched_runs, slot_runs
 from lmserve.model.config import ModelConfig
 from lmserve.model.kv_cache import KVCache
 from lmserve.model.llama import LlamaForCausalLM
@@ -138,3 +138,33 @@ def test_static_decode_over_the_whole_cache_equals_the_planned_decode(pad):
     assert_close(got[4:], want[:1].expand(pad, -1), **TIGHT)
     assert_close(static.k, planned.k, **TIGHT)
     assert_close(static.v, planned.v, **TIGHT)
+
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_call_cost_skips_the_search_and_returns_its_answer(seed):
+    """call_cost 0 (batch-invariant serving): every sequence alone, in slot order, which must be exactly
+    what the search returns, ties between equal costs included."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    slots = rng.sample(range(64), n)
+    kv_lens = [rng.choice([1, 2, 7, 7, 300]) for _ in range(n)]
+    order = sorted(range(n), key=slots.__getitem__)
+    runs = slot_runs(slots, kv_lens, 0)
+    assert runs == [[b] for b in order]
+    assert runs == searched_runs(order, slots, kv_lens, 0)
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_no_call_cost_calls_are_one_per_sequence_over_its_own_slot(L):
+    """The calls built without the general loop are the general loop's for runs of one sequence: a slice
+    of the batch, the sequence's slot alone, its own keys, its row of the step's mask, no row index."""
+    rng = random.Random(L)
+    slots = rng.sample(range(40), 17)
+    kv_lens = [rng.randint(L, 300) for _ in slots]
+    base = min(slots)
+    want = tuple(AttentionCallRef(batch=slice(b, b + 1), tokens=slice(0, L), lo=slots[b], hi=slots[b] + 1,
+                                  length=kv_lens[b], mask_rows=slice(slots[b] - base, slots[b] - base + 1), rows=None,
+                                  first_query=max(0, kv_lens[b] - L))
+                 for b in sorted(range(len(slots)), key=slots.__getitem__))
+    assert cache_calls(slots, kv_lens, L, torch.device("cpu"), call_cost=0) == want

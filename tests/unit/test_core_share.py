@@ -144,3 +144,30 @@ def greedy_request(prompt):
     from lmserve.server.engine.request import Request
 
     return Request(prompt, greedy(24, ignore_eos=True))
+
+
+@pytest.mark.parametrize("others,quiet", [(0.0, True), (0.4, True), (0.7, False), (1.8, False)])
+def test_neighbours_tell_a_measurement_beside_busy_processes(others, quiet, monkeypatch):
+    """Neighbours (a start-up timing that may be cached): the cores other processes took while it ran,
+    beyond those the measurement's threads left free, against BUSY_CORES."""
+    from lmserve.server.engine import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    clock = {"now": 10.0, "busy": 100.0, "own": 5.0}
+    n = threads.Neighbours(usage=lambda: (clock["busy"], clock["own"]), clock=lambda: clock["now"])
+    with n:
+        clock["now"] += 2.0
+        clock["own"] += 2 * 2.0  # this process on both cores
+        clock["busy"] += (2 + others) * 2.0
+    assert n.cores == pytest.approx(others) and n.quiet is quiet
+
+
+def test_neighbours_count_as_quiet_where_busy_time_cannot_be_read():
+    from lmserve.server.engine.threads import Neighbours
+
+    def unreadable():
+        raise OSError("no /proc/stat")
+    with Neighbours(usage=unreadable) as n:
+        pass
+    assert n.cores is None and n.quiet

@@ -198,3 +198,80 @@ async def test_overlapped_decode_steps_launch_without_waiting_for_the_device(tra
     print(f"{len(guarded)} decode steps launched without a device sync")
     assert not wrong, wrong
     assert len(guarded) > 50
+
+
+# ---- the paged attention (model/attention/paged.py, model/paged_kv_cache.py) --------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_kernel_on_cuda_matches_the_reference_and_is_batch_invariant(dtype):
+    """The compiled Triton kernel against the torch reference of the same contract (float32 on the CPU),
+    with GQA, a sliding window, decode rows and chunks in one call; a sequence's rows bitwise the same
+    alone as in the batch."""
+    pytest.importorskip("triton")
+    from lmserve.model.attention.paged import Tiles, paged_attention, paged_attention_reference, tile_rows
+
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, d, page = 8, 2, 64, 16
+    lengths, q_lens = [5, 40, 17, 64, 16], [1, 12, 1, 30, 16]
+    num_pages = sum(-(-n // page) for n in lengths) + 1
+    ids = torch.randperm(num_pages - 1, generator=g) + 1
+    table = torch.zeros(len(lengths), 4, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lengths):
+        k = -(-n // page)
+        table[i, :k] = ids[used: used + k]
+        used += k
+    k_pool = torch.randn(num_pages, page, Hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(num_pages, page, Hkv, d, generator=g).to(dtype)
+    rows = torch.tensor([i for i, m in enumerate(q_lens) for _ in range(m)])
+    positions = torch.tensor([p for n, m in zip(lengths, q_lens) for p in range(n - m, n)])
+    q = torch.randn(len(rows), H, d, generator=g).to(dtype)
+    block_m = tile_rows(H, Hkv)[0]
+    for window in (0, 20):
+        tiles = Tiles.of_runs(q_lens, block_m, CUDA)
+        got = paged_attention(q.to(CUDA), k_pool.to(CUDA), v_pool.to(CUDA), table.to(CUDA), rows.to(CUDA),
+                              positions.to(CUDA), tiles, window=window).float().cpu()
+        want = paged_attention_reference(q.float(), k_pool.float(), v_pool.float(), table, rows, positions, window=window)
+        print(f"{dtype} window={window}: max |paged - reference| = {(got - want).abs().max():.2e}")
+        assert_close(got, want, **ATTENTION_TOL[dtype])
+        mine = slice(1, 13)  # sequence 1's 12 tokens, alone
+        alone = paged_attention(q[mine].to(CUDA), k_pool.to(CUDA), v_pool.to(CUDA), table.to(CUDA), rows[mine].to(CUDA),
+                                positions[mine].to(CUDA), Tiles.of_runs([12], block_m, CUDA), window=window).float().cpu()
+        assert torch.equal(alone, got[mine])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.inference_mode()
+def test_paged_graph_replayed_decode_matches_the_eager_decode(trained_model_dir, dtype):
+    """Decode graphs over a paged cache (block table, slots and positions as static inputs): replays in
+    every bucket give the eager paged decode's logits, pages mapped between replays included."""
+    pytest.importorskip("triton")
+    from lmserve.model.attention.backend import PagedBackend
+    from lmserve.model.paged_kv_cache import PagedKVCache
+
+    loaded = load_model(trained_model_dir, dtype=dtype, device=CUDA)
+    cfg, slots_n = loaded.config, 8
+    backend = PagedBackend(CUDA, cfg)
+    eager, cached = (PagedKVCache(cfg, slots_n, 64, 40, dtype, CUDA) for _ in range(2))
+    graphs = DecodeGraphs(loaded.model, cached, slots_n, attention=backend)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    eager.k.normal_(generator=g)
+    eager.v.normal_(generator=g)
+    cached.k.copy_(eager.k)
+    cached.v.copy_(eager.v)
+    rng = random.Random(0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for n in (1, 3, 8, 2, 5):
+        slots = rng.sample(range(slots_n), n)
+        positions = [rng.randrange(60) for _ in range(n)]
+        for cache in (eager, cached):
+            for s, p in zip(slots, positions):
+                cache.map(s, p + 1)
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(n)]
+        meta, pos_t = backend.decode(slots, positions)
+        want = loaded.model(torch.tensor(ids, device=CUDA)[:, None], pos_t, meta, eager)[:, 0].float()
+        got = graphs.run(torch.tensor(ids, device=CUDA), positions, slots).float()
+        scale = float(want.abs().max())
+        print(f"{dtype} n={n}: max |graph - eager| / max |logit| = {float((got - want).abs().max()) / scale:.2e}")
+        assert float((got - want).abs().max()) <= tol * scale
+    assert graphs.replays == 5

@@ -88,3 +88,56 @@ def test_a_continued_response_starts_from_its_stored_conversation():
     with pytest.raises(EdgeError) as err:
         responses({**RESPONSES, "previous_response_id": "resp_b"}, store=store)
     assert err.value.param == "previous_response_id" and "resp_b" in str(err.value)
+
+
+def test_a_mid_conversation_system_message_joins_the_user_turn_beside_it():
+    """Claude Code sends `system` messages inside `messages`; chat templates take a system message only
+    first, so each joins the user turn it follows, or else the next one, or ends as a user turn."""
+    def turns(msgs):
+        return [(t.role, t.content) for t in messages({**MESSAGES, "system": "S", "messages": msgs}).input.messages]
+
+    text = [{"type": "text", "text": "agents: a, b"}]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "system", "content": text}]) == \
+        [("system", "S"), ("user", "hi\n\nagents: a, b")]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                  {"role": "system", "content": "n1"}, {"role": "system", "content": "n2"},
+                  {"role": "user", "content": "go"}]) == \
+        [("system", "S"), ("user", "hi"), ("assistant", "yes"), ("user", "n1\n\nn2\n\ngo")]
+    assert turns([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                  {"role": "system", "content": "late"}])[-1] == ("user", "late")
+    assert refused(lambda: messages({**MESSAGES, "messages": [{"role": "system", "content": "first"}]}))[0] == \
+        "messages[0].role"  # the first message is the conversation's, not a note: `system` takes that
+    assert refused(lambda: messages({**MESSAGES, "messages": [{"role": "user", "content": "hi"},
+                                                              {"role": "system", "content": 3}]}))[0] == \
+        "messages[1].content"
+
+
+def test_responses_namespace_tools_are_offered_by_qualified_name_and_answered_in_their_namespace():
+    """Codex CLI groups functions in `namespace` tools and offers hosted ones (web_search) too: the
+    namespaced functions reach the model as `<namespace>__<name>`, a call in history names its namespace,
+    and a hosted tool is not offered (a 400 naming it only under --strict-openai-fields)."""
+    fn = {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "namespace", "name": "agents", "description": "d", "tools": [fn]},
+             {"type": "function", "name": "exec", "parameters": {"type": "object"}},
+             {"type": "web_search", "external_web_access": False}]
+    history = [{"type": "message", "role": "user", "content": "go"},
+               {"type": "function_call", "call_id": "c1", "namespace": "agents", "name": "close_agent",
+                "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "closed"}]
+    gen = responses({**RESPONSES, "tools": tools, "input": history,
+                     "tool_choice": {"type": "function", "namespace": "agents", "name": "close_agent"}})
+    assert [t.name for t in gen.input.tools.tools] == ["agents__close_agent", "exec"]
+    assert gen.input.tools.function == "agents__close_agent"
+    assert gen.input.messages[1].tool_calls[0].name == "agents__close_agent"
+    assert gen.echo["namespaces"] == {"agents__close_agent": ("agents", "close_agent")}
+    assert refused(lambda: responses({**RESPONSES, "tools": tools}, strict=True))[0].startswith("tools[2]")
+
+
+def test_responses_developer_messages_make_one_system_turn_at_the_start_and_notes_later():
+    gen = responses({**RESPONSES, "instructions": "I", "input": [
+        {"type": "message", "role": "developer", "content": "D1"},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "D2"}]},
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "message", "role": "system", "content": "late"}]})
+    assert [(t.role, t.content) for t in gen.input.messages] == [("system", "I\n\nD1\n\nD2"), ("user", "hi\n\nlate")]
+    assert [(t.role, t.content) for t in gen.echo["history"]] == [("system", "D1\n\nD2"), ("user", "hi\n\nlate")]

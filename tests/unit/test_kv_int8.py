@@ -348,6 +348,10 @@ def test_a_restart_reads_the_check_from_the_disk_cache_without_the_float32_refer
     from lmserve.model import loader
     from lmserve.server.engine import kv_choice as KC
 
+    from lmserve.server.engine import threads
+
+    monkeypatch.setattr(threads, "BUSY_CORES", float("inf"))  # timed on a quiet machine, whatever runs beside
+    smol_int4.measured.pop("kv", None)  # an earlier test's check, where a busy machine kept it in memory
     first = KC.measured(smol_int4)
     path = KC.cache_path(smol_int4)
     assert path is not None and path.is_file() and path.parent == smol_int4.cache_dir / "kernels"
@@ -363,6 +367,24 @@ def test_a_restart_reads_the_check_from_the_disk_cache_without_the_float32_refer
     q, _ = KC.measured(smol_int4)  # measured again
     assert q.int8.mean_kl == pytest.approx(first[0].int8.mean_kl, rel=1e-6)
     assert json.loads(path.read_text())["int8"]["mean_kl"] == pytest.approx(q.int8.mean_kl)
+
+
+def test_a_check_timed_beside_busy_processes_is_kept_in_memory_not_on_disk(smol_int4, monkeypatch):
+    """Timed while other processes kept the cores busy, the check serves this loaded model (every engine on
+    it makes the same choice) but is not written: the next start times it again, on a quieter machine."""
+    from lmserve.server.engine import kv_choice as KC
+    from lmserve.server.engine import threads
+
+    path = KC.cache_path(smol_int4)
+    path.unlink(missing_ok=True)
+    monkeypatch.setattr(threads, "BUSY_CORES", -1.0)  # any use of the cores by others counts as busy
+    try:
+        first = KC.measured(smol_int4)
+        assert not path.exists()
+        monkeypatch.setattr(KC, "decode_speedup", lambda loaded: pytest.fail("timed again on the same loaded model"))
+        assert KC.measured(smol_int4) == first
+    finally:
+        smol_int4.measured.pop("kv", None)
 
 
 def test_a_checkpoint_gone_since_loading_keeps_the_models_dtype_and_says_why(smol_int4, tmp_path):

@@ -110,6 +110,60 @@ def test_invariance_check_catches_a_batch_dependent_kernel_and_pick_respects_it(
     assert K.pick([fast_varying], batch_invariant=True) is None
 
 
+class _Clocked(nn.Module):
+    """A linear whose call advances a fake clock by `cost` per row, plus `spike` on the calls listed."""
+
+    def __init__(self, clock: dict, cost: float, in_features: int = 8, out_features: int = 4, spikes=()):
+        super().__init__()
+        self.clock, self.cost, self.in_features, self.out_features = clock, cost, in_features, out_features
+        self.spikes, self.calls = list(spikes), 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.clock["now"] += self.cost * x.shape[0] + (self.spikes.pop(0) if self.spikes else 0.0)
+        return x[:, :self.out_features]
+
+
+def _time_on_fake_clock(monkeypatch, sets, repeats=3, min_repeats=2):
+    clock = next(iter(sets.values()))[0].clock
+    monkeypatch.setattr(K.time, "perf_counter", lambda: clock["now"])
+    before = K.TIMING_COUNTS["passes"]
+    times = K.time_candidates(sets, K.DECODE_BUCKETS, torch.float32, repeats=repeats, min_repeats=min_repeats)
+    return times, K.TIMING_COUNTS["passes"] - before
+
+
+def test_kernel_timing_stops_early_only_where_the_lead_is_beyond_the_noise(monkeypatch):
+    """A role's candidates are timed min_repeats times and more only while the ranking is unsettled: a
+    lead wider than every spread seen between passes stops it, a near tie or a noisy pass (a neighbour
+    slowing one pass down) takes every repeat; the warm-up calls one layer of each shape, not all."""
+    clock = {"now": 0.0}
+    fast = [_Clocked(clock, 1.0) for _ in range(4)]
+    slow = [_Clocked(clock, 2.0) for _ in range(4)]
+    times, passes = _time_on_fake_clock(monkeypatch, {"fast": fast, "slow": slow})
+    assert passes == 2 * 2 * len(K.DECODE_BUCKETS)  # two repeats: 2x apart, no noise
+    assert times["fast"] == {b: 4.0 * b for b in K.DECODE_BUCKETS} and times["slow"][1] == 8.0
+    # warm-up: each bucket once through the first layer only; then two passes through every layer
+    assert [m.calls for m in fast] == [len(K.DECODE_BUCKETS) * 3, *[len(K.DECODE_BUCKETS) * 2] * 3]
+    near = {"a": [_Clocked(clock, 1.0)], "b": [_Clocked(clock, 1.1)]}
+    assert _time_on_fake_clock(monkeypatch, near)[1] == 3 * 2 * len(K.DECODE_BUCKETS)  # a near tie: every repeat
+    # a pass of the fast candidate slowed 3x by a neighbour: the spread (3x) is wider than the 2x lead
+    noisy = {"fast": [_Clocked(clock, 1.0, spikes=[0.0] * 3 + [2.0])], "slow": [_Clocked(clock, 2.0)]}
+    times, passes = _time_on_fake_clock(monkeypatch, noisy)
+    assert passes == 3 * 2 * len(K.DECODE_BUCKETS) and times["fast"][1] == 1.0
+    alone = {"only": [_Clocked(clock, 1.0)]}  # one candidate: its time is for comparing modes, every repeat
+    assert _time_on_fake_clock(monkeypatch, alone, repeats=2)[1] == 2 * len(K.DECODE_BUCKETS)
+    assert _time_on_fake_clock(monkeypatch, {"fast": fast, "slow": slow}, min_repeats=None)[1] == 3 * 2 * 3
+
+
+def test_a_settled_ranking_needs_a_lead_wider_than_the_spread_of_every_candidate():
+    lead = K.CLEAR_LEAD
+    assert K.ranking_settled({"a": {1: [1.0, 1.0]}, "b": {1: [lead * 1.01, lead * 1.01]}})
+    assert not K.ranking_settled({"a": {1: [1.0, 1.0]}, "b": {1: [lead * 0.99, lead]}})
+    assert not K.ranking_settled({"a": {1: [1.0, 1.5]}, "b": {1: [1.6, 1.6]}})  # 1.5x spread, 1.6x lead
+    assert K.ranking_settled({"a": {1: [1.0, 1.5]}, "b": {1: [2.0, 2.0]}})  # 2x lead over a 1.5x spread... x1.25 < 2
+    assert not K.ranking_settled({"a": {1: [1.0, 1.0]}})  # one candidate: nothing to rank
+
+
 def test_mode_ranking_weighs_batch_1_so_large_batches_cannot_hide_a_slow_single_stream():
     bf16, int4, fp32 = P.Mode(torch.bfloat16), P.Mode(torch.bfloat16, "int4"), P.Mode(torch.float32)
     # the 2-core EPYC's measurement: bf16 at batch 1 is 1.9x int4, int4 at batch 32 is 2.1x bf16.
@@ -173,8 +227,8 @@ def test_a_lead_over_the_files_own_blocks_is_timed_again_side_by_side(gguf, kern
         k for r in K.ROLES for k in K.candidates("int8", torch.bfloat16, r, cpu)}
     real = K.time_candidates
 
-    def busy_neighbour(sets, buckets, dtype, repeats=5):  # int4's own timing (its layer roles) 10x slower
-        times = real(sets, buckets, dtype, repeats)
+    def busy_neighbour(sets, buckets, dtype, repeats=5, min_repeats=None):  # int4's own timing (its layer roles) 10x slower
+        times = real(sets, buckets, dtype, repeats, min_repeats)
         if only_int4 & set(sets):
             return {k: {b: 10 * t for b, t in v.items()} for k, v in times.items()}
         return times

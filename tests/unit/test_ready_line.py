@@ -37,3 +37,15 @@ def test_it_stays_within_the_limit_for_any_model_name_and_keeps_every_address():
             shown = text.split("; model ", 1)[1].split(f", {mode}", 1)[0]
             assert shown == name or (shown.startswith("...") and name.endswith(shown[3:])), (name, shown)
     assert "model SmolLM2-135M-Instruct," in line(IPV6, model="SmolLM2-135M-Instruct")  # fits: shown whole
+
+
+def test_the_start_up_line_names_every_phase_and_the_time_since_the_process_started():
+    from lmserve.server.app import process_age, startup_line
+
+    phases = {"read": 0.04, "precision plan": 12.345, "KV choice": 1.25, "speculation": 0.5}
+    text = startup_line(phases, 20.0)
+    assert text == ("start-up: read 0.0s, precision plan 12.3s, KV choice 1.2s, speculation 0.5s; "
+                    "20.0s since the process started")
+    assert startup_line(phases, None).endswith("speculation 0.5s")
+    age = process_age()  # this test process started before this test ran, and not before the machine booted
+    assert age is None or 0.0 < age < 10 ** 7

@@ -92,6 +92,40 @@ def test_strided_rows_and_the_fallback(native_row_max):
     check(RM.row_max, torch.randn(3, 10).half())
 
 
+# ---- first_max: torch's blocked pass where the native one does not run (a GPU-shaped host, or no library) ----
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [49152, 49155, 262144, 700, 511, 7, 1])
+def test_first_max_matches_torch_max_with_ties_nan_and_infinities(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    check(RM.first_max, (torch.randn(40, vocab, generator=g) * 3).round().to(dtype))  # integers: many tied maxima
+    check(RM.first_max, (torch.randn(40, vocab, generator=g) * 10).to(dtype))
+    logits = torch.randn(12, vocab, generator=g).to(dtype)
+    logits[0, vocab // 2] = float("nan")  # NaN wins, at its index
+    logits[1, 0] = float("nan")
+    logits[1, vocab - 1] = float("nan")
+    logits[2] = float("-inf")  # nothing allowed: -inf at index 0
+    logits[3, vocab - 1] = float("inf")  # in the last (maybe partial) block
+    logits[4, max(0, vocab - RM.MAX_BLOCK - 1)] = 99.0  # just before the last block's window ...
+    logits[4, vocab - 1] = 99.0  # ... and a tie inside it: the first one wins
+    logits[5, :] = 1.0  # one value throughout: index 0
+    logits[6, vocab - 1] = 50.0  # the maximum in the partial tail alone
+    logits[7, -min(vocab, RM.MAX_BLOCK + 3):] = 60.0  # a tail and the block before it tied
+    check(RM.first_max, logits)
+
+
+def test_first_max_of_strided_rows_and_as_the_sampler_calls_it():
+    wide = torch.randn(6, 49200)
+    check(RM.first_max, wide[:, :49152])  # rows 49,200 apart
+    check(RM.first_max, wide[:, ::2])  # elements apart: torch's max serves it
+    check(RM.first_max, wide[2:3])  # one row: torch's max too
+    with torch.inference_mode():  # the model's logits are inference tensors
+        logits = torch.randn(5, 49152)
+    check(RM.first_max, logits)
+    check(lambda x: RM.row_scan(x, {})[:2], logits)
+
+
 # ---- a row's log-sum-exp, top values and a draw (the sampler's logprobs and filters) -------------------
 
 class _StatsOnly:

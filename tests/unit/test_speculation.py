@@ -166,11 +166,18 @@ def test_auto_speculates_only_where_it_is_exact_and_measured_to_pay(trained, mon
     measured = []
     real = Engine._verify_cost
     monkeypatch.setattr(Engine, "_verify_cost", lambda self, k: measured.append(real(self, k)) or measured[-1])
+    from lmserve.server.engine import threads
+
+    monkeypatch.setattr(threads, "BUSY_CORES", -1.0)  # other processes busy while it was timed
     dear = Engine(trained, EngineSettings())
     assert dear.scheduler.speculation is None  # measured again before giving up, the fastest kept
     assert len(measured) == 1 + engine_module.AUTO_SPECULATION_REMEASURE and dear.verify_cost == min(measured)
+    measured.clear()
+    monkeypatch.setattr(threads, "BUSY_CORES", float("inf"))  # a quiet machine: the first measurement stands
+    assert Engine(trained, EngineSettings()).scheduler.speculation is None and len(measured) == 1
     monkeypatch.undo()
     monkeypatch.setattr(engine_module, "AUTO_SPECULATION_REMEASURE_PAUSE", 0.0)
+    monkeypatch.setattr(threads, "BUSY_CORES", -1.0)
     # a start beside a busy neighbour: the first measurement dear (3x for 4 drafts), the next ones not
     costs = iter([4.0, 1.4, 1.3])
     monkeypatch.setattr(Engine, "_verify_cost", lambda self, k: next(costs))

@@ -134,6 +134,24 @@ def test_the_grammar_holds_calls_to_the_envelope_and_the_schemas(vocabulary, smo
     assert not accepts(vocabulary, smollm2_tokenizer, answer, "free text")
 
 
+def test_keywords_the_grammar_cannot_hold_are_left_out_under_auto_and_refused_where_calls_are_promised(
+        vocabulary, smollm2_tokenizer):
+    """Agent clients' tool lists use keywords the matcher cannot enforce (Claude Code's: propertyNames):
+    under `auto` the rest of the schema still holds the call; under `required` the grammar is refused."""
+    from llguidance import LLMatcher
+
+    env = Tool("set_env", "Set variables", {"type": "object", "properties": {"vars": {
+        "type": "object", "additionalProperties": {"type": "string"}, "propertyNames": {"pattern": "^[A-Z]+$"}}},
+        "required": ["vars"]})
+    auto = tool_grammar(ToolUse((env, ADD), "auto"))
+    assert accepts(vocabulary, smollm2_tokenizer, auto, envelope("set_env", '{"vars": {"HOME": "/x"}}'))
+    assert not accepts(vocabulary, smollm2_tokenizer, auto, envelope("set_env", '{"vars": {"HOME": 3}}'))
+    assert "propertyNames" in LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(
+        tool_grammar(ToolUse((env, ADD), "required"))))
+    assert generation_schema(env.schema)["x-guidance"].get("lenient") is None
+    assert generation_schema(env.schema, lenient=True)["x-guidance"]["lenient"] is True
+
+
 def test_the_generation_schema_closes_objects_only_where_every_output_stays_valid():
     schema = {"type": "object", "properties": {
         "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
