@@ -65,6 +65,7 @@ def _rss() -> int:
 
 
 def run(args) -> dict:
+    from lmserve.model.loader import release_freed_memory
     from lmserve.server.engine import Engine, Request, SamplingParams
     from lmserve.server.engine.settings import EngineSettings
 
@@ -80,9 +81,11 @@ def run(args) -> dict:
                                   max_loras=most, max_lora_rank=args.rank)
         engine = Engine(loaded, settings)
         slots_bytes = engine.adapters.slots.nbytes
+        release_freed_memory()  # what loading and measuring freed goes back first: RSS then moves by the slots only
         rss_before = _rss()
         for name in engine.adapters.listing():  # every adapter written into its slot, nothing else running
             engine.adapters.release(engine.adapters.acquire(name.name)[1])
+        release_freed_memory()  # the adapters' files, read as float32 and dropped
         rss_slots = _rss() - rss_before
         engine.start()
         try:
