@@ -138,6 +138,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_style == "gemma")
         # linear/fused_ops.FusedOps: the q/k norms and RoPE of bfloat16 q|k on CPU in one native pass
         self.fused = fused
+        self.lora = None  # linear/lora.LoraSlots: each row's adapter product added after the fused linears
 
     def fuse_projections(self, make=fuse_linears) -> None:
         self.qkv_proj = make("qkv", self.q_proj, self.k_proj, self.v_proj)
@@ -151,7 +152,10 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x).view(B, L, H, d), self.k_proj(x).view(B, L, Hkv, d), self.v_proj(x).view(B, L, Hkv, d)
         else:
-            qkv = self.qkv_proj(x).view(B, L, H + 2 * Hkv, d)
+            qkv = self.qkv_proj(x)
+            if self.lora is not None:
+                qkv = self.lora.add(self.layer, "qkv", x, qkv)
+            qkv = qkv.view(B, L, H + 2 * Hkv, d)
             if self.fused is not None and self.fused.applies(qkv):  # q/k norms and RoPE in one pass
                 norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
                 qk = self.fused.rope(qkv, *rope, H + Hkv, H, norms)
@@ -173,8 +177,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused=None):
+    def __init__(self, cfg: ModelConfig, fused=None, layer: int = 0):
         super().__init__()
+        self.layer = layer
+        self.lora = None  # linear/lora.LoraSlots, as Attention's
         self.act = cfg.hidden_act  # "silu" or "gelu_tanh"
         # linear/fused_ops.FusedOps: act(gate) * up of bfloat16 rows on CPU in one native pass
         self.fused = fused
@@ -195,17 +201,23 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            gate_up = self.lora.add(self.layer, "gate_up", x, gate_up)
         if self.fused is not None and self.fused.applies(gate_up):
-            return self.down_proj(self.fused.act_mul(gate_up, self.act))
+            return self.down(self.fused.act_mul(gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
+        return self.down(self.activation(gate) * up)
+
+    def down(self, h: Tensor) -> Tensor:
+        y = self.down_proj(h)
+        return y if self.lora is None else self.lora.add(self.layer, "down", h, y)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, fused=None):
         super().__init__()
         self.self_attn = Attention(cfg, layer, fused)
-        self.mlp = MLP(cfg, fused)
+        self.mlp = MLP(cfg, fused, layer)
         gemma = cfg.norm_style == "gemma"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, fused)
         # without sandwich norms: the MLP's input norm; with them: the attention output's norm
@@ -230,6 +242,8 @@ class DecoderLayer(nn.Module):
         """o_proj and residual, then RMSNorm, gated MLP and residual: the layer's output [B, L, D].
         Sandwich norms: each branch's output normed before its residual add too."""
         o = self.self_attn.o_proj(attn)
+        if self.self_attn.lora is not None:
+            o = self.self_attn.lora.add(self.self_attn.layer, "o", attn, o)
         if self.sandwich:
             x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(o), x)
             return x + self.post_feedforward_layernorm(self.mlp(h))
@@ -282,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.prepared = False  # set by prepare_for_inference()
         self.native_step = None  # native/step.NativeStep: a step's layers in one native call (prepare_for_inference)
+        self.lora = None  # linear/lora.LoraSlots: the resident adapters (attach_lora)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if not self.model.embed_tokens.weight.is_meta:
@@ -306,6 +321,15 @@ class LlamaForCausalLM(nn.Module):
         if native_lib is not None and native_step.why_not(self) is None:
             self.native_step = native_step.NativeStep(native_lib, self)
         return self
+
+    def attach_lora(self, slots) -> None:
+        """Serve LoRA adapters from `slots` (linear/lora.LoraSlots) on the fused linears of every layer;
+        a step names each row's adapter (forward_segments' `lora`)."""
+        if not self.prepared:
+            raise ValueError("LoRA adapters are served on a prepared model (prepare_for_inference)")
+        self.lora = slots
+        for layer in self.model.layers:
+            layer.self_attn.lora = layer.mlp.lora = slots
 
     def weight_bytes(self) -> int:
         """Bytes of weights held, prepacked copies included (a tied LM head's packed copy counts)."""
@@ -355,19 +379,35 @@ class LlamaForCausalLM(nn.Module):
             x = x.reshape(-1, x.shape[-1])[logits_index]  # [N, D]
         return self.lm_head(self.model.norm(x))
 
-    def forward_segments(self, segments: list[Segment], cache: KVCache, logits_index: Tensor) -> Tensor:
+    def forward_segments(self, segments: list[Segment], cache: KVCache, logits_index: Tensor, lora=None) -> Tensor:
         """Several batches in one pass (a serving step: decodes, continued prompt chunks, new packed
         prompts). Their tokens go back to back in one row [1, N], so every layer's work between
         attentions (`enter` / `exit`: norms, projections, RoPE, MLP; compiled when the model is)
         runs once over all of them and the weights are read once per step; attention runs per batch
         with its own metadata. Logits [n, V] at flat indices `logits_index` into the N tokens
-        (batch i's tokens, row-major, after batch i-1's)."""
+        (batch i's tokens, row-major, after batch i-1's).
+
+        lora: the step's rows by adapter (linear/lora.LoraStep), None when no row has one. The native step
+        adds each row's adapter product itself (native_step.cpp's lora_add); elsewhere the torch layers
+        add it (LoraSlots.add) after each fused linear."""
+        if lora is None:
+            return self._forward_segments(segments, cache, logits_index)
+        if self.native_step is not None and self.native_step.applies(segments, cache) and self.lora.max_rank <= 256:
+            return self._forward_segments(segments, cache, logits_index, lora)  # the native step adds them
+        self.lora.step = lora
+        try:
+            return self._forward_segments(segments, cache, logits_index, native=False)
+        finally:
+            self.lora.step = None
+
+    def _forward_segments(self, segments: list[Segment], cache: KVCache, logits_index: Tensor,
+                          lora=None, native: bool = True) -> Tensor:
         shapes = [tuple(s.input_ids.shape) for s in segments]
         sizes = [B * L for B, L in shapes]
         ids = torch.cat([s.input_ids.reshape(-1) for s in segments])[None]  # [1, N]
         positions = torch.cat([s.positions.reshape(-1) for s in segments])[None]  # [1, N]
-        if self.native_step is not None and self.native_step.applies(segments, cache):  # embedding to final norm
-            return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index))
+        if native and self.native_step is not None and self.native_step.applies(segments, cache):  # embedding to final norm
+            return self.lm_head(self.native_step.head_input(ids, positions, segments, cache, logits_index, lora=lora))
         x = self.model.embed(ids)  # [1, N, D]
         ropes = self.model.rotary.all_tables(positions)
         H, Hkv, d = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim

@@ -236,7 +236,7 @@ class Server:
             torch.set_num_threads(s.threads)
         loaded = load_model(s.model, dtype=s.dtype, device=s.device, models_dir=s.models_dir,
                             quantization=s.quantization, batch_invariant=s.batch_invariant, cache_dir=s.cache_dir,
-                            compile=s.compile)
+                            compile="false" if s.engine.serves_adapters else s.compile)  # adapters: eager layers
         if self.chat_template is not None:
             loaded.tokenizer.use_chat_template(self.chat_template)
         engine = Engine(loaded, s.engine)

@@ -153,6 +153,13 @@ HELP = {
     "draft_tokens": "most tokens drafted per request and step (--speculation)",
     "draft_max_batch": "draft only while at most this many requests decode (a fuller step gains little)",
     "threads": "torch CPU threads (default: torch's choice)",
+    "lora_modules": "LoRA adapters to serve, one or more NAME=PATH (a PEFT directory: adapter_config.json and "
+                    "adapter_model.safetensors); a request chooses one by its model name (docs/lora.md)",
+    "lora_dir": "allow loading and unloading LoRA adapters at runtime (POST /v1/load_lora_adapter, "
+                "/v1/unload_lora_adapter, gRPC LoadLoraAdapter), from inside this directory only",
+    "max_loras": "LoRA adapters resident at once; the least recently used one no running request holds is "
+                 "evicted for another (and read again from its path when asked for)",
+    "max_lora_rank": "the largest LoRA rank served (adapters with a higher rank are refused at load)",
     "adaptive_threads": "on CPU, run engine steps on one thread while other processes keep this machine's cores "
                         "busy (seen in the kernel's count of this process's preemptions), and on all --threads again "
                         "once the cores are free; the tokens are the same either way: true or false",
@@ -211,7 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; the default comes from LMSERVE_<NAME> at parse time, else the dataclass."""
     for _, f in _flag_fields():
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(),
+        many = {"nargs": "+"} if str(f.type).startswith("tuple") else {}  # one or more values after the flag
+        parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.split("_")[-1].upper(), **many,
                             help=f"{HELP[f.name]} [env {_env_name(f.name)}"
                                  + ("]" if f.default is None else f"; default {f.default}]"))
 
@@ -239,6 +247,9 @@ def settings_from_args(args: argparse.Namespace, environ=None) -> ServerSettings
             continue
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         try:
+            if kind.startswith("tuple"):  # the flag's values, or the variable's, split at whitespace
+                values[owner][f.name] = tuple(raw) if isinstance(raw, list) else tuple(str(raw).split())
+                continue
             if kind == "bool | None" and str(raw).strip().lower() == "auto":
                 continue  # None: the setting's automatic choice
             if kind.startswith("bool"):

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from .engine import EngineUnavailableError
+from .engine.adapters import AdapterNotFoundError
+from lmserve.model.linear.lora import AdapterError
 from .engine.errors import RequestValidationError
 from .engine.scheduler import QueueFullError
 
@@ -82,5 +84,9 @@ def describe(exc: BaseException) -> Problem:
         return Problem(Failure.UNAVAILABLE, "server is not accepting requests (draining or restarting); retry")
     if isinstance(exc, EdgeError):
         return Problem(exc.failure, str(exc), (), exc.param)
+    if isinstance(exc, AdapterNotFoundError):
+        return Problem(Failure.NOT_FOUND, str(exc), (), "model")
+    if isinstance(exc, AdapterError):  # an adapter's files: what is wrong with them, never a traceback
+        return Problem(Failure.INVALID_ARGUMENT, str(exc), (), "lora_path")
     log.error("internal error", exc_info=exc)
     return Problem(Failure.INTERNAL, "internal server error")

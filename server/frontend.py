@@ -80,6 +80,46 @@ class Frontend:
         """Run client-sized work on the worker threads, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def adapter_of(self, model: str) -> str:
+        """The adapter a request's model name chooses: "" for the base model (any of model_names), the
+        name of a known adapter; else NOT_FOUND naming it and what is served."""
+        if model in self.model_names:
+            return ""
+        pool = self.engine.adapters
+        if pool is not None and model in pool.known:
+            return model
+        served = [*self.model_names, *(a.name for a in self.adapters())]
+        raise EdgeError(Failure.NOT_FOUND, f"the model {model[:200]!r} is not served here; this server serves "
+                                           f"{' or '.join(map(repr, served))} (GET /v1/models)", param="model")
+
+    def adapters(self) -> list:
+        """The known adapters (engine/adapters.KnownAdapter), by name."""
+        pool = self.engine.adapters if self.engine is not None else None
+        return [] if pool is None else pool.listing()
+
+    def load_adapter(self, name: str, path: str, replace_existing: bool = True):
+        """Read and register adapter `name` from `path` inside --lora-dir (on a worker thread: it reads
+        the files). Refused: runtime loading off (no --lora-dir), a bad name or path, bad files."""
+        pool = self.engine.adapters
+        if pool is None or pool.lora_dir is None:
+            raise EdgeError(Failure.NOT_FOUND, "runtime adapter loading is off: start the server with --lora-dir DIR")
+        if not name or len(name) > 128 or not (name.isascii() and name.isprintable()):
+            raise EdgeError(Failure.INVALID_ARGUMENT, "lora_name must be 1 to 128 printable ASCII characters",
+                            param="lora_name")
+        if name in self.model_names:
+            raise EdgeError(Failure.INVALID_ARGUMENT, f"lora_name {name!r} is the base model's name", param="lora_name")
+        if not replace_existing and name in pool.known:
+            raise EdgeError(Failure.INVALID_ARGUMENT, f"the adapter {name!r} is already loaded (unload it first, or "
+                                                      "load it in place)", param="lora_name")
+        return pool.register(name, pool.resolve_path(path))
+
+    def unload_adapter(self, name: str) -> None:
+        pool = self.engine.adapters
+        if pool is None or pool.lora_dir is None:
+            raise EdgeError(Failure.NOT_FOUND, "runtime adapter loading is off: start the server with --lora-dir DIR")
+        pool.unregister(name)
+
     def request_for(self, inp: GenerateInput, rid: str, deadline: float | None, origin: str) -> Request:
         """Check and convert an input (on a worker thread); RequestValidationError names proto fields."""
         precheck_generate(inp, self.limits)

@@ -123,6 +123,7 @@ class GenerateInput:
     request_id: str = ""
     parse_special_tokens: bool = False
     tools: ToolUse | None = None  # the functions the model may call (chat only)
+    adapter: str = ""  # the LoRA adapter chosen (its name); "": the base model
 
     @property
     def kind(self) -> str | None:
@@ -140,7 +141,7 @@ class GenerateInput:
                    token_ids=req.token_ids.ids if kind == "token_ids" else None,
                    messages=req.messages.messages if kind == "messages" else None,
                    params=InputParams.from_proto(req.params), request_id=req.request_id,
-                   parse_special_tokens=req.parse_special_tokens)
+                   parse_special_tokens=req.parse_special_tokens, adapter=req.adapter)
 
 
 def request_id_violations(rid: str, limits: InputLimits) -> list[tuple[str, str]]:
@@ -327,7 +328,8 @@ class InputConverter:
         params = self._params(req.params, len(ids))
         if compiled is not None:
             params = replace(params, constraint=compiled.constraint)
-        request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin)
+        request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin,
+                          adapter=req.adapter)
         try:
             return self.engine.validate(request, compiled)  # a ValidRequest: the engine does not check it again
         except RequestValidationError as exc:  # name fields as the proto does

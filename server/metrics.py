@@ -166,6 +166,16 @@ class _LiveCollector:
                          "keep the cores busy, --adaptive-threads)", eng.cores.threads)
             yield _counter("lmserve_step_thread_reductions", "Times engine steps went to one thread because other "
                            "processes kept the cores busy", eng.cores.reductions)
+        if eng.adapters is not None:
+            yield _gauge("lmserve_lora_resident_adapters", "LoRA adapters resident in their slots (--max-loras)",
+                         st.lora_resident)
+            yield _gauge("lmserve_lora_known_adapters", "LoRA adapters a request may choose", len(eng.adapters.known))
+            yield _counter("lmserve_lora_loads", "LoRA adapters written into a slot (first loads and reloads after "
+                           "an eviction)", st.lora_loads_total)
+            yield _counter("lmserve_lora_evictions", "Resident LoRA adapters evicted for another (none of its "
+                           "requests running)", st.lora_evictions_total)
+            yield _gauge("lmserve_lora_slots_bytes", "Bytes of the LoRA slots (--max-loras x --max-lora-rank)",
+                         eng.adapters.slots.nbytes)
         if lm.device.type == "cuda":
             import torch
 

@@ -27,6 +27,7 @@ from .frontend import Frontend, new_request_id
 from .grpc_errors import map_errors
 from .inputs import GenerateInput, precheck_tokenize
 from .engine.outputs import GenerationChunk, GenerationResult
+from .engine.errors import RequestValidationError
 from .engine.request import FinishReason
 
 log = logging.getLogger("lmserve.service")
@@ -205,7 +206,25 @@ class TextGenerationService(pb_grpc.TextGenerationServicer):
             info.bos_token_id = self.tokenizer.bos_id
         if self.engine.verify_cost is not None:
             info.speculation_verify_cost = self.engine.verify_cost
+        info.adapters.extend(self._adapter_info(a) for a in self.frontend.adapters())
         return info
+
+    def _adapter_info(self, a) -> pb.LoraAdapterInfo:
+        return pb.LoraAdapterInfo(name=a.name, path=str(a.path), rank=a.rank, parent=self.model_name)
+
+    @map_errors
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoadLoraAdapterResponse:
+        self._check_ready()
+        if not request.path:
+            raise RequestValidationError([("path", "is required: a directory inside --lora-dir")])
+        known = await self._offload(self.frontend.load_adapter, request.name, request.path)
+        return pb.LoadLoraAdapterResponse(adapter=self._adapter_info(known))
+
+    @map_errors
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
+        self._check_ready()
+        self.frontend.unload_adapter(request.name)
+        return pb.UnloadLoraAdapterResponse()
 
     def _server_limits(self) -> pb.ServerLimits:
         s, lim = self.settings, self.limits

@@ -41,6 +41,8 @@ BENCHMARKS = {b.name: b for b in (
               "the int8 KV cache beside the model-dtype one: quality, attention time, decode rate"),
     Benchmark("kv-memory", "lmserve.server.bench.kv_memory",
               "memory of default servers under load, and what the prefix cache reuses"),
+    Benchmark("lora", "lmserve.server.bench.lora_bench",
+              "c=32 over 1, 4 and 16 LoRA adapters beside the base alone: tokens/s ratios, adapter memory"),
     Benchmark("step-profile", "lmserve.server.bench.step_profile",
               "where a batch-1 decode step's time goes: linears, attention, the rest"),
     Benchmark("core-share", "lmserve.server.bench.core_share",

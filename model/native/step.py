@@ -37,13 +37,18 @@ class _Linear(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("bits", ctypes.c_int32), ("precise", ctypes.c_int32)]
 
 
+class _Lora(ctypes.Structure):  # native_step.cpp's StepLora: one fused linear's adapters (LoraSlots)
+    _fields_ = [("A", ctypes.c_void_p), ("B", ctypes.c_void_p * 3), ("scaling", ctypes.c_void_p * 3),
+                ("lo", ctypes.c_int32 * 3), ("out", ctypes.c_int32 * 3), ("M", ctypes.c_int32), ("R", ctypes.c_int32)]
+
+
 class _Layer(ctypes.Structure):  # native_step.cpp's StepLayer: one layer's description
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
                 ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p), ("window", ctypes.c_int64),
-                ("rope", ctypes.c_int64)]
+                ("rope", ctypes.c_int64), ("lora", _Lora * 4)]
 
 
 class _Ends(ctypes.Structure):
@@ -69,7 +74,27 @@ def _ptr(norm) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
 
-def _describe(layer, cache: KVCache, i: int) -> _Layer:
+def _loras(slots, i: int) -> list[_Lora]:
+    """Layer i's adapters by fused linear (qkv, o, gate_up, down), from linear/lora.LoraSlots; empty (no
+    adapters) where none is attached."""
+    if slots is None:
+        return [_Lora() for _ in LAYER_ROLES]
+    from ..linear.lora import ROLE_TARGETS
+
+    out = []
+    for role in LAYER_ROLES:
+        modules = ROLE_TARGETS[role]
+        three = lambda v: v + [0] * (3 - len(v))  # noqa: E731
+        out.append(_Lora(slots.A[(i, role)].data_ptr(),
+                         (ctypes.c_void_p * 3)(*three([slots.B[(i, m)].data_ptr() for m in modules])),
+                         (ctypes.c_void_p * 3)(*three([slots.scaling[(i, m)].data_ptr() for m in modules])),
+                         (ctypes.c_int32 * 3)(*three([slots.slices[m][0] for m in modules])),
+                         (ctypes.c_int32 * 3)(*three([slots.slices[m][1] - slots.slices[m][0] for m in modules])),
+                         len(modules), slots.max_rank))
+    return out
+
+
+def _describe(layer, cache: KVCache, i: int, lora=None) -> _Layer:
     """Decoder layer i (llama.DecoderLayer) as the loop reads it: its linears, its norms by role (a
     sandwich layer's attention and MLP outputs normed too), q/k norms, window and RoPE table, and its
     slice of the cache."""
@@ -82,7 +107,8 @@ def _describe(layer, cache: KVCache, i: int) -> _Layer:
     return _Layer(_linear(a.qkv_proj), _linear(a.o_proj), _linear(m.gate_up_proj), _linear(m.down_proj),
                   _ptr(layer.input_layernorm), _ptr(attn_out), _ptr(mlp_in), _ptr(mlp_out), _ptr(a.q_norm),
                   _ptr(a.k_norm), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
-                  *scale_pointers(cache.k, *cache.scale_views(i)), a.window, layer.rope_kind)
+                  *scale_pointers(cache.k, *cache.scale_views(i)), a.window, layer.rope_kind,
+                  (_Lora * 4)(*_loras(lora, i)))
 
 
 LAYER_ROLES = ("qkv", "o", "gate_up", "down")
@@ -131,10 +157,10 @@ class NativeStep:
         cfg = model.config
         self._fn = lib.lm_step_layers
         p, i32 = ctypes.c_void_p, ctypes.c_int
-        self._fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, i32, p]
+        self._fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, i32, p, p]
         self._fn.restype = i32
         self._model_fn = lib.lm_step_model
-        self._model_fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, i32, p, i32, p]
+        self._model_fn.argtypes = [p, p, p, p, p, p, p, i32, i32, i32, p, i32, p, i32, p, p]
         self._model_fn.restype = i32
         self.model = model
         self.n_layers = cfg.num_layers
@@ -165,16 +191,17 @@ class NativeStep:
         return all(map(dense_prompt, first)) and (isinstance(last.meta, KernelDecode) or dense_prompt(last))
 
     def _tables(self, cache: KVCache):
-        if self._layers is None or self._layers[0] is not cache:
+        lora = self.model.lora
+        if self._layers is None or self._layers[0] is not cache or self._layers[2] is not lora:
             layers = self.model.model.layers
-            arr = (_Layer * self.n_layers)(*(_describe(layer, cache, i) for i, layer in enumerate(layers)))
+            arr = (_Layer * self.n_layers)(*(_describe(layer, cache, i, lora) for i, layer in enumerate(layers)))
             cfg = self.model.config
             self._shape = _Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim,
                                  cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale,
                                  fused_ops.NORM_STYLES[cfg.norm_style], fused_ops.ACTIVATIONS[cfg.hidden_act],
                                  cache.num_slots, cache.max_len)
             self._ends = self._model_ends()
-            self._layers = (cache, arr)
+            self._layers = (cache, arr, lora)
         return self._layers[1]
 
     def _model_ends(self) -> _Ends:
@@ -209,7 +236,12 @@ class NativeStep:
         if rc:
             raise ValueError("native step: a kernel does not take this model's shapes")
 
-    def __call__(self, x: Tensor, ropes, segments, cache: KVCache) -> Tensor:
+    @staticmethod
+    def _rows(lora) -> int | None:
+        """The step's per-token adapter slots (linear/lora.LoraStep.row_slots), or null: no adapter rows."""
+        return None if lora is None else lora.row_slots.data_ptr()
+
+    def __call__(self, x: Tensor, ropes, segments, cache: KVCache, lora=None) -> Tensor:
         """x [..., D] bfloat16: the segments' tokens back to back (row-major within each) -> the last
         layer's output, same shape. ropes: ((cos, sin_signed) [..., 1, d] per token) of each table
         (Rotary.all_tables)."""
@@ -223,10 +255,10 @@ class NativeStep:
             raise ValueError(f"native step: {N} tokens laid out but {x.numel() // self._shape.D} given")
         self._check(self._fn(ctypes.addressof(layers), ctypes.addressof(self._shape), x.data_ptr(), cos.data_ptr(),
                              sin_signed.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P, write_first,
-                             torch.get_num_threads(), self.phase_ns), cache)
+                             torch.get_num_threads(), self.phase_ns, self._rows(lora)), cache)
         return x
 
-    def head_input(self, ids: Tensor, positions: Tensor, segments, cache: KVCache, rows: Tensor) -> Tensor:
+    def head_input(self, ids: Tensor, positions: Tensor, segments, cache: KVCache, rows: Tensor, lora=None) -> Tensor:
         """The whole step up to the LM head in one call: ids, positions [N] (the segments' tokens back
         to back) -> the final norm of the last layer's output at flat indices `rows` [n]: [n, D].
         Bitwise what embedding, __call__, indexing and the model's final norm give one by one."""
@@ -239,7 +271,7 @@ class NativeStep:
         self._check(self._model_fn(ctypes.addressof(layers), ctypes.addressof(self._shape), ctypes.addressof(self._ends),
                                    ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), pos.data_ptr(), N, P,
                                    write_first, rows.data_ptr(), rows.shape[0], out.data_ptr(),
-                                   torch.get_num_threads(), self.phase_ns), cache)
+                                   torch.get_num_threads(), self.phase_ns, self._rows(lora)), cache)
         return out
 
 

@@ -31,6 +31,7 @@ from lmserve.model.loader import LoadedModel, release_thread_pool
 from lmserve.model.tuning.precision import measurement_path
 
 from .constraints.compiler import CompiledConstraint, ConstraintCompiler
+from .adapters import AdapterNotFoundError, AdapterPool
 from .kv_choice import KvChoice, choose_kv_dtype
 from .kv_manager import page_weight
 from .outputs import GenerationChunk
@@ -136,6 +137,9 @@ class EngineStats:
     drafted_tokens_total: int = 0  # speculation: tokens drafted and verified ...
     accepted_tokens_total: int = 0  # ... and those the model agreed with
     preemptions_total: int = 0
+    lora_loads_total: int = 0  # adapters written into a slot (first loads and reloads after an eviction)
+    lora_evictions_total: int = 0
+    lora_resident: int = 0
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -185,6 +189,7 @@ class Engine:
         self.loaded = loaded
         cfg = loaded.config
         self.max_model_len = min(s.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+        self.adapters = self._adapters(s, loaded)  # LoRA adapters (adapters.py), None when none are served
         # the attention backend steps are built with: the loaded model's, or the paged one where asked for
         self.attention = loaded.attention
         if s.attention == "paged" and not isinstance(self.attention, PagedBackend):
@@ -224,8 +229,8 @@ class Engine:
                                    max_batch=s.max_batch, kv_pages=kv_pages, kv_page_tokens=c.page_tokens,
                                    prefix_cache=PrefixCache() if s.prefix_cache else None, release=c.release,
                                    step_pacer=self.step_pacer, speculation=speculation,
-                                   prefix_tag=self._rope_regime(loaded), layer_windows=self._kv_windows,
-                                   map_pages=c.map if self.paged else None)
+                                   prefix_tag=self._prefix_tag(loaded), layer_windows=self._kv_windows,
+                                   map_pages=c.map if self.paged else None, adapters=self.adapters)
         self.processor = OutputProcessor(loaded.tokenizer)
         self.observers: list[EngineObserver] = [self.step_pacer] if self.step_pacer else []
         self._lock = threading.Lock()
@@ -238,6 +243,37 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
         self._accepting = True
+
+    @staticmethod
+    def _adapters(s: EngineSettings, loaded: LoadedModel) -> AdapterPool | None:
+        """The adapter pool where adapters are served (--lora-modules, --lora-dir): its slots attached to
+        the model, --lora-modules registered (a bad one fails the start, naming it)."""
+        if not s.serves_adapters:
+            return None
+        from lmserve.model.linear.lora import LoraSlots
+
+        if loaded.compiled is not None and loaded.compiled.compiled:
+            raise ValueError("LoRA adapters are served on eager layers: start with --compile false")
+        slots = LoraSlots(loaded.config, s.max_loras, s.max_lora_rank, loaded.dtype, loaded.device)
+        loaded.model.attach_lora(slots)
+        pool = AdapterPool(slots, loaded.config, s.lora_dir)
+        for name, path in s.lora_pairs():
+            if name == loaded.config.name:
+                raise ValueError(f"--lora-modules: adapter name {name!r} is the base model's")
+            pool.register(name, path)
+        return pool
+
+    def _prefix_tag(self, loaded: LoadedModel):
+        """The prefix cache's tag of a sequence: its RoPE regime (_rope_regime) and its adapter's
+        registration, so K/V is never shared between adapters, nor with the base."""
+        rope = self._rope_regime(loaded)
+        if self.adapters is None:
+            return rope
+
+        def tag(seq: Sequence) -> int:
+            base = rope(seq) if rope is not None else 0
+            return base if seq.lora is None else hash((base, "lora", seq.lora[1]))
+        return tag
 
     def _kv_choice(self, s: EngineSettings, loaded: LoadedModel) -> KvChoice:
         """The KV cache's dtype: kv_choice.py's choice, or the model's for the paged kernel (which reads it)."""
@@ -281,7 +317,8 @@ class Engine:
 
     def _decode_graphs(self, s: EngineSettings, loaded: LoadedModel):
         """Decode steps captured as CUDA graphs (cuda_graphs.DecodeGraphs) where asked for on CUDA, else None."""
-        if not (s.cuda_graphs and loaded.device.type == "cuda" and self._rope_regime(loaded) is None):
+        if not (s.cuda_graphs and loaded.device.type == "cuda" and self._rope_regime(loaded) is None
+                and not s.serves_adapters):
             return None
         from .cuda_graphs import DecodeGraphs
 
@@ -476,6 +513,8 @@ class Engine:
         if isinstance(request, ValidRequest):
             return request
         request.validate(self.loaded.config.vocab_size, self.max_model_len, self.settings.max_new_tokens_cap)
+        if request.adapter and (self.adapters is None or request.adapter not in self.adapters.known):
+            raise AdapterNotFoundError(request.adapter)
         constraint = request.params.constraint
         if compiled is None and constraint is not None:
             compiled = self.constraints.compile(constraint)
@@ -555,7 +594,14 @@ class Engine:
                 prefix_cache_evictions_total=pc.evicted_total if pc else 0,
                 prefix_queried_tokens_total=kv.prefix_queried_tokens_total,
                 prefix_hit_tokens_total=kv.prefix_hit_tokens_total, preemptions_total=sch.preemptions_total,
-                drafted_tokens_total=sch.drafted_tokens_total, accepted_tokens_total=sch.accepted_tokens_total)
+                drafted_tokens_total=sch.drafted_tokens_total, accepted_tokens_total=sch.accepted_tokens_total,
+                **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        a = self.adapters
+        if a is None:
+            return {}
+        return dict(lora_loads_total=a.loads_total, lora_evictions_total=a.evictions_total, lora_resident=a.resident)
 
     def drop_prefix_cache(self) -> int:
         """Evict every prefix-cache entry (their memory goes back); returns how many."""

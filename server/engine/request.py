@@ -154,6 +154,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
     arrival: float = field(default_factory=time.monotonic)
     origin: str = ""  # which edge sent it ("grpc", "http"): a metrics label, nothing in the engine reads it
+    adapter: str = ""  # the LoRA adapter the request chose by name (adapters.py); "": the base model
     compiled: ClassVar[None] = None  # not compiled yet: a ValidRequest carries its constraint compiled
 
     def validate(self, vocab_size: int, max_context: int, max_new_tokens_cap: int | None = None) -> None:

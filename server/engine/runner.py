@@ -110,10 +110,25 @@ class ModelRunner:
                                  + list(range(offset, offset + decode_rows)))
         else:  # a decode-only step: every row, made where it is read
             index = torch.arange(decode_rows, device=self.device)
+        lora = self._lora_rows(batch) if self.model.lora is not None else None
         t0 = time.perf_counter()
-        logits = self.model.forward_segments(segments, self.cache, index)  # [n, V]
+        logits = self.model.forward_segments(segments, self.cache, index, lora)  # [n, V]
         self._model_seconds += time.perf_counter() - t0
         return logits
+
+    def _lora_rows(self, batch: ScheduledBatch):
+        """Each token's adapter slot (-1: the base) in the step's order (continued chunks, new prompts,
+        decode rows with their drafts) as a linear/lora.LoraStep; None when no row has an adapter."""
+        from lmserve.model.linear.lora import LoraStep
+
+        def slot(seq: Sequence) -> int:
+            return -1 if seq.lora is None else seq.lora[0]
+
+        rows = [slot(c.seq) for c in batch.prefill if c.start > 0 for _ in range(c.length)]
+        rows += [slot(c.seq) for c in batch.prefill if c.start == 0 for _ in range(c.length)]
+        for i, s in enumerate(batch.decode):
+            rows += [slot(s)] * (1 + (len(batch.draft_of(i)) if batch.drafts else 0))
+        return LoraStep.of(rows, self.device)
 
     def _continued(self, c: PrefillChunk) -> Segment:
         """The next chunk of a prompt whose beginning is already cached (an earlier chunk, or a prefix-cache

@@ -20,10 +20,11 @@ processor (processor.py) reads its tokens back and records them through `land`, 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .kv_manager import KvManager
 from .ngram import Speculation
@@ -31,6 +32,11 @@ from .prefix_cache import PrefixCache
 from .request import FinishReason, Request
 from .sequence import Sequence, SeqStatus
 from .step_cost import StepPacer, prefill_tokens
+
+if TYPE_CHECKING:
+    from .adapters import AdapterPool
+
+log = logging.getLogger("lmserve.engine")
 
 # finishes after which a request's K/V are whole and finite (every written position fed a sampled
 # token's logits), so its slot may become a prefix-cache entry
@@ -151,7 +157,7 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None, release: Callable[[int, int], None] | None = None,
                  step_pacer: StepPacer | None = None, speculation: Speculation | None = None,
                  prefix_tag: Callable[[Sequence], int] | None = None, layer_windows: tuple[int, ...] = (),
-                 map_pages: Callable[[int, int], None] | None = None):
+                 map_pages: Callable[[int, int], None] | None = None, adapters: "AdapterPool | None" = None):
         if token_budget < 1 or max_queue < 0:
             raise ValueError("token_budget must be >= 1 and max_queue >= 0")
         self.kv = KvManager(num_slots, kv_pages, kv_page_tokens, prefix_cache, release, prefix_tag, layer_windows,
@@ -164,6 +170,7 @@ class Scheduler:
         self.max_batch = min(num_slots, max_batch or num_slots)
         self.step_pacer = step_pacer
         self.speculation = speculation
+        self.adapters = adapters  # LoRA adapters made resident at admission (adapters.py); None: none served
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._by_id: dict[str, Sequence] = {}
@@ -213,6 +220,7 @@ class Scheduler:
         """Back to the head of the queue; prompt + output are prefilled again when it is readmitted."""
         self.running.remove(seq)
         self.kv.give_back(seq)
+        self._drop_adapter(seq)
         # a token still in flight (overlapped steps) is recorded when its step is read back, before readmission
         seq.resume_len = seq.total_len + seq.pending if seq.output_ids or seq.pending else 0
         seq.num_cached, seq.slot, seq.status = 0, None, SeqStatus.WAITING
@@ -292,7 +300,10 @@ class Scheduler:
         return tuple(draft)
 
     def _admit(self, batch: _Plan, seq: Sequence, budget: int, now: float) -> bool:
-        """Give the head of the queue a slot, its prefix-cache hit and pages for its first chunk."""
+        """Give the head of the queue its adapter (resident and pinned), a slot, its prefix-cache hit and
+        pages for its first chunk."""
+        if not self._take_adapter(batch, seq):
+            return False
         entry, hit = self.kv.match(seq)  # pinned: neither evicted nor dominated while this step copies from it
         n = min(seq.prefill_len - hit, budget)
         need = self.kv.cost(hit + n, first_query=hit)
@@ -303,6 +314,7 @@ class Scheduler:
         if slot is None:
             if entry is not None:
                 self.kv.unpin(entry)
+            self._drop_adapter(seq)
             return False
         self.waiting.popleft()
         seq.slot, seq.status = slot, SeqStatus.RUNNING
@@ -317,6 +329,28 @@ class Scheduler:
             seq.num_cached = hit
         batch.prefill.append(PrefillChunk(seq, hit, n))
         return True
+
+    def _take_adapter(self, batch: _Plan, seq: Sequence) -> bool:
+        """The head's adapter resident and pinned (True), or False: it waits (every slot pinned by running
+        requests), or it was finished with an error (its adapter was unloaded, or no longer reads)."""
+        name = seq.request.adapter
+        if not name or seq.lora is not None:
+            return True
+        try:
+            seq.lora = self.adapters.acquire(name) if self.adapters is not None else None
+        except (LookupError, ValueError) as exc:
+            log.warning("request %s: adapter %r cannot be served: %s", seq.request_id, name, exc)
+            self.finish(seq, FinishReason.ERROR)
+            batch.dropped.append(seq)
+            return False
+        if seq.lora is None and self.adapters is None:
+            raise ValueError(f"request {seq.request_id} names adapter {name!r} but no adapters are served")
+        return seq.lora is not None
+
+    def _drop_adapter(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.adapters.release(seq.lora[1])
+            seq.lora = None
 
     def advance(self, step: InFlight) -> None:
         """A step was launched: its chunks' and decodes' K/V are cached (or being written, in order, on
@@ -398,6 +432,7 @@ class Scheduler:
             cache = self.kv.prefix_cache
             keep = cache is not None and reason in CACHEABLE and seq.num_cached >= cache.block
             self.kv.give_back(seq, keep_as_prefix=keep)
+        self._drop_adapter(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self._by_id.pop(seq.request_id, None)
 

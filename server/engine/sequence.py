@@ -45,6 +45,7 @@ class Sequence:
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
     constraint: "ConstraintState | None" = None  # constrained decoding's matcher, made at the first sampled step
+    lora: tuple[int, int] | None = None  # (slot, uid) of its adapter while admitted (adapters.AdapterPool.acquire)
     # the prompt's length and the request's id, read by every step's scheduling and output processing
     prompt_len: int = field(init=False)
     request_id: str = field(init=False)

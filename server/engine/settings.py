@@ -30,6 +30,18 @@ class EngineSettings:
     # auto: the device's backend (model/attention/backend.choose_backend: paged on CUDA where triton is
     # installed); paged: the paged cache and kernel on any device (on CPU through Triton's interpreter: tests)
     attention: str = "auto"
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start, each NAME=PATH (a PEFT directory)
+    lora_dir: str | None = None  # adapters may be loaded and unloaded at runtime from inside this directory
+    max_loras: int = 4  # adapters resident at once (each in a slot of max_lora_rank)
+    max_lora_rank: int = 16  # the largest rank an adapter's module may have
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.lora_modules or self.lora_dir)
+
+    def lora_pairs(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs."""
+        return [(n.strip(), p.strip()) for n, _, p in (spec.partition("=") for spec in self.lora_modules)]
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -54,5 +66,13 @@ class EngineSettings:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.max_step_ms is not None and not (self.max_step_ms >= 0 and self.max_step_ms < float("inf")):
             raise ValueError(f"max_step_ms must be >= 0 (0: off), got {self.max_step_ms}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if not isinstance(self.lora_modules, tuple):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules takes NAME=PATH pairs, got {spec!r}")
         if self.stuck_after_seconds <= 0:
             raise ValueError("stuck_after_seconds must be positive")

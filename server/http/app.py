@@ -36,7 +36,7 @@ from .openai_responses_api import ResponsesDialect
 from .response_store import ResponseStore
 from .errors import problem_of, render, renamed
 from .choices import admit, gather_all, merged
-from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, check_model, parse_body, translate
+from .openai_requests import BodyError, FieldPolicy, OpenAIRequest, parse_body, translate
 from .openai_responses import (DONE, StreamEvents, choice_body, completion_body, error_event, finish_name,
                                logprobs_of, total_usage)
 from .reply import Reply
@@ -83,6 +83,8 @@ class OpenAIEdge:
                   Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                  Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                  Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/ready", self.ready, methods=["GET"])]
         self._routes = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -153,11 +155,12 @@ class OpenAIEdge:
         """On a worker thread: body -> OpenAIRequest -> engine Requests, one per choice (the path gRPC
         requests take)."""
         req = translate(parse_body(raw), chat, self.fields)
-        check_model(req.model, self.frontend.model_names)
+        adapter = self.frontend.adapter_of(req.model)
         if req.n > self.frontend.engine.max_batch:
             raise BodyError("n", f"at most {self.frontend.engine.max_batch} choices (--max-batch), got {req.n}")
         try:
-            engine_request = self.frontend.request_for(replace(req.input, request_id=rid), rid, None, "http")
+            engine_request = self.frontend.request_for(replace(req.input, request_id=rid, adapter=adapter), rid, None,
+                                                       "http")
         except RequestValidationError as exc:
             raise renamed(exc, req.names) from None
         return req, self.frontend.samples(engine_request, req.n)
@@ -281,9 +284,9 @@ class OpenAIEdge:
     def _prepare_answer(self, dialect, raw: bytes, rid: str):
         """On a worker thread: body -> the dialect's Generation -> the engine Request."""
         gen = dialect.translate(parse_body(raw), self.fields)
-        check_model(gen.model, self.frontend.model_names)
+        adapter = self.frontend.adapter_of(gen.model)
         try:
-            return gen, self.frontend.request_for(replace(gen.input, request_id=rid), rid, None, "http")
+            return gen, self.frontend.request_for(replace(gen.input, request_id=rid, adapter=adapter), rid, None, "http")
         except RequestValidationError as exc:
             raise renamed(exc, gen.names) from None
 
@@ -318,7 +321,7 @@ class OpenAIEdge:
 
     def _count(self, raw: bytes) -> int:
         gen = anthropic_messages.translate(parse_body(raw), self.fields, counting=True)
-        check_model(gen.model, self.frontend.model_names)
+        self.frontend.adapter_of(gen.model)
         try:
             return self.frontend.count_prompt(gen.input)
         except RequestValidationError as exc:
@@ -344,8 +347,13 @@ class OpenAIEdge:
 
     # ---- models and probes ----------------------------------------------------------------
     def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "lmserve",
-                "context_length": self.frontend.engine.max_model_len}
+        """A base name's card, or an adapter's: its `parent` is the base model, `root` its files (vLLM's fields)."""
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "lmserve",
+                "context_length": self.frontend.engine.max_model_len, "root": name, "parent": None}
+        adapter = next((a for a in self.frontend.adapters() if a.name == name), None)
+        if name not in self.frontend.model_names and adapter is not None:
+            card.update(root=str(adapter.path), parent=self.frontend.model_name)
+        return card
 
     async def models(self, request: Request) -> Response:
         try:
@@ -354,19 +362,45 @@ class OpenAIEdge:
             return error_response(*render(problem_of(exc)))
         if "anthropic-version" in request.headers:  # Anthropic's clients send it on every request
             return json_response(anthropic_messages.models_body(self.frontend.model_names, self.started))
-        cards = [self._model_card(name) for name in self.frontend.model_names]
+        names = [*self.frontend.model_names, *(a.name for a in self.frontend.adapters())]
+        cards = [self._model_card(name) for name in dict.fromkeys(names)]
         return json_response(json.dumps({"object": "list", "data": cards}).encode())
 
     async def model(self, request: Request) -> Response:
         try:
             self.frontend.check_ready()
             model_id = request.path_params["model_id"]
-            check_model(model_id, self.frontend.model_names)
+            self.frontend.adapter_of(model_id)
         except EdgeError as exc:
             return error_response(*render(problem_of(exc)))
         if "anthropic-version" in request.headers:
             return json_response(json.dumps(anthropic_messages.model_card(model_id, self.started)).encode())
         return json_response(json.dumps(self._model_card(model_id)).encode())
+
+    # ---- LoRA adapters at runtime (vLLM's paths and bodies; --lora-dir) -----------------------
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """{"lora_name": ..., "lora_path": ..., "load_inplace": false}: the adapter read from inside --lora-dir."""
+        try:
+            self.frontend.check_ready()
+            body = parse_body(await self._body(request))
+            name, path = _string(body, "lora_name"), _string(body, "lora_path")
+            inplace = body.get("load_inplace", False)
+            if not isinstance(inplace, bool):
+                raise BodyError("load_inplace", "must be a boolean")
+            await self.frontend.offload(self.frontend.load_adapter, name, path, inplace)
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            return error_response(*render(problem_of(exc)))
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """{"lora_name": ...}: the adapter forgotten; requests running with it finish with it."""
+        try:
+            self.frontend.check_ready()
+            name = _string(parse_body(await self._body(request)), "lora_name")
+            self.frontend.unload_adapter(name)
+        except Exception as exc:  # noqa: BLE001 - the mapping point of this edge
+            return error_response(*render(problem_of(exc)))
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     def _state(self) -> tuple[bool, bool, str]:
         """(alive, ready, what to say)."""
@@ -396,6 +430,12 @@ class OpenAIEdge:
     async def _not_allowed(self, request: Request, exc) -> Response:
         problem = Problem(Failure.INVALID_ARGUMENT, f"method {request.method} is not allowed on {request.url.path[:200]}")
         return json_response(self._render(request.url.path, problem)[1], 405)
+
+
+def _string(body, name: str) -> str:
+    if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
+        raise BodyError(name, "is required: a non-empty string")
+    return body[name]
 
 
 def _too_large(limit: int) -> EdgeError:

@@ -170,7 +170,9 @@ class ServerProcess:
         args = [*self.command, "serve", "--model", self.model, "--host", HOST,
                 "--port", "0", "--metrics-port", str(self.metrics_port or 0)]
         for name, value in flags.items():
-            if value is not None:
+            if isinstance(value, (list, tuple)):  # a flag taking one or more values (--lora-modules)
+                args += ["--" + name.replace("_", "-"), *map(str, value)]
+            elif value is not None:
                 args += ["--" + name.replace("_", "-"), str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMSERVE_")}
         env.update(PYTHONUNBUFFERED="1", **self.extra_env)

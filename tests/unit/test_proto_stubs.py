@@ -32,7 +32,8 @@ def test_stubs_import_as_package_modules():
 
     assert lmserve_pb2.DESCRIPTOR.package == "lmserve.v1"
     service = lmserve_pb2.DESCRIPTOR.services_by_name["TextGeneration"]
-    assert {m.name for m in service.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo"}
+    assert {m.name for m in service.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo",
+                                                "LoadLoraAdapter", "UnloadLoraAdapter"}
     assert service.methods_by_name["GenerateStream"].server_streaming
     assert hasattr(lmserve_pb2_grpc, "TextGenerationServicer")
 

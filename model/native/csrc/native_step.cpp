@@ -63,6 +63,14 @@ struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
     int32_t precise;  // activations as two int8 codes
 };
 
+struct StepLora {  // one fused linear's LoRA adapters (linear/lora.py's LoraSlots); null A: none
+    const uint16_t* A;           // [slots, M * R, K]: its modules' A stacked along the rank
+    const uint16_t* B[3];        // per module [slots, out, R]
+    const uint16_t* scaling[3];  // per module [slots]
+    int32_t lo[3], out[3];       // each module's columns [lo, lo + out) of the fused output
+    int32_t M, R;                // modules, rank of every slot (zeros past an adapter's own)
+};
+
 struct StepLayer {
     StepLinear qkv, o, gate_up, down;
     const uint16_t* input_norm;     // [D] the attention's input
@@ -77,6 +85,7 @@ struct StepLayer {
     float* v_scales;
     int64_t window;              // 0, or a sliding layer's window: its prompt tokens take the decode kernel too
     int64_t rope;                // which of the step's RoPE tables: 0 the global one, 1 the sliding layers' own
+    StepLora lora[4];            // qkv, o, gate_up, down
 };
 
 struct StepShape {
@@ -89,6 +98,54 @@ struct StepShape {
 
 static inline int qmm(const StepLinear& w, const uint16_t* x, int B, int64_t K, int64_t N, uint16_t* y, int threads) {
     return lm_qmm(w.bits, w.precise, x, 1, B, K, w.packed, N, y, 1, threads);
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch stores a bfloat16
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    if ((w & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((w >> 16) | 0x40u);
+    return (uint16_t)((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+// y [N, y_n] += each row's adapter product for rows with an adapter slot (lora_rows[t] >= 0), with the
+// rounding points of LoraSlots.add's bfloat16 torch ops: t = round(x A^T), d = round(t B^T),
+// round(d * scaling), then y = round(y + that). A row's sums run over K and R in one fixed order
+// whatever the other rows: batch-invariant by construction.
+static int lora_add(const StepLora& L, const int64_t* lora_rows, const uint16_t* x, int N, int64_t K, uint16_t* y,
+                    int64_t y_n, int threads) {
+    if (!L.A || !lora_rows) return 0;
+    const int MR = L.M * L.R;
+    if (MR > 3 * 256 || K % 16) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < N; ++t) {
+        const int64_t slot = lora_rows[t];
+        if (slot < 0) continue;
+        float low[3 * 256];
+        const uint16_t* xt = x + (size_t)t * K;
+        const uint16_t* A = L.A + (size_t)slot * MR * K;
+        for (int j = 0; j < MR; ++j) {
+            v16f acc = {};
+            const uint16_t* a = A + (size_t)j * K;
+            for (int64_t k = 0; k < K; k += 16) acc += BF16::load(xt + k) * BF16::load(a + k);
+            float sum = 0.0f;
+            for (int i = 0; i < 16; ++i) sum += acc[i];
+            low[j] = bf16_to_f32(f32_to_bf16(sum));
+        }
+        for (int m = 0; m < L.M; ++m) {
+            const float* lm = low + m * L.R;
+            const uint16_t* B = L.B[m] + (size_t)slot * L.out[m] * L.R;
+            const float scale = bf16_to_f32(L.scaling[m][slot]);
+            uint16_t* yt = y + (size_t)t * y_n + L.lo[m];
+            for (int o = 0; o < L.out[m]; ++o) {
+                const uint16_t* b = B + (size_t)o * L.R;
+                float sum = 0.0f;
+                for (int r = 0; r < L.R; ++r) sum += lm[r] * bf16_to_f32(b[r]);
+                const float d = bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(sum)) * scale));
+                yt[o] = f32_to_bf16(bf16_to_f32(yt[o]) + d);
+            }
+        }
+    }
+    return 0;
 }
 
 static inline int64_t now_ns() {
@@ -128,7 +185,7 @@ extern "C" {
 // does not take), having stopped there.
 int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, const uint16_t* cos,
                    const uint16_t* sin_signed, const int64_t* slots, const int64_t* pos, int N, int P, int write_first,
-                   int threads, int64_t* phase_ns) {
+                   int threads, int64_t* phase_ns, const int64_t* lora_rows) {
     const int D = s->D, H = s->H, Hkv = s->Hkv, d = s->d, I = s->I, B = N - P, style = s->norm_style;
     const int64_t qkv_n = (int64_t)(H + 2 * Hkv) * d, qk_n = (int64_t)(H + Hkv) * d;
     const float eps = s->eps;
@@ -166,6 +223,7 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
         else
             STEP(2, lm_add_rmsnorm_bf16(down, x, x, L.input_norm, h, N, D, eps, style, threads));
         STEP(0, qmm(L.qkv, h, N, D, qkv_n, qkv, threads));
+        STEP(0, lora_add(L.lora[0], lora_rows, h, N, D, qkv, qkv_n, threads));
         STEP(2, lm_rope_bf16(qkv, qkv_n, cos + table, sin_signed + table, L.q_norm, L.k_norm, H, eps, style, qk, N,
                              H + Hkv, d, threads));
         for (int t = 0; t < P; ++t) write_kv(L, s, qk, qkv, t, slots, pos);
@@ -184,12 +242,15 @@ int lm_step_layers(const StepLayer* layers, const StepShape* s, uint16_t* x, con
                                         attn + (size_t)P * H * d, B, H, Hkv, d, s->num_slots, s->max_len, s->scale,
                                         L.window, threads));
         STEP(0, qmm(L.o, attn, N, (int64_t)H * d, D, o, threads));
+        STEP(0, lora_add(L.lora[1], lora_rows, attn, N, (int64_t)H * d, o, D, threads));
         if (L.attn_out_norm)  // in place
             STEP(2, lm_add_rmsnorm_bf16(o, nullptr, nullptr, L.attn_out_norm, o, N, D, eps, style, threads));
         STEP(2, lm_add_rmsnorm_bf16(o, x, x, L.mlp_norm, h, N, D, eps, style, threads));
         STEP(0, qmm(L.gate_up, h, N, D, 2 * I, gate_up, threads));
+        STEP(0, lora_add(L.lora[2], lora_rows, h, N, D, gate_up, 2 * I, threads));
         STEP(2, lm_act_mul_bf16(gate_up, act, N, I, s->act, threads));
         STEP(0, qmm(L.down, act, N, I, D, down, threads));
+        STEP(0, lora_add(L.lora[3], lora_rows, act, N, I, down, D, threads));
         if (L.mlp_out_norm)
             STEP(2, lm_add_rmsnorm_bf16(down, nullptr, nullptr, L.mlp_out_norm, down, N, D, eps, style, threads));
     }
@@ -235,7 +296,8 @@ static bool embed_row(const StepEnds* e, int64_t id, int D, uint16_t* x) {
 // range (checked first: nothing is written then).
 int lm_step_model(const StepLayer* layers, const StepShape* s, const StepEnds* e, const int64_t* ids,
                   const int64_t* rope_pos, const int64_t* slots, const int64_t* pos, int N, int P, int write_first,
-                  const int64_t* out_rows, int n_out, uint16_t* out, int threads, int64_t* phase_ns) {
+                  const int64_t* out_rows, int n_out, uint16_t* out, int threads, int64_t* phase_ns,
+                  const int64_t* lora_rows) {
     const int D = s->D, d = s->d, T = e->tables;
     if (N < 0 || n_out < 0 || T < 1 || T > 2) return 1;
     for (int t = 0; t < N; ++t)
@@ -258,7 +320,7 @@ int lm_step_model(const StepLayer* layers, const StepShape* s, const StepEnds* e
         }
     }
     if (phase_ns) phase_ns[2] += now_ns() - t0;
-    int rc = lm_step_layers(layers, s, x, cos, sin, slots, pos, N, P, write_first, threads, phase_ns);
+    int rc = lm_step_layers(layers, s, x, cos, sin, slots, pos, N, P, write_first, threads, phase_ns, lora_rows);
     if (rc) return rc;
     const int64_t t1 = phase_ns ? now_ns() : 0;
     for (int j = 0; j < n_out; ++j) memcpy(picked + (size_t)j * D, x + out_rows[j] * D, D * sizeof(uint16_t));

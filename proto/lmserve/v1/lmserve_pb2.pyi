@@ -97,20 +97,22 @@ class Choice(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "params", "parse_special_tokens")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "params", "parse_special_tokens", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
     messages: ChatMessages
     params: SamplingParams
     parse_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens")
@@ -225,7 +227,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version", "limits", "quantization", "kernels", "precision_choice", "kv_cache_dtype", "kv_cache_choice", "speculation", "speculation_verify_cost")
+    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "dtype", "device", "eos_token_ids", "max_new_tokens_limit", "max_batch_size", "default_max_new_tokens", "bos_token_id", "has_chat_template", "num_parameters", "server_version", "limits", "quantization", "kernels", "precision_choice", "kv_cache_dtype", "kv_cache_choice", "speculation", "speculation_verify_cost", "adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +250,7 @@ class GetModelInfoResponse(_message.Message):
     KV_CACHE_CHOICE_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     context_length: int
@@ -270,7 +273,44 @@ class GetModelInfoResponse(_message.Message):
     kv_cache_choice: str
     speculation: str
     speculation_verify_cost: float
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., kernels: _Optional[str] = ..., precision_choice: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_choice: _Optional[str] = ..., speculation: _Optional[str] = ..., speculation_verify_cost: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_parameters: _Optional[int] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., kernels: _Optional[str] = ..., precision_choice: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_choice: _Optional[str] = ..., speculation: _Optional[str] = ..., speculation_verify_cost: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "parent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapterInfo
+    def __init__(self, adapter: _Optional[_Union[LoraAdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_request_id_chars", "max_input_chars", "max_messages", "max_prompt_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logprobs", "greedy_temperature_below", "min_repetition_penalty", "max_repetition_penalty", "max_abs_additive_penalty", "max_queue", "max_concurrent_rpcs", "max_concurrent_streams", "stream_idle_timeout_seconds", "max_receive_message_bytes", "max_health_watchers")

@@ -55,6 +55,16 @@ class TextGenerationStub:
                 request_serializer=lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/lmserve.v1.TextGeneration/LoadLoraAdapter',
+                request_serializer=lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/lmserve.v1.TextGeneration/UnloadLoraAdapter',
+                request_serializer=lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -90,6 +100,21 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter from inside the server's --lora-dir (FAILED_PRECONDITION without one),
+        or replaces the one of that name; a request then chooses it by `adapter`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads a LoRA adapter (NOT_FOUND when unknown); requests running with it finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +137,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +258,60 @@ class TextGeneration:
             '/lmserve.v1.TextGeneration/GetModelInfo',
             lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoRequest.SerializeToString,
             lmserve_dot_v1_dot_lmserve__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmserve.v1.TextGeneration/LoadLoraAdapter',
+            lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            lmserve_dot_v1_dot_lmserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmserve.v1.TextGeneration/UnloadLoraAdapter',
+            lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            lmserve_dot_v1_dot_lmserve__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

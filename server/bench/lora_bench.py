@@ -1,0 +1,120 @@
+"""LoRA adapters beside the base alone: c concurrent greedy chat requests (default 32) through the engine,
+spread over 1, 4 and 16 distinct random rank-16 adapters (every projection targeted), and the same
+requests on the base model, taking turns in every round, in one run.
+
+    lmserve bench lora [--model smollm2] [--adapters 1 4 16] [--rank 16]
+
+Reports output tokens/s of each, its ratio to the base's (medians over the rounds), the engine's
+adapter loads, and the resident memory the adapter slots took (RSS before and after every adapter was
+written into its slot, before any request), against their own bytes. The adapters are PEFT directories written with random weights (in a
+temporary directory) at the model's shapes. In the default CPU mode adapter rows run inside the native
+step (docs/lora.md).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .engine_wave import chat_prompts, wave
+from .machine import load_from_arguments, taking_turns
+
+FLAGS = {"model": "smollm2", "models_dir": None, "dtype": "auto", "quantization": "auto", "device": None,
+         "threads": None, "concurrency": [32], "max_new_tokens": 64, "rounds": 2}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16],
+                   help="distinct adapters the requests are spread over: one measurement each (default: 1 4 16)")
+    p.add_argument("--rank", type=int, default=16, help="every adapter's rank (default: 16)")
+
+
+def write_adapters(root: Path, cfg, n: int, rank: int) -> list[str]:
+    """`n` PEFT adapter directories of random weights on every projection; their NAME=PATH specs."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lmserve.model.linear.lora import PARENT, projection_shapes
+
+    specs = []
+    for a in range(n):
+        g = torch.Generator().manual_seed(a)
+        tensors = {}
+        for layer in range(cfg.num_layers):
+            for m, (k, out) in projection_shapes(cfg).items():
+                key = f"base_model.model.model.layers.{layer}.{PARENT[m]}.{m}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.1 / rank ** 0.5
+        d = root / f"adapter-{a}"
+        d.mkdir()
+        save_file(tensors, d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                           "target_modules": list(PARENT), "bias": "none"}))
+        specs.append(f"a{a}={d}")
+    return specs
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def run(args) -> dict:
+    from lmserve.model.loader import release_freed_memory
+    from lmserve.server.engine import Engine, Request, SamplingParams
+    from lmserve.server.engine.settings import EngineSettings
+
+    loaded = load_from_arguments(args)
+    c = args.concurrency[0]
+    room = loaded.config.max_position_embeddings - args.max_new_tokens - 8  # a small model's short context
+    prompts = [p[:room] for p in chat_prompts(loaded.tokenizer, c)]
+    max_len = max(map(len, prompts)) + args.max_new_tokens + 8
+    most = max(args.adapters)
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = write_adapters(Path(tmp), loaded.config, most, args.rank)
+        settings = EngineSettings(max_batch=c, max_model_len=max_len, speculation="off", lora_modules=tuple(specs),
+                                  max_loras=most, max_lora_rank=args.rank)
+        engine = Engine(loaded, settings)
+        slots_bytes = engine.adapters.slots.nbytes
+        release_freed_memory()  # what loading and measuring freed goes back first: RSS then moves by the slots only
+        rss_before = _rss()
+        for name in engine.adapters.listing():  # every adapter written into its slot, nothing else running
+            engine.adapters.release(engine.adapters.acquire(name.name)[1])
+        release_freed_memory()  # the adapters' files, read as float32 and dropped
+        rss_slots = _rss() - rss_before
+        engine.start()
+        try:
+            def requests(n_adapters: int):
+                names = [""] * c if n_adapters == 0 else [f"a{i % n_adapters}" for i in range(c)]
+                random.Random(0).shuffle(names)
+                return [Request(list(p), SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True),
+                                adapter=n) for p, n in zip(prompts, names)]
+
+            wave(engine, requests(0))  # the first steps warmed
+            wave(engine, requests(most))
+            rates: dict[int, list[float]] = {n: [] for n in (0, *args.adapters)}
+            for r in range(args.rounds):
+                for n in taking_turns(rates, r):
+                    t0 = time.perf_counter()
+                    w = wave(engine, requests(n))
+                    rates[n].append(w.tokens / (time.perf_counter() - t0))
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+    base = statistics.median(rates[0])
+    results = [{"adapters": n, "tok_s": round(statistics.median(rates[n]), 1),
+                "ratio_to_base": round(statistics.median(rates[n]) / base, 3),
+                "rounds": [round(x, 1) for x in rates[n]]} for n in args.adapters]
+    out = {"mode": loaded.mode, "kernels": loaded.kernels, "concurrency": c, "rank": args.rank,
+           "max_new_tokens": args.max_new_tokens, "base_tok_s": round(base, 1), "results": results,
+           "lora_loads": stats.lora_loads_total, "lora_evictions": stats.lora_evictions_total,
+           "adapter_slots_bytes": slots_bytes, "adapter_slots_rss_bytes": rss_slots,
+           "adapter_slots_rss_ratio": round(rss_slots / slots_bytes, 3),
+           "adapter_path": "inside the native step" if loaded.model.native_step is not None else "torch layers"}
+    print(json.dumps(out, indent=1))
+    return out
