@@ -366,3 +366,28 @@ def test_masked_rows_max_reads_strided_rows_and_says_when_it_cannot(lib, native_
     monkeypatch.setattr(native, "_BOUND", {})
     monkeypatch.setattr(native, "_LOADED", {})
     assert RM.masked_rows_max(view, [3, 1], bits) is None  # no native library: the caller masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_maxima_are_the_same_by_either_pass_the_machine_chooses(lib, native_kernels_dir, monkeypatch, dtype):
+    """row_scan without asks takes first_max or the native scan, whichever this machine timed faster
+    (_MAX_CHOICE): the same maxima (float32), indices and ties either way, and the choice is timed once per
+    dtype and width, at a step of at least MEASURE_ROWS rows."""
+    native.load(native_kernels_dir)
+    g = torch.Generator().manual_seed(9)
+    logits = ((torch.randn(12, 49155, generator=g) * 3).round()).to(dtype)
+    logits[3, 500] = float("nan")
+    got = {}
+    for blocked in (False, True):
+        monkeypatch.setattr(RM, "_MAX_CHOICE", {(dtype, 49155): blocked})
+        m, i, stats = RM.row_scan(logits, {})
+        assert m.dtype == torch.float32 and stats == {}
+        got[blocked] = (m, i)
+    want = logits.float().max(dim=-1)
+    for m, i in got.values():
+        assert torch.equal(i, want.indices) and torch.equal(m.nan_to_num(), want.values.nan_to_num())
+    monkeypatch.setattr(RM, "_MAX_CHOICE", {})
+    RM.row_scan(logits[: RM.MEASURE_ROWS - 1], {})
+    assert RM._MAX_CHOICE == {}  # too few rows to time
+    RM.row_scan(logits, {})
+    assert set(RM._MAX_CHOICE) == {(dtype, 49155)}
