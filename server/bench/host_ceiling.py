@@ -56,6 +56,7 @@ class StandInModel:
 
     uses_fused_ops = False  # what the startup line asks of a model
     native_step = None
+    lora = None  # no adapter slots: every row is the base model's
 
     def __init__(self, vocab_size: int, text_ids: list[int], max_rows: int, bank: torch.Tensor | None = None):
         if bank is None:
@@ -80,7 +81,7 @@ class StandInModel:
     def weight_bytes(self) -> int:
         return 0
 
-    def forward_segments(self, segments, cache, logits_index):
+    def forward_segments(self, segments, cache, logits_index, lora=None):
         self.calls += 1
         start = (self.calls * 7) % BANK_ROWS
         rows = self.bank[start: start + logits_index.shape[0]]  # [n, V]
