@@ -25,6 +25,7 @@ from .engine.constraints import Constraint, ConstraintLimits
 from .tools import ToolCall, ToolUse
 from .tools.grammar import generation_schema, tool_grammar
 from .tools.prompt import SpecialText, renders_tools, template_input
+from .tools.spec import TAIL, TRIGGER
 from .engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Request, RequestValidationError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -326,8 +327,9 @@ class InputConverter:
         ids = self.prompt_ids(req)
         compiled = self._tool_constraint(req.tools, req.params.constraint) if req.tools is not None else None
         params = self._params(req.params, len(ids))
-        if compiled is not None:
-            params = replace(params, constraint=compiled.constraint)
+        if compiled is not None:  # several calls allowed: one that would repeat an earlier one ends the answer
+            params = replace(params, constraint=compiled.constraint,
+                             repeat_marker=() if req.tools.one_call else (TRIGGER, TAIL))
         request = Request(prompt_ids=ids, params=params, request_id=engine_id, deadline=deadline, origin=origin,
                           adapter=req.adapter)
         try:

@@ -60,12 +60,17 @@ class Speculation:
             raise ValueError("speculation needs max_draft >= 1, max_batch >= 1, first >= 1 and 1 <= min_n <= max_n")
 
     @staticmethod
-    def applies(params) -> bool:
+    def verifiable(params) -> bool:
         """Drafts are verified for plain greedy requests only: a row's token is then the argmax of its
         logits, which verification computes exactly as decoding would. Sampled rows would need rejection
         sampling to keep their seeded streams, and penalised rows a tally per draft position."""
-        return (params.speculate and params.temperature == 0 and params.repetition_penalty == 1.0
+        return (params.temperature == 0 and params.repetition_penalty == 1.0
                 and not params.presence_penalty and not params.frequency_penalty)
+
+    @staticmethod
+    def applies(params) -> bool:
+        """Speculation drafts for this request: it allows them and they can be verified."""
+        return params.speculate and Speculation.verifiable(params)
 
     def proposer(self, tokens: list[int], reference=()) -> "NgramProposer":
         return NgramProposer(tokens, self.max_draft, self.min_n, self.max_n, first=self.first, reference=reference,

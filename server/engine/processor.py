@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 from lmserve.model.text.detokenizer import make_detokenizer
 from lmserve.model.text.tokenizer import Tokenizer
 
-from .ngram import kept
+from .ngram import Speculation, kept
 from .outputs import GenerationChunk, OutputState, Timings, TokenLogprob, Usage, merge_chunks
 from .request import FinishReason
+from .repeat_probe import RepeatProbe
 from .sequence import Sequence, SeqStatus
 from .stopping import StopStringMatcher
 
@@ -79,7 +80,15 @@ class OutputProcessor:
             keep = 0
             if draft:
                 keep = kept(token_ids, ok, first, draft)  # drafts accepted
-                scheduler.verified(seq, len(draft), keep)
+                probe = seq.repeats is not None and seq.repeats.probed
+                scheduler.verified(seq, len(draft), 0 if probe and keep == len(draft) else keep, probe)
+                if probe:
+                    seq.repeats.probed = False
+                    if keep == len(draft):  # decoding would write an earlier part again: the output ends here
+                        scheduler.trim_to_output(seq)
+                        scheduler.finish(seq, FinishReason.EOS)
+                        results.append(StepOutput(seq, self.ended(seq), FinishReason.EOS))
+                        continue
             chunk = reason = None
             for r in range(first, first + keep + 1):
                 scheduler.append(seq, token_ids[r], now)
@@ -108,19 +117,24 @@ class OutputProcessor:
     def on_token(self, seq: Sequence, token: int, logprob) -> tuple[GenerationChunk, FinishReason | None]:
         """The chunk for a newly recorded token, and the finish reason if the sequence is done.
         (A request never outgrows the context: validation bounds prompt + max_new_tokens by it.)"""
+        p = seq.request.params
         if seq.output is None:
             seq.output = OutputState(make_detokenizer(self.tokenizer, seq.request.prompt_ids),
-                                     StopStringMatcher(seq.request.params.stop))
+                                     StopStringMatcher(p.stop))
+            if p.repeat_marker and Speculation.verifiable(p):
+                seq.repeats = RepeatProbe(*p.repeat_marker)
         state = seq.output
         detok, stops = state.detokenizer, state.stops
-        p = seq.request.params
         reason = None
         is_eos = token in self.eos_ids and not p.ignore_eos
         if is_eos or token in p.stop_token_ids:
             reason = FinishReason.EOS
             text = ""
         else:
-            text = stops.push(detok.push(token))
+            text = detok.push(token)
+            if seq.repeats is not None:
+                seq.repeats.push(len(seq.output_ids) - 1, text)
+            text = stops.push(text)
             if stops.stopped:
                 reason = FinishReason.STOP
                 state.matched_stop = stops.matched
@@ -132,6 +146,13 @@ class OutputProcessor:
             text += stops.push(detok.flush()) + stops.flush()
         lp = () if logprob is None else (TokenLogprob(token, logprob[0], logprob[1]),)
         return GenerationChunk(request_id=seq.request_id, text=text, token_ids=(token,), logprobs=lp), reason
+
+    @staticmethod
+    def ended(seq: Sequence) -> GenerationChunk:
+        """The chunk of a sequence that ends with no new token (a repeat probe accepted): the text its
+        detokenizer and stop matcher still held."""
+        stops = seq.output.stops
+        return GenerationChunk(request_id=seq.request_id, text=stops.push(seq.output.detokenizer.flush()) + stops.flush())
 
     @staticmethod
     def final(seq: Sequence, reason: FinishReason, now: float, chunk: GenerationChunk | None = None,

@@ -67,6 +67,10 @@ class SamplingParams:
     prediction: tuple[int, ...] = ()  # tokens the output is expected to repeat: a source of drafts (ngram.py)
     constraint: Constraint | None = None  # the output's shape (constraints/spec.py); None: free text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), applied like a mask
+    # (text that begins a part of the output, text that ends it): a tool call's trigger and closing tag. Where
+    # a greedy row would write an ended part again word for word, the output ends where that repeat begins
+    # (repeat_probe.py); (): off
+    repeat_marker: tuple[str, str] | tuple[()] = ()
 
     def __post_init__(self):
         if 0 < self.temperature < GREEDY_TEMPERATURE:

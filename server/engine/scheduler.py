@@ -272,19 +272,39 @@ class Scheduler:
             budget -= batch.prefill[-1].length
         # drafts only in decode-only steps: a step that prefills is the compute-bound kind already, and a
         # draft would lengthen it for the prompt waiting on its first token and for every stream in it
-        if self.speculation is not None and not batch.prefill and len(batch.decode) <= self.speculation.max_batch:
-            self._add_drafts(batch, budget)
+        if not batch.prefill:
+            speculate = self.speculation is not None and len(batch.decode) <= self.speculation.max_batch
+            if speculate or any(seq.repeats is not None and seq.repeats.due for seq in batch.decode):
+                self._add_drafts(batch, budget, speculate)
         return batch.freeze()
 
-    def _add_drafts(self, batch: _Plan, budget: int) -> None:
+    def _add_drafts(self, batch: _Plan, budget: int, speculate: bool) -> None:
         """Drafts for the decode rows of a decode-only step, within its step tokens, on KV pages that
-        are free (a draft never evicts or preempts anything)."""
+        are free (a draft never evicts or preempts anything): a repeat probe where one is due, else
+        (`speculate`) the proposer's."""
         for seq in batch.decode:
-            draft = self._draft(seq, budget)
-            if draft:
-                draft = draft[: self.kv.grant(seq, seq.num_cached + 1 + len(draft)) - seq.num_cached - 1]
+            draft = self._probe(seq, budget) if seq.repeats is not None else ()
+            if not draft and speculate:
+                draft = self._draft(seq, budget)
+                if draft:
+                    draft = draft[: self.kv.grant(seq, seq.num_cached + 1 + len(draft)) - seq.num_cached - 1]
             batch.drafts.append(draft)
             budget -= len(draft)  # drafts are step tokens like any other
+
+    def _probe(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The rest of an earlier part of the output the latest part begins like (repeat_probe.py), whole
+        or not at all: within the step's tokens, the request's remaining length, its constraint and the
+        KV pages free (only a whole repeat accepted ends the output)."""
+        if seq.pending or not Speculation.verifiable(seq.request.params):
+            return ()
+        probe = seq.repeats.draft(seq.output_ids)
+        if (not probe or len(probe) >= budget
+                or len(probe) > seq.request.params.max_new_tokens - len(seq.output_ids)
+                or (seq.constraint is not None and seq.constraint.count_valid(probe) < len(probe))
+                or self.kv.grant(seq, seq.num_cached + 1 + len(probe)) < seq.num_cached + 1 + len(probe)):
+            return ()
+        seq.repeats.probed = True
+        return probe
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Tokens for a decode row to verify: at most what the step's tokens, the request's remaining
@@ -405,14 +425,15 @@ class Scheduler:
             if seq.status is not SeqStatus.FINISHED:
                 self.append(seq, tok, now)
 
-    def verified(self, seq: Sequence, drafted: int, kept: int) -> None:
-        """A decode row verified `drafted` drafts and the model agreed with the first `kept`: the K/V
-        written for the others is discarded (num_cached rewinds; the positions are rewritten before
-        anything reads them)."""
+    def verified(self, seq: Sequence, drafted: int, kept: int, probe: bool = False) -> None:
+        """A decode row verified `drafted` drafts (the proposer's, or a repeat `probe`) and the model agreed
+        with the first `kept`: the K/V written for the others is discarded (num_cached rewinds; the
+        positions are rewritten before anything reads them)."""
         seq.num_cached -= drafted - kept
         self.drafted_tokens_total += drafted
         self.accepted_tokens_total += kept
-        seq.draft.accepted(drafted, kept)
+        if not probe:
+            seq.draft.accepted(drafted, kept)
 
     def trim_to_output(self, seq: Sequence) -> None:
         """After a verified row's tokens were recorded: a stop inside the accepted run dropped the

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .constraints.state import ConstraintState
     from .ngram import NgramProposer
     from .outputs import OutputState
+    from .repeat_probe import RepeatProbe
     from .sampler import SamplingState
 
 
@@ -45,6 +46,7 @@ class Sequence:
     output: "OutputState | None" = None  # the output processor's: detokenizer, stop matcher
     draft: "NgramProposer | None" = None  # the scheduler's: n-gram index for speculative drafts
     constraint: "ConstraintState | None" = None  # constrained decoding's matcher, made at the first sampled step
+    repeats: "RepeatProbe | None" = None  # the output processor's (made with `output`): parts of a repeat_marker
     lora: tuple[int, int] | None = None  # (slot, uid) of its adapter while admitted (adapters.AdapterPool.acquire)
     # the prompt's length and the request's id, read by every step's scheduling and output processing
     prompt_len: int = field(init=False)

@@ -172,3 +172,33 @@ def test_a_forced_call_ends_where_it_ends_in_every_dialect(oai, claude, model_id
     (kept,) = more.choices[0].message.tool_calls
     jsonschema.validate(json.loads(kept.function.arguments), ADD)  # complete
     assert more.choices[0].finish_reason == "length" and own_tokens("add", kept.function.arguments) < own + 3
+
+
+def test_a_call_the_model_would_repeat_ends_the_answer_in_every_dialect(oai, claude, model_id, own_tokens):
+    """Parallel calls allowed and a call required: SmolLM2 writes its call, then begins the same call again.
+    Where decoding would write it again word for word (verified as a draft in one step), the answer ends
+    where the repeat begins: one call, costing its own tokens + 10 at most, in each dialect (that the model
+    does write the repeat without the probe is test_repeat_probe's)."""
+    question = [{"role": "user", "content": ADD_QUESTION}]
+    chat_tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+    chat = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=120,
+                                       temperature=0, tool_choice="required")
+    (c,) = chat.choices
+    (call,) = c.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    own = own_tokens("add", call.function.arguments)
+    assert c.finish_reason == "tool_calls" and chat.usage.completion_tokens <= own + 10, (chat.usage, own)
+
+    message = claude.messages.create(model=model_id, max_tokens=120, tools=anthropic_tools(), messages=question,
+                                     tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert len(uses) == 1, message.content
+    own = own_tokens(uses[0].name, json.dumps(uses[0].input))
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens <= own + 10, (message.usage, own)
+
+    response_tools = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
+    response = oai.responses.create(model=model_id, input=ADD_QUESTION, tools=response_tools, tool_choice="required",
+                                    max_output_tokens=120, temperature=0)
+    (item,) = response.output
+    own = own_tokens("add", item.arguments)
+    assert response.status == "completed" and response.usage.output_tokens <= own + 10, (response.usage, own)
