@@ -5,8 +5,10 @@ requests on the base model, taking turns in every round, in one run.
     lmserve bench lora [--model smollm2] [--adapters 1 4 16] [--rank 16]
 
 Reports output tokens/s of each, its ratio to the base's (medians over the rounds), the engine's
-adapter loads, and the resident memory the adapter slots took (RSS before and after every adapter was
-written into its slot, before any request), against their own bytes. The adapters are PEFT directories written with random weights (in a
+adapter loads, and the resident memory the adapters cost against their own bytes: the RSS of a process
+holding every adapter in its slot less that of one serving the base alone (each loads the model in a
+fresh interpreter, builds its engine, writes the adapters, returns freed memory, then reads its RSS:
+one process's freed and reused memory would hide or inflate a few hundred MB). The adapters are PEFT directories written with random weights (in a
 temporary directory) at the model's shapes. In the default CPU mode adapter rows run inside the native
 step (docs/lora.md).
 """
@@ -64,10 +66,39 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def run(args) -> dict:
-    from lmserve.model.loader import release_freed_memory
-    from lmserve.server.engine import Engine, Request, SamplingParams
+def _engine_settings(args, c: int, max_len: int, specs: list[str]):
     from lmserve.server.engine.settings import EngineSettings
+
+    lora = dict(lora_modules=tuple(specs), max_loras=len(specs), max_lora_rank=args.rank) if specs else {}
+    return EngineSettings(max_batch=c, max_model_len=max_len, speculation="off", **lora)
+
+
+def _resident(args, c: int, max_len: int, specs: list[str]) -> int:
+    """RSS (bytes) of a process that loaded the model and built its engine with `specs`' adapters, every one
+    written into its slot (a spawned interpreter runs this)."""
+    from lmserve.model.loader import release_freed_memory
+    from lmserve.server.engine import Engine
+
+    engine = Engine(load_from_arguments(args), _engine_settings(args, c, max_len, specs))
+    if specs:
+        for known in engine.adapters.listing():
+            engine.adapters.release(engine.adapters.acquire(known.name)[1])
+    release_freed_memory()
+    return _rss()
+
+
+def adapters_rss(args, c: int, max_len: int, specs: list[str]) -> int:
+    """What holding `specs`' adapters resident costs in RSS: two fresh processes, with them and without."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        base = pool.apply(_resident, (args, c, max_len, []))
+        with_adapters = pool.apply(_resident, (args, c, max_len, specs))
+    return with_adapters - base
+
+
+def run(args) -> dict:
+    from lmserve.server.engine import Engine, Request, SamplingParams
 
     loaded = load_from_arguments(args)
     c = args.concurrency[0]
@@ -77,16 +108,9 @@ def run(args) -> dict:
     most = max(args.adapters)
     with tempfile.TemporaryDirectory() as tmp:
         specs = write_adapters(Path(tmp), loaded.config, most, args.rank)
-        settings = EngineSettings(max_batch=c, max_model_len=max_len, speculation="off", lora_modules=tuple(specs),
-                                  max_loras=most, max_lora_rank=args.rank)
-        engine = Engine(loaded, settings)
+        rss_slots = adapters_rss(args, c, max_len, specs)
+        engine = Engine(loaded, _engine_settings(args, c, max_len, specs))
         slots_bytes = engine.adapters.slots.nbytes
-        release_freed_memory()  # what loading and measuring freed goes back first: RSS then moves by the slots only
-        rss_before = _rss()
-        for name in engine.adapters.listing():  # every adapter written into its slot, nothing else running
-            engine.adapters.release(engine.adapters.acquire(name.name)[1])
-        release_freed_memory()  # the adapters' files, read as float32 and dropped
-        rss_slots = _rss() - rss_before
         engine.start()
         try:
             def requests(n_adapters: int):
