@@ -267,6 +267,14 @@ class Scheduler:
             # overlapped steps its newest token may also be in flight still, its id unknown until read back.
             if head in batch.preempted:
                 break
+            if head.request.adapter and head.lora is None and not self._take_adapter(batch, head):
+                if head.status is SeqStatus.FINISHED:  # its adapter can no longer be served: dropped
+                    continue
+                # every adapter slot is pinned by running requests: a request for the base model behind it
+                # goes first (it pins no slot, so it never delays the head's), the head keeping its place
+                head = next((s for s in self.waiting if not s.request.adapter and s not in batch.preempted), None)
+                if head is None:
+                    break
             if not self._admit(batch, head, budget, now):
                 break
             budget -= batch.prefill[-1].length
@@ -336,7 +344,10 @@ class Scheduler:
                 self.kv.unpin(entry)
             self._drop_adapter(seq)
             return False
-        self.waiting.popleft()
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:  # a base-model request admitted past a head waiting for its adapter
+            self.waiting.remove(seq)
         seq.slot, seq.status = slot, SeqStatus.RUNNING
         if seq.first_scheduled is None:
             seq.first_scheduled = now

@@ -155,6 +155,25 @@ async def test_more_adapters_than_slots_wait_evict_and_reload_losing_no_request(
     assert s.lora_resident == 1 and s.lora_evictions_total >= 2 and s.lora_loads_total == s.lora_evictions_total + 1
 
 
+async def test_a_request_waiting_for_an_adapter_slot_lets_base_requests_behind_it_go_first(adapters, trained):
+    """One slot, pinned by a long request of `attn`: a request of `mlp` waits for it, and a base-model
+    request submitted after it is admitted meanwhile (it needs no slot) and finishes while `attn` runs;
+    `mlp` is served once the slot is free. Ordering by steps, not time: `attn` has 100 tokens to go."""
+    with running(trained, **lora_settings(adapters, max_loras=1), prefix_cache=False) as engine:
+        done: list[str] = []
+
+        async def tracked(name: str, request: Request):
+            result = (await collect(engine, request))[0]
+            done.append(name)
+            return result
+
+        results = await asyncio.gather(tracked("attn", greedy_request(prompt(trained, 0), "attn", 100)),
+                                       tracked("mlp", greedy_request(prompt(trained, 1), "mlp", 4)),
+                                       tracked("base", greedy_request(prompt(trained, 2), "", 4)))
+    assert done == ["base", "attn", "mlp"]  # base ahead of mlp, which waited for attn's slot
+    assert [len(r.token_ids) for r in results] == [100, 4, 4]
+
+
 async def test_an_unknown_adapter_is_refused_naming_it(adapters, trained):
     with running(trained, **lora_settings(adapters)) as engine:
         with pytest.raises(AdapterNotFoundError, match="'nope'"):
