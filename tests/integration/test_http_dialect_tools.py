@@ -132,15 +132,16 @@ def test_langchain_anthropic_bind_tools(smollm2_http, model_id):
 ADD_QUESTION = "What is 2 plus 40?"
 
 
-def test_a_forced_call_ends_where_it_ends_in_every_dialect(oai, claude, model_id, own_tokens):
-    """A named function (Anthropic's `tool` choice) or parallel calls refused: one call is all that may follow,
-    so the answer ends with it, costing its own tokens (+ 10 at most); the limit striking at its last token
-    still ends it as a call. With parallel calls allowed, the limit striking after a complete call ends the
-    answer at the limit, the complete call kept."""
+ADD_CHAT_TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+
+
+def one_call_costs_its_own_tokens_in_every_dialect(oai, claude, model_id, own_tokens, chat_choice, claude_choice,
+                                                   **responses_kw) -> str:
+    """Chat Completions, Messages and Responses each answer ADD_QUESTION with one valid call of `add` that
+    ends the answer and costs its own tokens + 10 at most; the Responses call's arguments."""
     question = [{"role": "user", "content": ADD_QUESTION}]
-    chat_tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
-    chat = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=120,
-                                       temperature=0, tool_choice={"type": "function", "function": {"name": "add"}})
+    chat = oai.chat.completions.create(model=model_id, messages=question, tools=ADD_CHAT_TOOLS, max_tokens=120,
+                                       temperature=0, tool_choice=chat_choice)
     (c,) = chat.choices
     (call,) = c.message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), ADD)
@@ -148,26 +149,39 @@ def test_a_forced_call_ends_where_it_ends_in_every_dialect(oai, claude, model_id
     assert c.finish_reason == "tool_calls" and chat.usage.completion_tokens <= own + 10, (chat.usage, own)
 
     message = claude.messages.create(model=model_id, max_tokens=120, tools=anthropic_tools(), messages=question,
-                                     tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 0})
+                                     tool_choice=claude_choice, extra_body={"temperature": 0})
     (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "add"
     jsonschema.validate(use.input, ADD)
     own = own_tokens("add", json.dumps(use.input))
     assert message.stop_reason == "tool_use" and message.usage.output_tokens <= own + 10, (message.usage, own)
 
     response_tools = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
     response = oai.responses.create(model=model_id, input=ADD_QUESTION, tools=response_tools, tool_choice="required",
-                                    parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+                                    max_output_tokens=120, temperature=0, **responses_kw)
     (item,) = response.output
     jsonschema.validate(json.loads(item.arguments), ADD)
     own = own_tokens("add", item.arguments)
     assert response.status == "completed" and response.usage.output_tokens <= own + 10, (response.usage, own)
+    return item.arguments
 
-    exact = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=own,
+
+def test_a_forced_call_ends_where_it_ends_in_every_dialect(oai, claude, model_id, own_tokens):
+    """A named function (Anthropic's `tool` choice) or parallel calls refused: one call is all that may follow,
+    so the answer ends with it, costing its own tokens (+ 10 at most); the limit striking at its last token
+    still ends it as a call. With parallel calls allowed, the limit striking after a complete call ends the
+    answer at the limit, the complete call kept."""
+    arguments = one_call_costs_its_own_tokens_in_every_dialect(
+        oai, claude, model_id, own_tokens, {"type": "function", "function": {"name": "add"}},
+        {"type": "tool", "name": "add"}, parallel_tool_calls=False)
+    own = own_tokens("add", arguments)
+    question = [{"role": "user", "content": ADD_QUESTION}]
+    exact = oai.chat.completions.create(model=model_id, messages=question, tools=ADD_CHAT_TOOLS, max_tokens=own,
                                         temperature=0, tool_choice="required", parallel_tool_calls=False)
     (same,) = exact.choices[0].message.tool_calls
-    assert same.function.arguments == item.arguments
+    assert same.function.arguments == arguments
     assert exact.choices[0].finish_reason == "tool_calls" and exact.usage.completion_tokens == own
-    more = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=own + 3,
+    more = oai.chat.completions.create(model=model_id, messages=question, tools=ADD_CHAT_TOOLS, max_tokens=own + 3,
                                        temperature=0, tool_choice="required")  # SmolLM2 goes on to a second call
     (kept,) = more.choices[0].message.tool_calls
     jsonschema.validate(json.loads(kept.function.arguments), ADD)  # complete
@@ -179,26 +193,4 @@ def test_a_call_the_model_would_repeat_ends_the_answer_in_every_dialect(oai, cla
     Where decoding would write it again word for word (verified as a draft in one step), the answer ends
     where the repeat begins: one call, costing its own tokens + 10 at most, in each dialect (that the model
     does write the repeat without the probe is test_repeat_probe's)."""
-    question = [{"role": "user", "content": ADD_QUESTION}]
-    chat_tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
-    chat = oai.chat.completions.create(model=model_id, messages=question, tools=chat_tools, max_tokens=120,
-                                       temperature=0, tool_choice="required")
-    (c,) = chat.choices
-    (call,) = c.message.tool_calls
-    jsonschema.validate(json.loads(call.function.arguments), ADD)
-    own = own_tokens("add", call.function.arguments)
-    assert c.finish_reason == "tool_calls" and chat.usage.completion_tokens <= own + 10, (chat.usage, own)
-
-    message = claude.messages.create(model=model_id, max_tokens=120, tools=anthropic_tools(), messages=question,
-                                     tool_choice={"type": "any"}, extra_body={"temperature": 0})
-    uses = [b for b in message.content if b.type == "tool_use"]
-    assert len(uses) == 1, message.content
-    own = own_tokens(uses[0].name, json.dumps(uses[0].input))
-    assert message.stop_reason == "tool_use" and message.usage.output_tokens <= own + 10, (message.usage, own)
-
-    response_tools = [{"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}]
-    response = oai.responses.create(model=model_id, input=ADD_QUESTION, tools=response_tools, tool_choice="required",
-                                    max_output_tokens=120, temperature=0)
-    (item,) = response.output
-    own = own_tokens("add", item.arguments)
-    assert response.status == "completed" and response.usage.output_tokens <= own + 10, (response.usage, own)
+    one_call_costs_its_own_tokens_in_every_dialect(oai, claude, model_id, own_tokens, "required", {"type": "any"})
