@@ -216,7 +216,8 @@ class LoraStep:
 class LoraSlots:
     """`max_loras` adapters resident at once, in the activation dtype: per layer and fused role, A of its
     modules stacked along the rank [S, M * R, K] (zeros where a slot's adapter has a lower rank or does
-    not target the module), each module's B [S, out, R] and scaling [S]. `step` is the running step's
+    not target the module), each module's B transposed [S, R, out] (a rank's column of outputs contiguous:
+    the native step adds 16 outputs at a time) and scaling [S]. `step` is the running step's
     LoraStep (set by LlamaForCausalLM.forward_segments for the length of one forward)."""
 
     def __init__(self, cfg, max_loras: int, max_rank: int, dtype: torch.dtype, device=None):
@@ -231,7 +232,7 @@ class LoraSlots:
                 k = shapes[modules[0]][0]
                 self.A[(layer, role)] = torch.zeros(max_loras, len(modules) * R, k, dtype=dtype, device=device)
                 for m in modules:
-                    self.B[(layer, m)] = torch.zeros(max_loras, shapes[m][1], R, dtype=dtype, device=device)
+                    self.B[(layer, m)] = torch.zeros(max_loras, R, shapes[m][1], dtype=dtype, device=device)
                     self.scaling[(layer, m)] = torch.zeros(max_loras, dtype=dtype, device=device)
         # (layer, module) -> slots whose adapter targets it: a step skips modules none of its slots targets
         self.present: dict[tuple[int, str], set[int]] = {}
@@ -249,7 +250,7 @@ class LoraSlots:
             role, j = TARGETS[module]
             r = A.shape[0]
             self.A[(layer, role)][slot, j * R: j * R + r] = A.to(self.dtype)
-            self.B[(layer, module)][slot, :, :r] = B.to(self.dtype)
+            self.B[(layer, module)][slot, :r] = B.T.to(self.dtype)
             self.scaling[(layer, module)][slot] = scaling
             self.present.setdefault((layer, module), set()).add(slot)
 
@@ -275,8 +276,8 @@ class LoraSlots:
         flat = y.view(-1, y.shape[-1])
         for m in modules:
             j = TARGETS[m][1]
-            B = self.B[(layer, m)][step.slots]  # [G, out, R]
-            d = torch.bmm(t[:, :, j * R: (j + 1) * R], B.transpose(1, 2))  # [G, C, out]
+            B = self.B[(layer, m)][step.slots]  # [G, R, out]
+            d = torch.bmm(t[:, :, j * R: (j + 1) * R], B)  # [G, C, out]
             d = d * self.scaling[(layer, m)][step.slots].view(G, 1, 1)
             lo, hi = self.slices[m]
             flat[step.rows, lo:hi] += d.view(G * CHUNK, -1)[step.valid]

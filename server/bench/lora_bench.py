@@ -7,8 +7,9 @@ requests on the base model, taking turns in every round, in one run.
 Reports output tokens/s of each, its ratio to the base's (medians over the rounds), the engine's
 adapter loads, and the resident memory the adapters cost against their own bytes: the RSS of a process
 holding every adapter in its slot less that of one serving the base alone (each loads the model in a
-fresh interpreter, builds its engine, writes the adapters, returns freed memory, then reads its RSS:
-one process's freed and reused memory would hide or inflate a few hundred MB). The adapters are PEFT directories written with random weights (in a
+fresh interpreter, builds its engine, writes the adapters, returns freed memory, then reads its RSS;
+two of each, taking turns, the least of each kind: one process's freed and reused memory would hide or
+inflate a few hundred MB). The adapters are PEFT directories written with random weights (in a
 temporary directory) at the model's shapes. In the default CPU mode adapter rows run inside the native
 step (docs/lora.md).
 """
@@ -87,14 +88,18 @@ def _resident(args, c: int, max_len: int, specs: list[str]) -> int:
     return _rss()
 
 
-def adapters_rss(args, c: int, max_len: int, specs: list[str]) -> int:
-    """What holding `specs`' adapters resident costs in RSS: two fresh processes, with them and without."""
+def adapters_rss(args, c: int, max_len: int, specs: list[str], rounds: int = 2) -> int:
+    """What holding `specs`' adapters resident costs in RSS: fresh processes without them and with them,
+    taking turns, the least RSS of each kind (a start that measures what an earlier one cached holds more
+    memory for a moment than one that reads it)."""
     import multiprocessing
 
+    rss: dict[bool, list[int]] = {False: [], True: []}
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        base = pool.apply(_resident, (args, c, max_len, []))
-        with_adapters = pool.apply(_resident, (args, c, max_len, specs))
-    return with_adapters - base
+        for _ in range(rounds):
+            for with_adapters in (False, True):
+                rss[with_adapters].append(pool.apply(_resident, (args, c, max_len, specs if with_adapters else [])))
+    return min(rss[True]) - min(rss[False])
 
 
 def run(args) -> dict:

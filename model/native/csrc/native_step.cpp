@@ -65,7 +65,7 @@ struct StepLinear {  // one packed weight of quant_matmul.cpp's layout
 
 struct StepLora {  // one fused linear's LoRA adapters (linear/lora.py's LoraSlots); null A: none
     const uint16_t* A;           // [slots, M * R, K]: its modules' A stacked along the rank
-    const uint16_t* B[3];        // per module [slots, out, R]
+    const uint16_t* B[3];        // per module [slots, R, out] (B transposed)
     const uint16_t* scaling[3];  // per module [slots]
     int32_t lo[3], out[3];       // each module's columns [lo, lo + out) of the fused output
     int32_t M, R;                // modules, rank of every slot (zeros past an adapter's own)
@@ -107,10 +107,32 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
 }
 
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8w __attribute__((vector_size(32)));
+
+static inline v8f bf16x8(const uint16_t* p) {  // 8 bfloat16 widened, exactly
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    const v8w w = __builtin_convertvector(h, v8w) << 16;
+    v8f r;
+    memcpy(&r, &w, sizeof r);
+    return r;
+}
+
+static inline v16f joined(v8f lo, v8f hi) {  // lanes 0-7, then 8-15
+    v16f r;
+    memcpy(&r, &lo, sizeof lo);
+    memcpy((char*)&r + sizeof lo, &hi, sizeof hi);
+    return r;
+}
+
 // y [N, y_n] += each row's adapter product for rows with an adapter slot (lora_rows[t] >= 0), with the
 // rounding points of LoraSlots.add's bfloat16 torch ops: t = round(x A^T), d = round(t B^T),
 // round(d * scaling), then y = round(y + that). A row's sums run over K and R in one fixed order
-// whatever the other rows: batch-invariant by construction.
+// whatever the other rows: batch-invariant by construction. Both products run 16 lanes at a time: A's
+// rows four at a time over x (each a fixed tree at the end), B (held transposed) 16 outputs at a time,
+// each output's sum over the rank in order, with its roundings, scaling and add to y in the same vector.
 static int lora_add(const StepLora& L, const int64_t* lora_rows, const uint16_t* x, int N, int64_t K, uint16_t* y,
                     int64_t y_n, int threads) {
     if (!L.A || !lora_rows) return 0;
@@ -123,23 +145,48 @@ static int lora_add(const StepLora& L, const int64_t* lora_rows, const uint16_t*
         float low[3 * 256];
         const uint16_t* xt = x + (size_t)t * K;
         const uint16_t* A = L.A + (size_t)slot * MR * K;
-        for (int j = 0; j < MR; ++j) {
-            v16f acc = {};
+        int j = 0;
+        for (; j + 4 <= MR; j += 4) {  // four of A's rows per pass over x (x loaded once for them), in 8-lane
+            const uint16_t* a = A + (size_t)j * K;  // halves that GCC keeps in registers under AVX2
+            v8f c[4][2] = {};
+            for (int64_t k = 0; k < K; k += 16) {
+                const v8f x0 = bf16x8(xt + k), x1 = bf16x8(xt + k + 8);
+                for (int i = 0; i < 4; ++i) {
+                    c[i][0] += x0 * bf16x8(a + i * K + k);
+                    c[i][1] += x1 * bf16x8(a + i * K + k + 8);
+                }
+            }
+            for (int i = 0; i < 4; ++i) low[j + i] = bf16_to_f32(f32_to_bf16(total(joined(c[i][0], c[i][1]))));
+        }
+        for (; j < MR; ++j) {
             const uint16_t* a = A + (size_t)j * K;
-            for (int64_t k = 0; k < K; k += 16) acc += BF16::load(xt + k) * BF16::load(a + k);
-            float sum = 0.0f;
-            for (int i = 0; i < 16; ++i) sum += acc[i];
-            low[j] = bf16_to_f32(f32_to_bf16(sum));
+            v8f c0 = {}, c1 = {};
+            for (int64_t k = 0; k < K; k += 16) {
+                c0 += bf16x8(xt + k) * bf16x8(a + k);
+                c1 += bf16x8(xt + k + 8) * bf16x8(a + k + 8);
+            }
+            low[j] = bf16_to_f32(f32_to_bf16(total(joined(c0, c1))));
         }
         for (int m = 0; m < L.M; ++m) {
             const float* lm = low + m * L.R;
-            const uint16_t* B = L.B[m] + (size_t)slot * L.out[m] * L.R;
+            const int64_t out = L.out[m];
+            const uint16_t* B = L.B[m] + (size_t)slot * L.R * out;
             const float scale = bf16_to_f32(L.scaling[m][slot]);
             uint16_t* yt = y + (size_t)t * y_n + L.lo[m];
-            for (int o = 0; o < L.out[m]; ++o) {
-                const uint16_t* b = B + (size_t)o * L.R;
+            int64_t o = 0;
+            for (; o + 16 <= out; o += 16) {  // two 8-lane halves: GCC keeps them in registers under AVX2
+                v8f lo = {}, hi = {};
+                for (int r = 0; r < L.R; ++r) {
+                    const uint16_t* b = B + (size_t)r * out + o;
+                    lo += lm[r] * bf16x8(b);
+                    hi += lm[r] * bf16x8(b + 8);
+                }
+                const v16f d = round_bf16(round_bf16(joined(lo, hi)) * scale);
+                BF16::store(yt + o, BF16::load(yt + o) + d);
+            }
+            for (; o < out; ++o) {  // a width that is not a multiple of 16: the same sums, one output at a time
                 float sum = 0.0f;
-                for (int r = 0; r < L.R; ++r) sum += lm[r] * bf16_to_f32(b[r]);
+                for (int r = 0; r < L.R; ++r) sum += lm[r] * bf16_to_f32(B[(size_t)r * out + o]);
                 const float d = bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(sum)) * scale));
                 yt[o] = f32_to_bf16(bf16_to_f32(yt[o]) + d);
             }
