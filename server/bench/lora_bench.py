@@ -71,7 +71,9 @@ def _engine_settings(args, c: int, max_len: int, specs: list[str]):
     from lmserve.server.engine.settings import EngineSettings
 
     lora = dict(lora_modules=tuple(specs), max_loras=len(specs), max_lora_rank=args.rank) if specs else {}
-    return EngineSettings(max_batch=c, max_model_len=max_len, speculation="off", **lora)
+    # no prefix cache: every wave computes its prompts (a hit left from an earlier wave would time one
+    # side's prompts and not the other's: waves measured 60-250 tok/s by what the cache still held)
+    return EngineSettings(max_batch=c, max_model_len=max_len, speculation="off", prefix_cache=False, **lora)
 
 
 def _resident(args, c: int, max_len: int, specs: list[str]) -> int:
@@ -140,7 +142,8 @@ def run(args) -> dict:
                 "ratio_to_base": round(statistics.median(rates[n]) / base, 3),
                 "rounds": [round(x, 1) for x in rates[n]]} for n in args.adapters]
     out = {"mode": loaded.mode, "kernels": loaded.kernels, "concurrency": c, "rank": args.rank,
-           "max_new_tokens": args.max_new_tokens, "base_tok_s": round(base, 1), "results": results,
+           "max_new_tokens": args.max_new_tokens, "base_tok_s": round(base, 1),
+           "base_rounds": [round(x, 1) for x in rates[0]], "results": results,
            "lora_loads": stats.lora_loads_total, "lora_evictions": stats.lora_evictions_total,
            "adapter_slots_bytes": slots_bytes, "adapter_slots_rss_bytes": rss_slots,
            "adapter_slots_rss_ratio": round(rss_slots / slots_bytes, 3),
