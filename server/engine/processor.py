@@ -44,6 +44,11 @@ def _constraint_ended(seq: Sequence) -> bool:
     return c is not None and not seq.request.params.ignore_eos and c.finished_at == len(seq.output_ids)
 
 
+def _held_text(state: OutputState) -> str:
+    """At a sequence's end (not a stop string's), the text its detokenizer and stop matcher still held."""
+    return state.stops.push(state.detokenizer.flush()) + state.stops.flush()
+
+
 class OutputProcessor:
     """Owns stops and detokenizing; the scheduler records the tokens and retires the sequences it says
     are done."""
@@ -81,14 +86,16 @@ class OutputProcessor:
             if draft:
                 keep = kept(token_ids, ok, first, draft)  # drafts accepted
                 probe = seq.repeats is not None and seq.repeats.probed
-                scheduler.verified(seq, len(draft), 0 if probe and keep == len(draft) else keep, probe)
                 if probe:
                     seq.repeats.probed = False
-                    if keep == len(draft):  # decoding would write an earlier part again: the output ends here
-                        scheduler.trim_to_output(seq)
-                        scheduler.finish(seq, FinishReason.EOS)
-                        results.append(StepOutput(seq, self.ended(seq), FinishReason.EOS))
-                        continue
+                if probe and keep == len(draft):  # decoding would write an earlier part again: it ends here,
+                    scheduler.verified(seq, len(draft), 0, probe)  # none of the drafted tokens recorded
+                    scheduler.trim_to_output(seq)
+                    scheduler.finish(seq, FinishReason.EOS)
+                    chunk = GenerationChunk(request_id=seq.request_id, text=_held_text(seq.output))
+                    results.append(StepOutput(seq, chunk, FinishReason.EOS))
+                    continue
+                scheduler.verified(seq, len(draft), keep, probe)
             chunk = reason = None
             for r in range(first, first + keep + 1):
                 scheduler.append(seq, token_ids[r], now)
@@ -143,16 +150,9 @@ class OutputProcessor:
             elif len(seq.output_ids) >= p.max_new_tokens:
                 reason = FinishReason.LENGTH
         if reason is not None and reason is not FinishReason.STOP:
-            text += stops.push(detok.flush()) + stops.flush()
+            text += _held_text(state)
         lp = () if logprob is None else (TokenLogprob(token, logprob[0], logprob[1]),)
         return GenerationChunk(request_id=seq.request_id, text=text, token_ids=(token,), logprobs=lp), reason
-
-    @staticmethod
-    def ended(seq: Sequence) -> GenerationChunk:
-        """The chunk of a sequence that ends with no new token (a repeat probe accepted): the text its
-        detokenizer and stop matcher still held."""
-        stops = seq.output.stops
-        return GenerationChunk(request_id=seq.request_id, text=stops.push(seq.output.detokenizer.flush()) + stops.flush())
 
     @staticmethod
     def final(seq: Sequence, reason: FinishReason, now: float, chunk: GenerationChunk | None = None,

@@ -3,16 +3,17 @@
 Small models offered parallel tool calls write their call, then the same call again and again until the
 token limit; the edge drops the repeats, but only after each was generated in full (two calls' worth of
 tokens for one call). A request names the text that begins each part and the text that ends it
-(`SamplingParams.repeat_marker`: a tool call's trigger and its closing tag). Where the part the model has just begun so far equals the start of an earlier one,
-the rest of that earlier part is drafted and verified in one step, as speculation verifies any draft
-(greedy rows only: a row's token is the argmax of its logits, which verification computes exactly as
-decoding would). All of it accepted: decoding would write the earlier part again to the letter, so the
-output ends where the repeat begins (the drafted tokens are never recorded). Any of it rejected: the
-accepted tokens and the model's own next token are kept, as for any draft, and the part is new.
+(`SamplingParams.repeat_marker`: a tool call's trigger and its closing tag). Where the part the model
+has just begun so far equals the start of an earlier one, the rest of that earlier part is drafted and
+verified in one step, as speculation verifies any draft (greedy rows only: a row's token is the argmax
+of its logits, which verification computes exactly as decoding would). All of it accepted: decoding
+would write the earlier part again to the letter, so the output ends where the repeat begins (the
+drafted tokens are never recorded). Any of it rejected: the accepted tokens and the model's own next
+token are kept, as for any draft, and the part is new.
 
 Parts are matched on tokens: a part's body is the tokens after the token that completes its begin, up to
-the token that completes its end. Text is attributed to the token whose detokenizing produced
-it; a boundary placed a token off only makes a draft that is rejected or never offered, never a wrong
+the token that completes its end. Text is attributed to the token whose detokenizing produced it; a
+boundary placed a token off only makes a draft that is rejected or never offered, never a wrong
 output (an accepted draft is what decoding writes).
 """
 
@@ -55,7 +56,8 @@ class RepeatProbe:
         self._ends: deque[tuple[int, int]] = deque(maxlen=_RECENT)  # (output index, text end) per token
         self.begins: list[int] = []  # per part: the output index of the token holding its begin's first character
         self.bodies: list[int] = []  # per part: the output index after the token completing its begin
-        self.ends: dict[int, int] = {}  # per part ended (by number): the output index after the token completing its end
+        # per part ended (by number): the output index after the token completing its end
+        self.ends: dict[int, int] = {}
         self.probed = False  # the step being launched verifies a probe (scheduler sets, processor clears)
 
     def push(self, index: int, text: str) -> None:
