@@ -85,14 +85,15 @@ def narrower_builds(tmp_path_factory, builds, make) -> dict:
 
 @pytest.fixture(scope="session")
 def narrower_decode_attention(tmp_path_factory):
-    """The decode-attention kernel built for AVX2 (x86-64-v3: the int8 cache's integer scores on two
-    256-bit halves) and for AVX-512 without VNNI (vpmaddwd in place of vpdpwssd), where this CPU runs
-    them, by name."""
+    """The decode-attention kernel built for AVX2 (x86-64-v3: its own 8-lane paths), the 16-lane code every
+    other build compiles built for AVX2 too (LMSERVE_GENERIC_VECTORS), and AVX-512 without VNNI (vpmaddwd in
+    place of vpdpwssd), where this CPU runs them, by name."""
     from lmserve.model.attention.decode import DecodeAttention
 
     return narrower_builds(
         tmp_path_factory,
-        (("x86-64-v3", " avx2 ", "avx2"), ("native -mno-avx512vnni", " avx512_vnni ", "avx512-without-vnni")),
+        (("x86-64-v3", " avx2 ", "avx2"), ("x86-64-v3 -DLMSERVE_GENERIC_VECTORS", " avx2 ", "avx2-16-lane-code"),
+         ("native -mno-avx512vnni", " avx512_vnni ", "avx512-without-vnni")),
         lambda name, march: DecodeAttention(kernels_built(tmp_path_factory, f"{name}-decode", march,
                                                           ("decode_attention.cpp",))))
 

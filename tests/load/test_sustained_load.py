@@ -1,4 +1,4 @@
-"""Sustained closed-loop load: 32 streams for about 30 s, twice the server's 16 slots.
+"""Sustained closed-loop load: 32 streams for about 12 s, twice the server's 16 slots.
 
 Every request must complete with the memorized continuation (batching under load changes no
 greedy token), and the server's /metrics must count exactly what the clients received.
@@ -12,7 +12,7 @@ import time
 from lmserve.client import AsyncClient
 
 CONCURRENCY = 32
-DURATION = 30.0  # seconds during which workers start new requests
+DURATION = 12.0  # seconds during which workers start new requests
 MAX_NEW_TOKENS = 100  # more than any continuation: every request ends with EOS
 
 

@@ -126,3 +126,21 @@ def test_shapes_it_does_not_take_are_declared():
     assert not DecodeAttention.supports(torch.float32, 40, 8, 8)  # head_dim not a multiple of 16
     assert not DecodeAttention.supports(torch.float32, 48, 8, 8)  # nor one the kernel is compiled for
     assert not DecodeAttention.supports(torch.float32, 64, 9, 4)  # heads not a multiple of kv heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(H, HKV, D), (12, 2, 80), (8, 1, 128), (4, 1, 256)])
+def test_every_instruction_set_gives_the_served_builds_bits(kernel, narrower_decode_attention, dtype, heads):
+    """Float caches: the AVX2 build's 8-lane paths (scores by the 16-lane lane tree, 8 keys a register; the
+    value pass 8 lanes of the head at a time) give the bits of the 16-lane code the AVX-512 builds run,
+    built here for AVX2 as well, and of the served build, at lengths inside, at and past a block of 16."""
+    q, k, v, kc, vc, slots, pos = _case(dtype, [1, 15, 16, 17, 333, 1024], seed=11, heads=heads)
+
+    def run(kern, window=0):
+        kc2, vc2 = kc.clone(), vc.clone()
+        return kern(q, k, v, kc2, vc2, slots, pos, window=window), kc2, vc2
+
+    for window in (0, 40):
+        served = run(kernel, window)
+        for name, other in narrower_decode_attention.items():
+            assert all(torch.equal(a, b) for a, b in zip(run(other, window), served)), (name, window)

@@ -134,3 +134,43 @@ def test_a_bfloat16_model_with_fused_ops_keeps_its_logits(ops, family):
         fused = with_ops(ids, pos, meta).float()
     assert torch.equal(plain.argmax(-1)[0], fused.argmax(-1)[0])
     assert (plain - fused).abs().max() < 0.05 * plain.abs().max()
+
+
+def test_the_avx2_paths_give_the_16_lane_codes_bits(ops, tmp_path_factory):
+    """On AVX2 (no AVX-512) the bfloat16 roundings, stores and e^x take 8-lane registers of their own
+    (native_common.h); the 16-lane code the other builds run, built for AVX2 with LMSERVE_GENERIC_VECTORS,
+    gives the same bits for every op and style, NaN and infinities included."""
+    from pathlib import Path
+
+    if " avx2 " not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    from conftest import kernels_built
+
+    generic = FusedOps(kernels_built(tmp_path_factory, "fused-16-lane", "x86-64-v3 -DLMSERVE_GENERIC_VECTORS",
+                                     ("fused_ops.cpp",)))
+    g = torch.Generator().manual_seed(8)
+    x, res = (torch.randn(1, 9, 576, generator=g) * 4).to(BF16), (torch.randn(1, 9, 576, generator=g) * 4).to(BF16)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    w = torch.randn(576, generator=g).to(BF16)
+    gate_up = (torch.randn(1, 9, 2 * 1536, generator=g) * 30).to(BF16)  # past both clamps of e^x
+    gate_up[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    qkv = (torch.randn(1, 9, 6, 256, generator=g) * 3).to(BF16)  # Gemma 3 270M's heads: q (4) | k (1) | v (1)
+    cfg = ModelConfig(vocab_size=32, hidden_size=640, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=256,
+                      intermediate_size=64, max_position_embeddings=4096)
+    rot = Rotary(cfg)
+    rot.build("cpu", BF16)
+    cos, sin = rot.tables(torch.randint(0, 4000, (1, 9), generator=g))
+    norms = {style: tuple(RMSNorm(256, 1e-6, style == "gemma") for _ in range(2)) for style in ("llama", "gemma")}
+    for n in norms["llama"] + norms["gemma"]:
+        n.weight.data = torch.randn(256, generator=g) * 0.3
+        n.to(BF16)
+
+    def run(o):
+        outs = [o.act_mul(gate_up), o.act_mul(gate_up, "gelu_tanh"), o.rope(qkv, cos, sin, 5)]
+        for style in ("llama", "gemma"):
+            outs += list(o.add_rmsnorm(x, res, w, 1e-6, style))
+            outs.append(o.rope(qkv, cos, sin, 5, 4, norms[style]))
+        return outs
+
+    for got, want in zip(run(ops), run(generic)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -140,7 +140,7 @@ def test_a_non_finite_query_over_codes_gives_nan_in_its_row_only(decode, bad):
     assert torch.isnan(out[1]).any() and torch.isfinite(out[[0, 2]]).all()
 
 
-@pytest.mark.parametrize("heads", [(H, HKV, D), (12, 2, 80), (8, 1, 128)])
+@pytest.mark.parametrize("heads", [(H, HKV, D), (12, 2, 80), (8, 1, 128), (4, 1, 256)])
 def test_decode_over_codes_gives_the_same_bits_on_every_instruction_set(decode, narrower_decode_attention, heads):
     """The integer scores are exact on every path (vpdpwssd, vpmaddwd, two AVX2 halves), and what follows
     them is the same float32 arithmetic, so the narrower builds give the served build's bits."""

@@ -34,6 +34,10 @@
 
 #include "native_common.h"
 
+// AVX2 without AVX-512 takes 8-lane paths of its own (LM_AVX2_PATHS, native_common.h) that give the bits
+// of the 16-lane code every other build compiles.
+#define DECODE_AVX2 LM_AVX2_PATHS
+
 static inline bool head_chunks_built(int c) { return c == 2 || c == 4 || c == 5 || c == 6 || c == 8 || c == 16; }
 static const int MAX_GROUP = 16;   // query heads per kv head
 static const int PREFETCH_BLOCKS = 2;  // key blocks fetched ahead of their scores
@@ -129,17 +133,29 @@ static inline v32s load_pairs(const int16_t* p) {
     return r;
 }
 
-// Query heads whose output accumulators (C vectors each) stay in registers through a value pass.
+#if DECODE_AVX2
+// 8 lanes of a row widened to float32 exactly (AVX2)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+
+// The weighted values of NG query heads (probabilities p[g] at stride `stride`, their sums' inverses
+// inv[g]) over keys 0..n-1: a head's output is the sum of p_j v_j in key order (an int8 cache's p_j times
+// the value's scale first), one fused multiply-add a key, as one head at a time would give it.
+#if !DECODE_AVX2
+// Query heads whose output accumulators (C vectors each) stay in registers through a value pass: each
+// key's value row is widened once into registers and added into every head's accumulators, which stay
+// in registers from the first key to the last.
 template <int C>
 constexpr int HEADS_PER_PASS = C >= 16 ? 1 : 16 / C > 8 ? 8 : 16 / C;
 
-// The weighted values of NG query heads (probabilities p[g] at stride `stride`, their sums' inverses
-// inv[g]) over keys 0..n-1: each key's value row is widened once into registers and added into every
-// head's accumulators, which stay in registers from the first key to the last. A head's output is the
-// sum of p_j v_j in key order (an int8 cache's p_j times the value's scale first), as one head at a time
-// would give it.
 template <class A, class KV, int C, int NG>
-static void value_pass(const typename KV::T* V, const float* vs, int ss, int n, const float* p, size_t stride,
+static void value_pass(const typename KV::T* V, const float* vs, int ss, int n, float* p, size_t stride,
                        const float* inv, typename A::T* out) {
     constexpr bool coded = sizeof(typename KV::T) == 1;
     constexpr int d = 16 * C;
@@ -161,6 +177,104 @@ static void value_pass(const typename KV::T* V, const float* vs, int ss, int n, 
     for (int g = 0; g < NG; ++g)
         for (int c = 0; c < C; ++c) A::store(out + (size_t)g * d + 16 * c, o[g][c] * inv[g]);
 }
+#else
+// AVX2 has 16 vector registers and a 16-lane vector takes two: the AVX-512 pass's accumulators
+// (NG x C vectors) and value row (C) lived on the stack, reloaded and stored at every key (perf: most of
+// a c=32 SmolLM2 step's attention on the Zen 3). So the head dimension is taken 8 lanes at a time, each
+// slice's NG accumulators in registers through all the keys: every output lane still gets its products in
+// key order, one fused multiply-add each, and the same final multiply, so the bits are the AVX-512 pass's.
+// The weights (probability x value scale) are formed in place in p first, once for all slices.
+template <int C>
+constexpr int HEADS_PER_PASS = 8;
+
+template <class A, class KV, int C, int NG>
+static void value_pass(const typename KV::T* V, const float* vs, int ss, int n, float* p, size_t stride,
+                       const float* inv, typename A::T* out) {
+    constexpr bool coded = sizeof(typename KV::T) == 1;
+    constexpr int d = 16 * C;
+    if (coded)
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            const v16f vscale = load_scales(vs + (size_t)j0 * ss, std::min(16, n - j0), ss);
+            for (int g = 0; g < NG; ++g) F32::store(p + g * stride + j0, F32::load(p + g * stride + j0) * vscale);
+        }
+    alignas(32) float sums[NG][d];
+    for (int c = 0; c < 2 * C; ++c) {
+        __m256 o[NG];
+        for (int g = 0; g < NG; ++g) o[g] = _mm256_setzero_ps();
+        for (int j = 0; j < n; ++j) {
+            const __m256 v = load8(V + (size_t)j * d + 8 * c);
+            for (int g = 0; g < NG; ++g) o[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride + j]), v, o[g]);
+        }
+        for (int g = 0; g < NG; ++g) _mm256_store_ps(sums[g] + 8 * c, o[g]);
+    }
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < C; ++c) A::store(out + (size_t)g * d + 16 * c, F32::load(sums[g] + 16 * c) * inv[g]);
+}
+
+// A block's 16 key scores on AVX2, the same values as the AVX-512 code computes. Float caches (q and
+// the keys widened to float32 first): each key's 16 lanes of products by the same multiply and fused
+// multiply-adds over the head dimension, then lane_sums' tree (lanes l + l+8, then + l+4, + l+2, + l+1)
+// with 8 keys a register; int8 caches: exact integer dot products (any order gives the same sums).
+static inline __m256 key_sums8(const __m256 s[8]) {  // s[k]: key k's lanes l + l+8; out: key k in lane k
+    __m256 t[4], w[2];
+    for (int i = 0; i < 4; ++i)  // keys 2i | 2i+1: lanes l + l+4
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // keys 4i, 4i+2 | 4i+1, 4i+3: lanes l + l+2
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // keys 0 2 4 6 | 1 3 5 7 -> in order
+}
+
+static inline __m256i key_sums8(const __m256i s[8]) {  // s[k]: key k's 8 partial sums; out: key k's total in lane k
+    const __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
+    const __m256i h45 = _mm256_hadd_epi32(s[4], s[5]), h67 = _mm256_hadd_epi32(s[6], s[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);  // keys 0-3 | 0-3, 4-7 | 4-7
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// scores[j0 .. j0 + 15] of one query head (qf: d floats) over 16 widened keys (rows: 16 x d floats), C >= 2
+template <int C>
+static inline void float_scores(const float* qf, const float* rows, float scale, float* scores) {
+    constexpr int d = 16 * C;
+    for (int half = 0; half < 2; ++half) {
+        __m256 s[8];
+        for (int l = 0; l < 8; ++l) {
+            const float* k = rows + (8 * half + l) * d;
+            // q0 k0 + q1 k1 as GCC contracts the 16-lane code's first two terms: the first product fused
+            __m256 lo = _mm256_fmadd_ps(_mm256_load_ps(qf), _mm256_load_ps(k),
+                                        _mm256_mul_ps(_mm256_load_ps(qf + 16), _mm256_load_ps(k + 16)));
+            __m256 hi = _mm256_fmadd_ps(_mm256_load_ps(qf + 8), _mm256_load_ps(k + 8),
+                                        _mm256_mul_ps(_mm256_load_ps(qf + 24), _mm256_load_ps(k + 24)));
+            for (int c = 2; c < C; ++c) {
+                lo = _mm256_fmadd_ps(_mm256_load_ps(qf + 16 * c), _mm256_load_ps(k + 16 * c), lo);
+                hi = _mm256_fmadd_ps(_mm256_load_ps(qf + 16 * c + 8), _mm256_load_ps(k + 16 * c + 8), hi);
+            }
+            s[l] = _mm256_add_ps(lo, hi);
+        }
+        _mm256_storeu_ps(scores + 8 * half, _mm256_mul_ps(key_sums8(s), _mm256_set1_ps(scale)));
+    }
+}
+
+// the same from int16 codes (q16: the head's, krows: 16 keys', `width` each, zero-padded), times the
+// keys' scales (kscale) and the head's step, as the AVX-512 code multiplies them
+static inline void code_scores(const int16_t* q16, const int16_t* krows, int width, const float* kscale, float qstep,
+                               float* scores) {
+    for (int half = 0; half < 2; ++half) {
+        __m256i s[8];
+        for (int l = 0; l < 8; ++l) {
+            const int16_t* k = krows + (8 * half + l) * width;
+            __m256i a = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)q16), _mm256_load_si256((const __m256i*)k));
+            for (int i = 16; i < width; i += 16)
+                a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)(q16 + i)),
+                                                          _mm256_load_si256((const __m256i*)(k + i))));
+            s[l] = a;
+        }
+        const __m256 step = _mm256_mul_ps(_mm256_loadu_ps(kscale + 8 * half), _mm256_set1_ps(qstep));
+        _mm256_storeu_ps(scores + 8 * half, _mm256_mul_ps(_mm256_cvtepi32_ps(key_sums8(s)), step));
+    }
+}
+#endif
 
 // One (row, kv head) pair: G query heads over keys 0..n-1, head_dim 16 * C (a constant, so the
 // accumulators stay in registers). Keys are taken 16 rows at a time, widened to float32 once into
@@ -176,15 +290,27 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
     const int d = 16 * C;
     const int blocks = (n + 15) / 16;
     const size_t stride = (size_t)blocks * 16;
-    work.resize((size_t)G * stride + 16 * (size_t)d);
+    work.resize((size_t)G * stride + 16 * (size_t)d + (size_t)G * d + 16);
     float* scores = work.data();  // [G, blocks * 16]
     float* rows = scores + (size_t)G * stride;  // [16, d]: the block's keys in float32
+    rows += (16 - ((uintptr_t)rows / 4) % 16) % 16;  // 64-byte aligned (work's floats are 4-byte aligned)
+    float* qf = rows + 16 * (size_t)d;  // [G, d]: the queries in float32 (AVX2's float scores)
+#if DECODE_AVX2
+    if constexpr (!coded)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) F32::store(qf + (size_t)g * d + 16 * c, A::load(q + (size_t)g * d + 16 * c));
+#endif
     const size_t row_bytes = (size_t)d * sizeof(T);
 
     auto widen = [&](const T* src, int j0, int m) {  // rows j0 .. j0 + m - 1 of src; the rest zero
         for (int l = 0; l < 16; ++l)
+#if !DECODE_AVX2
             for (int c = 0; c < C; ++c)
                 F32::store(rows + l * d + 16 * c, l < m ? KV::load(src + (size_t)(j0 + l) * d + 16 * c) : v16f{});
+#else
+            for (int i = 0; i < d; i += 8)
+                _mm256_store_ps(rows + l * d + i, l < m ? load8(src + (size_t)(j0 + l) * d + i) : _mm256_setzero_ps());
+#endif
     };
     auto fetch = [&](const T* src, int j0) {  // rows j0 .. j0 + 15 of src on their way into the cache
         for (int l = 0; l < 16 && j0 + l < n; ++l)
@@ -227,6 +353,17 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
 #endif
         }
         if constexpr (coded) {
+#if DECODE_AVX2
+            for (int l = 0; l < 16; ++l)  // this block's key codes as int16 (rows past the last: zeros)
+                for (int i = 0; i < d; i += 16)
+                    _mm256_store_si256((__m256i*)(krows[l] + i),
+                                       l < m ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(K + (size_t)(j0 + l) * d + i)))
+                                             : _mm256_setzero_si256());
+            alignas(64) float kscales[16];
+            F32::store(kscales, load_scales(ks + (size_t)j0 * ss, m, ss));
+            for (int g = 0; g < G; ++g) code_scores(q16[g], krows[0], 32 * PV, kscales, qstep[g], scores + g * stride + j0);
+            continue;
+#endif
             for (int l = 0; l < m; ++l)  // this block's key codes as int16 (rows past the last: zeros)
                 for (int i = 0; i < d; ++i) krows[l][i] = (int16_t)K[(size_t)(j0 + l) * d + i];
             for (int l = m; l < 16; ++l)
@@ -245,6 +382,10 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
             continue;
         }
         widen(K, j0, m);
+#if DECODE_AVX2
+        for (int g = 0; g < G; ++g) float_scores<C>(qf + (size_t)g * d, rows, scale, scores + g * stride + j0);
+        continue;
+#endif
         for (int g = 0; g < G; ++g) {
             v16f qg[C];
             for (int c = 0; c < C; ++c) qg[c] = A::load(q + (size_t)g * d + 16 * c);

@@ -273,7 +273,29 @@ inline void unpack(const uint8_t* g, int h, V::I w[8]) {
 
 // The integer sum of chunks j0 .. j1 - 1 of a row-block: c = h (xl null) from `start`, or 256 h + l with
 // `start` added to the l chain.
+template <int F>
 inline V::I chunk_sum(const V::I w[8], int j0, int j1, const int8_t* xh, const int8_t* xl, const int32_t* start) {
+#if KQ_PATH == 1
+    // maddubs's int16 pair sums (|q x| <= 2 x 63 x 128 at most) of RUN chunks add up within int16 (Q4_K's
+    // codes 0..15: all 8, Q5_K's 0..31: 4, Q6_K's 0..63: 2), then one widening madd a run: the same exact
+    // sums with fewer multiplies
+    constexpr int RUN = F == Q4K ? 8 : F == Q5K ? 4 : 2;
+    const V::I ones = _mm256_set1_epi16(1);
+    auto chain = [&](V::I s, const int8_t* x) {
+        for (int j = j0; j < j1; j += RUN) {
+            V::I s16 = _mm256_setzero_si256();
+            for (int i = j; i < j + RUN && i < j1; ++i) {
+                int32_t xi;
+                memcpy(&xi, x + chunk_k(i), 4);
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(xi)));
+            }
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+        }
+        return s;
+    };
+    if (!xl) return chain(V::start(start), xh);
+    return V::join(chain(V::zero(), xh), chain(V::start(start), xl));
+#endif
     V::I s = V::start(start);
     if (!xl) {
         for (int j = j0; j < j1; ++j) s = V::dot(s, w[j], xh + chunk_k(j));
@@ -339,12 +361,12 @@ void group_rows(const uint8_t* g, const Acts& a, int64_t r0, float out[][COLS]) 
                     const V::F u = V::set1(unit_of(PRECISE, dx[r]));
                     V::F& y = acc[r][h];
                     if (F == Q6K) {
-                        const V::I lo = chunk_sum(w, 0, 4, xh, xl, st + 4 * r + 2);
-                        const V::I hi = chunk_sum(w, 4, 8, xh, xl, st + 4 * r + 3);
+                        const V::I lo = chunk_sum<F>(w, 0, 4, xh, xl, st + 4 * r + 2);
+                        const V::I hi = chunk_sum<F>(w, 4, 8, xh, xl, st + 4 * r + 3);
                         y = V::fmadd(V::floats(lo), V::mul(s0, u), y);
                         y = V::fmadd(V::floats(hi), V::mul(s1, u), y);
                     } else {
-                        y = V::fmadd(V::floats(chunk_sum(w, 0, 8, xh, xl, st + 4 * r + F)), V::mul(s0, u), y);
+                        y = V::fmadd(V::floats(chunk_sum<F>(w, 0, 8, xh, xl, st + 4 * r + F)), V::mul(s0, u), y);
                         y = V::fmadd(mt, V::set1(sx[r]), y);
                     }
                 }

@@ -173,6 +173,66 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
+// AVX2 without AVX-512 (and LMSERVE_GENERIC_VECTORS unset): hot loops take 8-lane registers of their
+// own. GCC keeps a 16-lane vector in memory there and turns its comparisons and ?: into 16 scalar steps,
+// so the 16-lane code above runs load-op-store chains; the 8-lane paths give the same bits (the same
+// operations lane by lane, fused where GCC fuses the 16-lane code), which tests check against the
+// 16-lane code built for AVX2 with LMSERVE_GENERIC_VECTORS.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LMSERVE_GENERIC_VECTORS)
+#define LM_AVX2_PATHS 1
+#else
+#define LM_AVX2_PATHS 0
+#endif
+
+#if LM_AVX2_PATHS
+struct Halves {  // a 16-lane vector as two 8-lane registers
+    __m256 lo, hi;
+};
+static inline Halves halves(v16f x) {
+    Halves h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+static inline v16f joined16(__m256 lo, __m256 hi) {
+    const Halves h = {lo, hi};
+    v16f r;
+    memcpy(&r, &h, sizeof r);
+    return r;
+}
+
+// x's bits plus what rounds them to bfloat16 (nearest, ties even): the rounded value in the high 16 bits
+static inline __m256i bf16_rounding8(__m256 x) {
+    const __m256i w = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(w, _mm256_set1_epi32(0x7FFF)), odd);
+}
+static inline __m256i nan_or(__m256 x, __m256i value) {  // x's NaN lanes (quieted: | 0x400000), value's in the rest
+    return _mm256_blendv_epi8(value, _mm256_or_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x400000)),
+                              _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+// exp_clamped on 8 lanes: its clamps (a NaN passes them), then its steps as GCC contracts them (x c +
+// magic, x - n c and p r + c fused; p (r r) + r fused, then + 1), 2^n's bits built as the 16-lane code's
+template <bool HIGH = true>
+static inline __m256 exp_clamped8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f), magic = _mm256_set1_ps(12582912.0f);
+    x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    if (HIGH) x = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
 struct F32 {
     typedef float T;
     static inline v16f load(const float* p) { v16f r; memcpy(&r, p, sizeof r); return r; }
@@ -197,6 +257,13 @@ struct BF16 {
         return r;
     }
     static inline void store(uint16_t* p, v16f x) {  // round to nearest even; a NaN stays a NaN
+#if LM_AVX2_PATHS
+        const Halves h = halves(x);  // the high halves of both, packed in order
+        const __m256i lo = _mm256_srli_epi32(nan_or(h.lo, bf16_rounding8(h.lo)), 16);
+        const __m256i hi = _mm256_srli_epi32(nan_or(h.hi, bf16_rounding8(h.hi)), 16);
+        const __m256i packed = _mm256_packus_epi32(lo, hi);
+        _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
+#else
         v16u w;
         memcpy(&w, &x, sizeof w);
         v16u rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
@@ -204,12 +271,19 @@ struct BF16 {
         v16u r = (x != x) ? quiet : rounded;
         v16h h = __builtin_convertvector(r, v16h);
         memcpy(p, &h, sizeof h);
+#endif
     }
 };
 
 // x rounded to the nearest bfloat16 (even on ties) and widened back: what storing an
 // intermediate result in a bfloat16 tensor does between two torch ops.
 static inline v16f round_bf16(v16f x) {
+#if LM_AVX2_PATHS
+    const Halves h = halves(x);
+    const __m256i top = _mm256_set1_epi32(-65536);  // the high 16 bits
+    return joined16(_mm256_castsi256_ps(nan_or(h.lo, _mm256_and_si256(bf16_rounding8(h.lo), top))),
+                    _mm256_castsi256_ps(nan_or(h.hi, _mm256_and_si256(bf16_rounding8(h.hi), top))));
+#else
     v16u w;
     memcpy(&w, &x, sizeof w);
     v16u r = ((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16) << 16;
@@ -217,6 +291,7 @@ static inline v16f round_bf16(v16f x) {
     v16f out;
     memcpy(&out, &r, sizeof out);
     return out;
+#endif
 }
 
 static inline float total(v16f a) {  // the lanes of one vector, by a fixed tree
@@ -231,6 +306,10 @@ static inline float total(v16f a) {  // the lanes of one vector, by a fixed tree
 // whose x is never above 0 (or NaN), the clamp from above left out, the same bits.
 template <bool HIGH = true>
 static inline v16f exp_clamped(v16f x) {
+#if LM_AVX2_PATHS
+    const Halves h = halves(x);
+    return joined16(exp_clamped8<HIGH>(h.lo), exp_clamped8<HIGH>(h.hi));
+#else
     const v16f lo = v16f{} - 87.0f, hi = v16f{} + 88.0f;
     x = (x < lo) ? lo : x;
     if (HIGH) x = (x > hi) ? hi : x;
@@ -255,6 +334,7 @@ static inline v16f exp_clamped(v16f x) {
     memcpy(&scale, &bits, sizeof scale);
     return y * scale;
 #endif
+#endif
 }
 
 
@@ -264,6 +344,38 @@ static inline v16f exp_clamped(v16f x) {
 static inline float softmax_numerators(float* s, int n) {
     const int blocks = (n + 15) / 16;
     for (int j = n; j < blocks * 16; ++j) s[j] = s[0];  // past the last: no effect on the maximum
+#if LM_AVX2_PATHS
+    __m256 m0 = _mm256_loadu_ps(s), m1 = _mm256_loadu_ps(s + 8);
+    for (int b = 1; b < blocks; ++b) {  // m = x > m ? x : m
+        const __m256 x0 = _mm256_loadu_ps(s + b * 16), x1 = _mm256_loadu_ps(s + b * 16 + 8);
+        m0 = _mm256_blendv_ps(m0, x0, _mm256_cmp_ps(x0, m0, _CMP_GT_OQ));
+        m1 = _mm256_blendv_ps(m1, x1, _mm256_cmp_ps(x1, m1, _CMP_GT_OQ));
+    }
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, m0);
+    _mm256_store_ps(lanes + 8, m1);
+    float mx = lanes[0];
+    for (int l = 1; l < 16; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+    const __m256 top = _mm256_set1_ps(mx);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; ++b) {
+        __m256 p0 = exp_clamped8(_mm256_sub_ps(_mm256_loadu_ps(s + b * 16), top));
+        __m256 p1 = exp_clamped8(_mm256_sub_ps(_mm256_loadu_ps(s + b * 16 + 8), top));
+        const int valid = n - b * 16;  // lanes from here on are zeroed (the last block only)
+        if (valid < 16) {
+            const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            p0 = _mm256_and_ps(p0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), at)));
+            p1 = _mm256_and_ps(p1, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), at)));
+        }
+        _mm256_storeu_ps(s + b * 16, p0);
+        _mm256_storeu_ps(s + b * 16 + 8, p1);
+        sum0 = _mm256_add_ps(sum0, p0);
+        sum1 = _mm256_add_ps(sum1, p1);
+    }
+    _mm256_store_ps(lanes, _mm256_add_ps(sum0, sum1));  // total()'s tree: lanes l + l+8, + l+4, + l+2, + l+1
+    const float c0 = lanes[0] + lanes[4], c1 = lanes[1] + lanes[5], c2 = lanes[2] + lanes[6], c3 = lanes[3] + lanes[7];
+    return 1.0f / ((c0 + c2) + (c1 + c3));
+#else
     v16f m;
     memcpy(&m, s, sizeof m);
     for (int b = 1; b < blocks; ++b) {
@@ -283,6 +395,7 @@ static inline float softmax_numerators(float* s, int n) {
         sum = sum + p;
     }
     return 1.0f / total(sum);
+#endif
 }
 
 // body(r) for r in [0, rows), split over `threads` OpenMP threads once the rows hold enough work to

@@ -530,6 +530,7 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
 
 // int4: w[j] unsigned codes 0..15, chunk j at k = 8(j/2) + 4(j%2)
 static inline __m256i dot4_block(const __m256i w[8], const int8_t* xr) {
+#if QMM_PATH == 2
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int j = 0; j < 8; j += 2) {
         int32_t x0, x1;
@@ -539,6 +540,17 @@ static inline __m256i dot4_block(const __m256i w[8], const int8_t* xr) {
         s1 = dot_u8s8(s1, w[j + 1], _mm256_set1_epi32(x1));
     }
     return _mm256_add_epi32(s0, s1);
+#else
+    // maddubs's int16 pair sums (|q x| <= 15 x 128, two a lane) of all 8 chunks add up within int16
+    // (8 x 3,840 < 2^15), so one widening madd a block instead of one a chunk: the same exact sums
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        int32_t x;
+        memcpy(&x, xr + 8 * (j / 2) + 4 * (j % 2), 4);
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(x)));
+    }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
 }
 
 // int8: w[j] signed codes, chunk j at k = 4j. |w| (u8 <= 127) times x with w's sign: the pairs
