@@ -274,6 +274,8 @@ class CheckpointModes:
         per_layer = sum(4 * s[0] * s[1] for n, s in layer_shapes(cfg, 0).items() if len(s) == 2)
         n = min(cfg.num_layers, max(2, -(-max_bytes // per_layer)))
         rows = min(cfg.vocab_size, max(1024, max_bytes // (4 * cfg.hidden_size)))
+        if rows < cfg.vocab_size:  # a multiple of the native kernels' column group, or they cannot be timed
+            rows -= rows % 16
         scale = {r: cfg.num_layers / n for r in ("qkv", "o", "gate_up", "down")} | {"head": cfg.vocab_size / rows}
         return _RoleSamples(self.sources, cfg, n, rows), scale
 

@@ -216,8 +216,13 @@ def _chunk_costs(out: dict, n: int, start: int) -> dict:
 def run(args) -> dict:
     import torch
 
+    from lmserve.model.text.chat_template import NoChatTemplateError
+
     loaded = load_from_arguments(args)
-    prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
+    try:
+        prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])[0]
+    except NoChatTemplateError:  # a base model: the question as text
+        prompt = loaded.tokenizer.encode("Tell me about the sea.", add_special_tokens=True)
     step = loaded.model.native_step  # the native decode loop, when this mode has it
     ways = {"native": step, "eager": None} if step is not None else {"eager": None}
     rows, ops = profile_rounds(loaded, prompt, ways, args.tokens, args.rounds)

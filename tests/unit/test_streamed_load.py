@@ -82,6 +82,10 @@ def test_timing_sources_scale_the_sample_to_the_whole_model(opened):
     assert 2 <= n <= cfg.num_layers and scale["qkv"] == cfg.num_layers / n
     rows = sources["head"][0].shape[0]
     assert rows < cfg.vocab_size and scale["head"] == pytest.approx(cfg.vocab_size / rows)
+    # 64 MiB of float32 rows of 576 is 29,127 rows: cut to a multiple of 16, so that the native kernels
+    # (16 columns a group) are timed on the head too, not left out of its candidates
+    assert rows % 16 == 0
+    assert K.build("native-int8-a8", sources["head"][0], torch.bfloat16).out_features == rows
     assert sources["qkv"][0].shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
     assert sources["qkv"][0].q41 is not None  # the file's Q4_1 blocks travel with the timed weights
 
