@@ -144,10 +144,10 @@ def test_the_avx2_paths_give_the_16_lane_codes_bits(ops, tmp_path_factory):
 
     if " avx2 " not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
-    from conftest import kernels_built
-
-    generic = FusedOps(kernels_built(tmp_path_factory, "fused-16-lane", "x86-64-v3 -DLMSERVE_GENERIC_VECTORS",
-                                     ("fused_ops.cpp",)))
+    lib, why = native.build(tmp_path_factory.mktemp("fused-16-lane"), march="x86-64-v3 -DLMSERVE_GENERIC_VECTORS",
+                            sources=[s for s in native.SOURCES if s.name == "fused_ops.cpp"])
+    assert lib is not None, why
+    generic = FusedOps(lib)
     g = torch.Generator().manual_seed(8)
     x, res = (torch.randn(1, 9, 576, generator=g) * 4).to(BF16), (torch.randn(1, 9, 576, generator=g) * 4).to(BF16)
     x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
