@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .errors import ModelLoadError, ShapeMismatchError
 from .linear import embedding as quantized_embedding
 from .linear import kernels as K
+from .linear import quant_matmul as QM
 from .linear.embedding import QuantizedEmbedding
 from .linear.formats import KQUANT_TYPES, KQuantBlocks, Q80Blocks
 from .linear.serving import fuse_linears, planned_linears
@@ -275,7 +276,7 @@ class CheckpointModes:
         n = min(cfg.num_layers, max(2, -(-max_bytes // per_layer)))
         rows = min(cfg.vocab_size, max(1024, max_bytes // (4 * cfg.hidden_size)))
         if rows < cfg.vocab_size:  # a multiple of the native kernels' column group, or they cannot be timed
-            rows -= rows % 16
+            rows -= rows % QM.GROUP_COLS
         scale = {r: cfg.num_layers / n for r in ("qkv", "o", "gate_up", "down")} | {"head": cfg.vocab_size / rows}
         return _RoleSamples(self.sources, cfg, n, rows), scale
 

@@ -36,7 +36,6 @@
 
 // AVX2 without AVX-512 takes 8-lane paths of its own (LM_AVX2_PATHS, native_common.h) that give the bits
 // of the 16-lane code every other build compiles.
-#define DECODE_AVX2 LM_AVX2_PATHS
 
 static inline bool head_chunks_built(int c) { return c == 2 || c == 4 || c == 5 || c == 6 || c == 8 || c == 16; }
 static const int MAX_GROUP = 16;   // query heads per kv head
@@ -133,7 +132,7 @@ static inline v32s load_pairs(const int16_t* p) {
     return r;
 }
 
-#if DECODE_AVX2
+#if LM_AVX2_PATHS
 // 8 lanes of a row widened to float32 exactly (AVX2)
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) {
@@ -147,7 +146,7 @@ static inline __m256 load8(const int8_t* p) {
 // The weighted values of NG query heads (probabilities p[g] at stride `stride`, their sums' inverses
 // inv[g]) over keys 0..n-1: a head's output is the sum of p_j v_j in key order (an int8 cache's p_j times
 // the value's scale first), one fused multiply-add a key, as one head at a time would give it.
-#if !DECODE_AVX2
+#if !LM_AVX2_PATHS
 // Query heads whose output accumulators (C vectors each) stay in registers through a value pass: each
 // key's value row is widened once into registers and added into every head's accumulators, which stay
 // in registers from the first key to the last.
@@ -295,7 +294,7 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
     float* rows = scores + (size_t)G * stride;  // [16, d]: the block's keys in float32
     rows += (16 - ((uintptr_t)rows / 4) % 16) % 16;  // 64-byte aligned (work's floats are 4-byte aligned)
     float* qf = rows + 16 * (size_t)d;  // [G, d]: the queries in float32 (AVX2's float scores)
-#if DECODE_AVX2
+#if LM_AVX2_PATHS
     if constexpr (!coded)
         for (int g = 0; g < G; ++g)
             for (int c = 0; c < C; ++c) F32::store(qf + (size_t)g * d + 16 * c, A::load(q + (size_t)g * d + 16 * c));
@@ -304,7 +303,7 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
 
     auto widen = [&](const T* src, int j0, int m) {  // rows j0 .. j0 + m - 1 of src; the rest zero
         for (int l = 0; l < 16; ++l)
-#if !DECODE_AVX2
+#if !LM_AVX2_PATHS
             for (int c = 0; c < C; ++c)
                 F32::store(rows + l * d + 16 * c, l < m ? KV::load(src + (size_t)(j0 + l) * d + 16 * c) : v16f{});
 #else
@@ -353,7 +352,7 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
 #endif
         }
         if constexpr (coded) {
-#if DECODE_AVX2
+#if LM_AVX2_PATHS
             for (int l = 0; l < 16; ++l)  // this block's key codes as int16 (rows past the last: zeros)
                 for (int i = 0; i < d; i += 16)
                     _mm256_store_si256((__m256i*)(krows[l] + i),
@@ -382,7 +381,7 @@ static void attend_pair(const typename A::T* q, const typename KV::T* K, const t
             continue;
         }
         widen(K, j0, m);
-#if DECODE_AVX2
+#if LM_AVX2_PATHS
         for (int g = 0; g < G; ++g) float_scores<C>(qf + (size_t)g * d, rows, scale, scores + g * stride + j0);
         continue;
 #endif

@@ -295,7 +295,7 @@ inline V::I chunk_sum(const V::I w[8], int j0, int j1, const int8_t* xh, const i
     };
     if (!xl) return chain(V::start(start), xh);
     return V::join(chain(V::zero(), xh), chain(V::start(start), xl));
-#endif
+#else
     V::I s = V::start(start);
     if (!xl) {
         for (int j = j0; j < j1; ++j) s = V::dot(s, w[j], xh + chunk_k(j));
@@ -307,6 +307,7 @@ inline V::I chunk_sum(const V::I w[8], int j0, int j1, const int8_t* xh, const i
         s = V::dot(s, w[j], xl + chunk_k(j));
     }
     return V::join(hs, s);
+#endif
 }
 
 // Block j's float steps (columns LANES h ..) in the super-block whose header is at hdr: s0, s1 its
